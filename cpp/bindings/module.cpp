@@ -1,0 +1,8 @@
+// kvflash_ggml._core: thin pybind11 bindings. No logic lives here; each component registers itself
+// from its own bind_*.cpp file, and C++ exceptions become Python exceptions with their message.
+#include "bindings/bindings.h"
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "kvflash-ggml compiled core (pager, pooled KV, models, sessions)";
+    kvf::bind::register_pager(m);
+}
