@@ -58,7 +58,7 @@ def unpack_vendor_tree(sdist: Path, dest: Path) -> None:
     with tarfile.open(sdist, "r:gz") as tar:
         members = []
         for m in tar.getmembers():
-            if not m.name.startswith(prefix) or not (m.isfile() or m.isdir()):
+            if not m.name.startswith(prefix) or not (m.isfile() or m.isdir()) or m.name.endswith("/.git"):
                 continue
             m.name = m.name[len(prefix):]
             if m.name:

@@ -5,6 +5,10 @@
 namespace kvf::bind {
 namespace py = pybind11;
 
+void register_log(py::module_ & m);
 void register_pager(py::module_ & m);
+void register_kv(py::module_ & m);
+void register_model(py::module_ & m);
+void register_session(py::module_ & m);
 
 }  // namespace kvf::bind

@@ -4,5 +4,9 @@
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "kvflash-ggml compiled core (pager, pooled KV, models, sessions)";
+    kvf::bind::register_log(m);
     kvf::bind::register_pager(m);
+    kvf::bind::register_kv(m);
+    kvf::bind::register_model(m);
+    kvf::bind::register_session(m);
 }

@@ -1,0 +1,84 @@
+#include "bindings/bindings.h"
+
+#include "model/model.h"
+#include "model/vocab.h"
+#include "reference/llama_reference.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+namespace kvf::bind {
+
+namespace {
+py::array_t<float> logits_array(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all) {
+    auto * heap = new std::vector<float>(std::move(v));
+    py::capsule owner(heap, [](void * p) { delete static_cast<std::vector<float> *>(p); });
+    if (all) return py::array_t<float>({(py::ssize_t) n_rows, (py::ssize_t) n_vocab}, heap->data(), owner);
+    return py::array_t<float>({(py::ssize_t) n_vocab}, heap->data(), owner);
+}
+}  // namespace
+
+py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all) {
+    return logits_array(std::move(v), n_rows, n_vocab, all);
+}
+
+void register_model(py::module_ & m) {
+    py::class_<ModelHparams>(m, "ModelHparams")
+        .def_readonly("arch", &ModelHparams::arch)
+        .def_readonly("name", &ModelHparams::name)
+        .def_readonly("n_vocab", &ModelHparams::n_vocab)
+        .def_readonly("n_embd", &ModelHparams::n_embd)
+        .def_readonly("n_layer", &ModelHparams::n_layer)
+        .def_readonly("n_head", &ModelHparams::n_head)
+        .def_readonly("n_head_kv", &ModelHparams::n_head_kv)
+        .def_readonly("head_dim_k", &ModelHparams::head_dim_k)
+        .def_readonly("head_dim_v", &ModelHparams::head_dim_v)
+        .def_readonly("n_ff", &ModelHparams::n_ff)
+        .def_readonly("n_ctx_train", &ModelHparams::n_ctx_train)
+        .def_readonly("rope_freq_base", &ModelHparams::rope_freq_base);
+
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model")
+        .def(py::init([](const std::string & path, const std::string & backend, int n_threads) {
+                 py::gil_scoped_release nogil;
+                 return std::make_shared<Model>(path, ModelOptions{backend, n_threads});
+             }),
+             py::arg("path"), py::kw_only(), py::arg("backend") = "auto", py::arg("n_threads") = 0)
+        .def_property_readonly("hparams", &Model::hparams)
+        .def_property_readonly("path", &Model::path)
+        .def_property_readonly("on_gpu", &Model::on_gpu)
+        .def_property_readonly("backend_name", [](const Model & mo) { return std::string(ggml_backend_name(mo.backend())); })
+        .def_property("n_threads", &Model::n_threads, &Model::set_n_threads)
+        .def_property_readonly("weight_bytes", &Model::weight_bytes)
+        .def_property_readonly("fingerprint", &Model::fingerprint);
+    m.def("supported_archs", &supported_archs);
+
+    py::class_<Vocab>(m, "Vocab")
+        .def(py::init<const std::string &>(), py::arg("path"))
+        .def("tokenize", &Vocab::tokenize, py::arg("text"), py::kw_only(), py::arg("add_special") = true,
+             py::arg("parse_special") = false)
+        .def("detokenize", &Vocab::detokenize, py::arg("tokens"), py::kw_only(), py::arg("remove_special") = false,
+             py::arg("unparse_special") = false)
+        .def("token_to_piece", [](const Vocab & v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
+             py::arg("token"), py::kw_only(), py::arg("special") = false)
+        .def_property_readonly("n_vocab", &Vocab::n_vocab)
+        .def_property_readonly("bos", &Vocab::bos)
+        .def_property_readonly("eos", &Vocab::eos)
+        .def_property_readonly("eot", &Vocab::eot)
+        .def_property_readonly("add_bos", &Vocab::add_bos)
+        .def("is_eog", &Vocab::is_eog, py::arg("token"))
+        .def_property_readonly("chat_template", &Vocab::chat_template)
+        .def("meta", &Vocab::meta, py::arg("key"));
+
+    py::class_<LlamaReference>(m, "LlamaReference")
+        .def(py::init<const std::string &, int, int, bool>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
+             py::arg("n_threads") = 2, py::arg("flash_attn") = false)
+        .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
+                 std::vector<float> out;
+                 { py::gil_scoped_release nogil; out = r.decode(tokens, all); }
+                 return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
+             }, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false)
+        .def("clear", &LlamaReference::clear)
+        .def_property_readonly("n_past", &LlamaReference::n_past);
+}
+
+}  // namespace kvf::bind

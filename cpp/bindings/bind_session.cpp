@@ -1,0 +1,60 @@
+#include "bindings/bindings.h"
+
+#include "runtime/session.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+namespace kvf::bind {
+
+py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
+
+void register_session(py::module_ & m) {
+    py::class_<SessionConfig>(m, "SessionConfig")
+        .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
+                         int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow) {
+                 return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
+                                      tail_chunks, allow};
+             }),
+             py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
+             py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
+             py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false)
+        .def_readonly("max_tokens", &SessionConfig::max_tokens)
+        .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
+        .def_readonly("kv_type", &SessionConfig::kv_type)
+        .def_readonly("attention", &SessionConfig::attention)
+        .def_readonly("n_batch", &SessionConfig::n_batch);
+
+    py::class_<SessionTimings>(m, "SessionTimings")
+        .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
+        .def_readonly("t_compute_ms", &SessionTimings::t_compute_ms)
+        .def_readonly("n_computes", &SessionTimings::n_computes)
+        .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
+
+    py::class_<Session>(m, "Session")
+        .def(py::init<std::shared_ptr<Model>, const SessionConfig &>(), py::arg("model"), py::arg("config"),
+             py::keep_alive<1, 2>())
+        .def("forward", [](Session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start,
+                           bool all_logits) {
+                 const int64_t n = tokens.size();
+                 std::vector<float> out;
+                 {
+                     py::gil_scoped_release nogil;
+                     out = s.forward(tokens.data(), n, start, all_logits);
+                 }
+                 return make_logits(std::move(out), n, s.model().hparams().n_vocab, all_logits);
+             },
+             py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("all_logits") = false)
+        .def("truncate", &Session::truncate, py::arg("n_tokens"))
+        .def("reselect", &Session::reselect, py::arg("scores"))
+        .def("reset", &Session::reset)
+        .def_property_readonly("n_tokens", &Session::n_tokens)
+        .def_property_readonly("full_cache", &Session::full_cache)
+        .def_property_readonly("flash_attn", &Session::flash_attn)
+        .def_property_readonly("config", &Session::config)
+        .def_property_readonly("timings", &Session::timings)
+        .def_property_readonly("pager", &Session::pager, py::return_value_policy::reference_internal)
+        .def_property_readonly("kv", &Session::kv, py::return_value_policy::reference_internal);
+}
+
+}  // namespace kvf::bind

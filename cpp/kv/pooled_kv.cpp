@@ -1,0 +1,151 @@
+#include "kv/pooled_kv.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace kvf {
+
+ggml_type kv_type_from_name(const std::string & name) {
+    if (name == "f16")  return GGML_TYPE_F16;
+    if (name == "q8_0") return GGML_TYPE_Q8_0;
+    if (name == "q4_0") return GGML_TYPE_Q4_0;
+    if (name == "f32")  return GGML_TYPE_F32;
+    if (name == "bf16") return GGML_TYPE_BF16;
+    throw std::invalid_argument("unknown kv_type '" + name + "' (expected f16, q8_0, q4_0, bf16 or f32)");
+}
+
+PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout) {
+    const auto & L = layout_;
+    if (L.n_layer <= 0 || L.n_embd_k <= 0 || L.n_embd_v <= 0) {
+        throw std::invalid_argument("PooledKV: n_layer, n_embd_k and n_embd_v must be positive");
+    }
+    if (L.chunk_tokens <= 0 || L.pool_tokens <= 0 || L.pool_tokens % L.chunk_tokens != 0) {
+        throw std::invalid_argument("PooledKV: pool_tokens=" + std::to_string(L.pool_tokens) +
+                                    " must be a positive multiple of chunk_tokens=" + std::to_string(L.chunk_tokens));
+    }
+    for (auto [t, w, what] : {std::tuple{L.type_k, L.n_embd_k, "K"}, std::tuple{L.type_v, L.n_embd_v, "V"}}) {
+        if (w % ggml_blck_size(t) != 0) {
+            throw std::invalid_argument(std::string("PooledKV: ") + what + " row width " + std::to_string(w) +
+                                        " is not a multiple of the " + ggml_type_name(t) + " block size");
+        }
+    }
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
+    ctx_ = ggml_init(params);
+    for (int64_t il = 0; il < L.n_layer; ++il) {
+        k_.push_back(ggml_new_tensor_2d(ctx_, L.type_k, L.n_embd_k, L.pool_tokens));
+        v_.push_back(ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, L.pool_tokens));
+        ggml_format_name(k_.back(), "pool_k_%d", (int) il);
+        ggml_format_name(v_.back(), "pool_v_%d", (int) il);
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+    if (!buf_) {
+        ggml_free(ctx_);
+        throw std::runtime_error("PooledKV: could not allocate " + std::to_string(device_bytes()) +
+                                 " bytes for the KV pool on " + ggml_backend_name(backend));
+    }
+    // Empty slots are masked, but -inf * garbage could still poison a sum: start from zeros.
+    ggml_backend_buffer_clear(buf_, 0);
+}
+
+PooledKV::~PooledKV() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+int64_t PooledKV::chunk_bytes() const {
+    const auto & L = layout_;
+    return L.n_layer * L.chunk_tokens * (int64_t) (ggml_row_size(L.type_k, L.n_embd_k) + ggml_row_size(L.type_v, L.n_embd_v));
+}
+
+int64_t PooledKV::device_bytes() const { return chunk_bytes() * (layout_.pool_tokens / layout_.chunk_tokens); }
+
+int64_t PooledKV::host_bytes() const { return (int64_t) host_.size() * chunk_bytes(); }
+
+template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn) const {
+    if (block < 0 || block >= layout_.pool_tokens / layout_.chunk_tokens) {
+        throw std::out_of_range("PooledKV: block " + std::to_string(block) + " outside the pool");
+    }
+    size_t image_off = 0;
+    for (int64_t il = 0; il < layout_.n_layer; ++il) {
+        for (ggml_tensor * t : {k_[il], v_[il]}) {
+            const size_t size = t->nb[1] * layout_.chunk_tokens;
+            fn(t, (size_t) block * size, size, image_off);
+            image_off += size;
+        }
+    }
+}
+
+void PooledKV::execute(const Plan & plan) {
+    const size_t n = (size_t) chunk_bytes();
+    for (const ChunkMove & m : plan.page_outs) {
+        if (!m.copy) {
+            if (!host_.count(m.chunk)) {
+                throw std::logic_error("PooledKV: page-out without copy of chunk " + std::to_string(m.chunk) +
+                                       " that has no host image");
+            }
+            continue;
+        }
+        std::vector<uint8_t> & image = host_[m.chunk];
+        image.resize(n);
+        for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+            ggml_backend_tensor_get(t, image.data() + img_off, off, size);
+        });
+    }
+    for (const ChunkMove & m : plan.page_ins) {
+        auto it = host_.find(m.chunk);
+        if (it == host_.end()) {
+            throw std::logic_error("PooledKV: page-in of chunk " + std::to_string(m.chunk) + " with no host image");
+        }
+        for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+            ggml_backend_tensor_set(t, it->second.data() + img_off, off, size);
+        });
+    }
+    for (int64_t c : plan.dropped) host_.erase(c);
+    // A chunk being (re)written invalidates its image; the pager forgets it too (copy=true next time).
+    for (const ChunkMove & m : plan.fresh) host_.erase(m.chunk);
+}
+
+std::vector<uint8_t> PooledKV::read_block(int64_t block) const {
+    std::vector<uint8_t> out((size_t) chunk_bytes());
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+        ggml_backend_tensor_get(t, out.data() + img_off, off, size);
+    });
+    return out;
+}
+
+void PooledKV::write_block(int64_t block, const std::vector<uint8_t> & bytes) {
+    if ((int64_t) bytes.size() != chunk_bytes()) {
+        throw std::invalid_argument("PooledKV: block image has " + std::to_string(bytes.size()) + " bytes, expected " +
+                                    std::to_string(chunk_bytes()));
+    }
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+        ggml_backend_tensor_set(t, bytes.data() + img_off, off, size);
+    });
+}
+
+const std::vector<uint8_t> & PooledKV::host_image(int64_t chunk) const {
+    auto it = host_.find(chunk);
+    if (it == host_.end()) throw std::out_of_range("PooledKV: no host image for chunk " + std::to_string(chunk));
+    return it->second;
+}
+
+void PooledKV::clear_host() { host_.clear(); }
+
+void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens, int64_t window,
+                     ggml_fp16_t * out) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        const int64_t p = pos[i];
+        ggml_fp16_t * row = out + i * n_kv;
+        for (int64_t s = 0; s < n_kv; ++s) {
+            const int64_t q = slot_pos[s];
+            const bool visible = q >= 0 && q <= p && (window <= 0 || p - q < window);
+            row[s] = visible ? zero : ninf;
+        }
+    }
+}
+
+}  // namespace kvf

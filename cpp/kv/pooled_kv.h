@@ -1,0 +1,76 @@
+// PooledKV: the device K/V pool of every full-attention layer, plus the host store of chunk images.
+// It executes KvPager plans on tensors, bit-exact, and builds the per-step inputs (slot rows, mask).
+// It knows nothing of models: a layer is just an index with a K and a V row width.
+//
+// Layout (same for every architecture): per pooled layer, K is [n_embd_k, pool_tokens] and V is
+// [n_embd_v, pool_tokens] (ggml order: ne0 = row width, ne1 = slot), so one chunk of one layer is one
+// contiguous region of chunk_tokens rows and a page-out/page-in is one copy per layer per K/V.
+#pragma once
+
+#include "pager/kv_pager.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace kvf {
+
+struct KvLayout {
+    int64_t n_layer      = 0;   // pooled (full-attention) layers
+    int64_t n_embd_k     = 0;   // K row width = head_dim_k * n_head_kv
+    int64_t n_embd_v     = 0;   // V row width = head_dim_v * n_head_kv
+    int64_t pool_tokens  = 0;
+    int64_t chunk_tokens = 64;
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
+};
+
+ggml_type kv_type_from_name(const std::string & name);   // "f16" | "q8_0" | "q4_0" | "f32" | "bf16"
+
+class PooledKV {
+public:
+    PooledKV(ggml_backend_t backend, const KvLayout & layout);
+    ~PooledKV();
+    PooledKV(const PooledKV &) = delete;
+    PooledKV & operator=(const PooledKV &) = delete;
+
+    const KvLayout & layout() const { return layout_; }
+    ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens]
+    ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens]
+
+    int64_t chunk_bytes() const;        // one chunk, all layers, K and V
+    int64_t device_bytes() const;       // the whole pool
+    int64_t host_bytes() const;         // images held in the host store
+
+    // Carry out a pager plan on the tensors: page-outs (block -> host image) first, then page-ins
+    // (host image -> block); dropped chunks lose their host image. Call before KvPager::apply(plan).
+    void execute(const Plan & plan);
+
+    // Raw bytes of one block (all layers, K then V per layer) and of a host image: for tests and snapshots.
+    std::vector<uint8_t> read_block(int64_t block) const;
+    void write_block(int64_t block, const std::vector<uint8_t> & bytes);
+    bool has_host_image(int64_t chunk) const { return host_.count(chunk) != 0; }
+    const std::vector<uint8_t> & host_image(int64_t chunk) const;
+    void clear_host();
+
+private:
+    // Visit every contiguous region of one block: fn(tensor, byte offset, byte size, offset in image).
+    template <typename Fn> void for_each_region(int64_t block, Fn && fn) const;
+
+    KvLayout layout_;
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_tensor *> k_, v_;
+    std::unordered_map<int64_t, std::vector<uint8_t>> host_;   // chunk -> image (chunk_bytes())
+};
+
+// The F16 slot-space mask for one step, [n_kv, n_tokens] in ggml order (row i = query token i):
+// 0 where slot s holds a position p with 0 <= p <= pos[i] and (window <= 0 or pos[i] - p < window),
+// -inf elsewhere. slot_pos has at least n_kv entries (-1 = empty slot).
+void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens,
+                     int64_t window, ggml_fp16_t * out);
+
+}  // namespace kvf

@@ -1,0 +1,107 @@
+#include "model/graph.h"
+
+#include <cmath>
+
+namespace kvf {
+
+ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps) {
+    return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, eps), weight);
+}
+
+ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) {
+    ggml_tensor * gate = ggml_mul_mat(g.ctx, w.ffn_gate, x);
+    ggml_tensor * up = ggml_mul_mat(g.ctx, w.ffn_up, x);
+    return ggml_mul_mat(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+}
+
+ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
+                            int64_t n_heads) {
+    ggml_tensor * y = ggml_mul_mat(g.ctx, w, x);
+    if (b) y = ggml_add(g.ctx, y, b);
+    return ggml_reshape_3d(g.ctx, y, head_dim, n_heads, g.n_tokens);
+}
+
+ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_train,
+                         hp.rope_freq_base, hp.rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
+ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
+                               ggml_tensor * v, float kq_scale) {
+    ggml_context * ctx = g.ctx;
+    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head_kv = k->ne[1], n_head = q->ne[1];
+    ggml_tensor * k_pool = g.kv->k(il);   // [n_embd_k, pool_tokens]
+    ggml_tensor * v_pool = g.kv->v(il);   // [n_embd_v, pool_tokens]
+
+    // RoPE happened before this write, so a K row is position-independent and may live in any slot.
+    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, ggml_reshape_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens), g.in.slots));
+    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, ggml_reshape_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens), g.in.slots));
+
+    ggml_tensor * kk = ggml_view_3d(ctx, k_pool, head_dim_k, n_head_kv, g.n_kv, ggml_row_size(k_pool->type, head_dim_k),
+                                    k_pool->nb[1], 0);   // [head_dim_k, n_head_kv, n_kv]
+    ggml_tensor * vv = ggml_view_3d(ctx, v_pool, head_dim_v, n_head_kv, g.n_kv, ggml_row_size(v_pool->type, head_dim_v),
+                                    v_pool->nb[1], 0);   // [head_dim_v, n_head_kv, n_kv]
+    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n_tokens, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
+    ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
+
+    ggml_tensor * out;
+    if (g.flash_attn) {
+        out = ggml_flash_attn_ext(ctx, qp, kp, vp, g.in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
+        ggml_prec_set_acc(out, GGML_PREC_F32);
+        out = ggml_reshape_2d(ctx, out, head_dim_v * n_head, g.n_tokens);
+    } else {
+        ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n_tokens, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(ctx, kq, g.in.mask, kq_scale, 0.0f);
+        // The pool stores V with slot rows (one layout for both paths); mul_mat needs slots in ne0.
+        ggml_tensor * vt = ggml_cont(ctx, ggml_transpose(ctx, vp));   // [n_kv, head_dim_v, n_head_kv]
+        ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n_tokens, n_head]
+        out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, g.n_tokens);
+    }
+    return ggml_mul_mat(ctx, w.wo, out);
+}
+
+ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x) {
+    return g.in.out_ids ? ggml_get_rows(g.ctx, x, g.in.out_ids) : x;
+}
+
+}  // namespace kvf
+
+namespace kvf {
+
+ggml_tensor * build_decoder(GraphCtx & g, const Model & m, AttentionFn attention) {
+    const ModelHparams & hp = m.hparams();
+    ggml_tensor * x = ggml_get_rows(g.ctx, m.tok_embd, g.in.tokens);   // [n_embd, n_tokens]
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const LayerWeights & w = m.layers[il];
+        ggml_tensor * attn = attention(g, m, il, rms_norm(g, x, w.attn_norm, hp.rms_eps));
+        if (il == hp.n_layer - 1) {   // only the output rows go through the last FFN
+            attn = select_outputs(g, attn);
+            x = select_outputs(g, x);
+        }
+        x = ggml_add(g.ctx, x, attn);
+        x = ggml_add(g.ctx, x, ffn_swiglu(g, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+    }
+    return x;
+}
+
+}  // namespace kvf
+
+namespace kvf {
+
+void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    w.attn_norm = src.require(p + "attn_norm.weight", {hp.n_embd});
+    w.wq = src.require(p + "attn_q.weight", {hp.n_embd, hp.head_dim_k * hp.n_head});
+    w.wk = src.require(p + "attn_k.weight", {hp.n_embd, hp.n_embd_k()});
+    w.wv = src.require(p + "attn_v.weight", {hp.n_embd, hp.n_embd_v()});
+    w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head, hp.n_embd});
+    w.ffn_norm = src.require(p + "ffn_norm.weight", {hp.n_embd});
+    w.ffn_gate = src.require(p + "ffn_gate.weight", {hp.n_embd, hp.n_ff});
+    w.ffn_up = src.require(p + "ffn_up.weight", {hp.n_embd, hp.n_ff});
+    w.ffn_down = src.require(p + "ffn_down.weight", {hp.n_ff, hp.n_embd});
+}
+
+}  // namespace kvf

@@ -1,0 +1,57 @@
+// Shared graph-building blocks. A family's build() uses these to write its decoder stack in one screen.
+// Graph builders take no host arrays and read no pager state: every per-step value is an input tensor
+// that Session::set_inputs fills before each compute.
+#pragma once
+
+#include "kv/pooled_kv.h"
+#include "model/model.h"
+
+namespace kvf {
+
+struct StepInputs {
+    ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
+    ggml_tensor * positions = nullptr;   // I32 [n_tokens]
+    ggml_tensor * slots     = nullptr;   // I64 [n_tokens]  pool row written by each token
+    ggml_tensor * mask      = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
+    ggml_tensor * out_ids   = nullptr;   // I32 [n_outputs]  tokens whose logits are computed (nullptr: all)
+};
+
+struct GraphCtx {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    const PooledKV * kv = nullptr;
+    StepInputs in;
+    int64_t n_tokens = 0;
+    int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
+    int64_t n_outputs = 0;
+    bool flash_attn = false;
+};
+
+ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);
+// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
+// q, k, v: [head_dim, n_head(_kv), n_tokens], already RoPE'd. Writes k and v into the pool rows of this
+// step (set_rows), attends over the first n_kv slots with the slot mask, applies wo.
+ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
+                               ggml_tensor * v, float kq_scale);
+ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x);
+// x + bias when bias is present; reshape to [head_dim, n_heads, n_tokens].
+ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
+                            int64_t n_heads);
+// Keep only the output rows (last layer): get_rows when out_ids is set.
+ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x);
+
+}  // namespace kvf
+
+namespace kvf {
+
+// The pre-norm decoder stack shared by the llama-like families: embeddings, per layer
+// x += attention(rms_norm(x)); x += ffn_swiglu(rms_norm(x)), then the output rows.
+// `attention` is the family-specific part: it maps the normed input of layer il to the block output.
+// The tensors every llama-like layer has (norms, q/k/v/o projections, SwiGLU FFN).
+void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+
+using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
+ggml_tensor * build_decoder(GraphCtx & g, const Model & m, AttentionFn attention);
+
+}  // namespace kvf

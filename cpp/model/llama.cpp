@@ -1,0 +1,29 @@
+// llama family: SmolLM2, Llama 2/3 (rope frequency factors when present), Mistral.
+#include "model/graph.h"
+
+#include <cmath>
+
+namespace kvf {
+namespace {
+
+void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    load_decoder_layer(w, src, hp, il);
+}
+
+ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    const LayerWeights & w = m.layers[il];
+    ggml_tensor * q = rope(g, m, project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head));
+    ggml_tensor * k = rope(g, m, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv));
+    ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
+    return pooled_attention(g, w, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
+}
+
+ggml_tensor * build(GraphCtx & g, const Model & m) { return build_decoder(g, m, attention); }
+
+}  // namespace
+
+extern const ArchSpec arch_llama;   // registered in registry.cpp
+const ArchSpec arch_llama = {"llama", GGML_ROPE_TYPE_NORMAL, load_layer, build};
+
+}  // namespace kvf

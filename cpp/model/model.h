@@ -1,0 +1,124 @@
+// Model: hyperparameters and weights of one GGUF file, placed on a ggml backend.
+// Families (llama, qwen2, qwen3) are registered in registry.cpp; each has one file with its tensor
+// list and graph builder. Nothing here knows about residency: graphs write K/V into a PooledKV.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct gguf_context;
+
+namespace kvf {
+
+struct ModelHparams {
+    std::string arch;
+    std::string name;
+    int64_t n_vocab     = 0;
+    int64_t n_embd      = 0;
+    int64_t n_layer     = 0;
+    int64_t n_head      = 0;
+    int64_t n_head_kv   = 0;
+    int64_t head_dim_k  = 0;
+    int64_t head_dim_v  = 0;
+    int64_t n_ff        = 0;
+    int64_t n_ctx_train = 0;
+    int64_t n_rot       = 0;
+    float   rms_eps     = 1e-6f;
+    float   rope_freq_base  = 10000.0f;
+    float   rope_freq_scale = 1.0f;   // 1 / linear scaling factor
+    int     rope_type   = 0;          // GGML_ROPE_TYPE_NORMAL (0) or GGML_ROPE_TYPE_NEOX
+
+    int64_t n_embd_k() const { return head_dim_k * n_head_kv; }
+    int64_t n_embd_v() const { return head_dim_v * n_head_kv; }
+};
+
+struct LayerWeights {
+    ggml_tensor * attn_norm = nullptr;   // [n_embd]
+    ggml_tensor * wq = nullptr;          // [n_embd, head_dim_k * n_head]
+    ggml_tensor * wk = nullptr;          // [n_embd, n_embd_k]
+    ggml_tensor * wv = nullptr;          // [n_embd, n_embd_v]
+    ggml_tensor * wo = nullptr;          // [head_dim_v * n_head, n_embd]
+    ggml_tensor * bq = nullptr;          // [head_dim_k * n_head]   qwen2
+    ggml_tensor * bk = nullptr;          // [n_embd_k]              qwen2
+    ggml_tensor * bv = nullptr;          // [n_embd_v]              qwen2
+    ggml_tensor * q_norm = nullptr;      // [head_dim_k]            qwen3
+    ggml_tensor * k_norm = nullptr;      // [head_dim_k]            qwen3
+    ggml_tensor * ffn_norm = nullptr;    // [n_embd]
+    ggml_tensor * ffn_gate = nullptr;    // [n_embd, n_ff]
+    ggml_tensor * ffn_up   = nullptr;    // [n_embd, n_ff]
+    ggml_tensor * ffn_down = nullptr;    // [n_ff, n_embd]
+};
+
+class Model;
+struct GraphCtx;
+
+// Tensor lookup during loading: every miss or shape mismatch is an error that names the tensor.
+class TensorSource {
+public:
+    virtual ~TensorSource() = default;
+    virtual ggml_tensor * require(const std::string & name, std::vector<int64_t> shape) = 0;
+    virtual ggml_tensor * optional(const std::string & name, std::vector<int64_t> shape) = 0;
+};
+
+// One model family: how its layers are named and how its forward graph is built.
+struct ArchSpec {
+    const char * name;
+    int rope_type;
+    void (*load_layer)(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+    // Builds the decoder stack; returns the final hidden state [n_embd, n_outputs] before the output norm.
+    ggml_tensor * (*build)(GraphCtx & g, const Model & model);
+};
+
+const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupported
+std::string supported_archs();                          // "llama, qwen2, qwen3"
+
+struct ModelOptions {
+    std::string backend = "auto";   // "auto" | "cpu" | "cuda"
+    int n_threads = 0;               // 0 = all physical cores
+};
+
+class Model {
+public:
+    Model(const std::string & path, const ModelOptions & opts);
+    ~Model();
+    Model(const Model &) = delete;
+    Model & operator=(const Model &) = delete;
+
+    const ModelHparams & hparams() const { return hp_; }
+    const ArchSpec & arch() const { return *arch_; }
+    const std::string & path() const { return path_; }
+    ggml_backend_t backend() const { return backend_; }         // where weights and the pool live
+    ggml_backend_t cpu_backend() const { return cpu_backend_; } // always present (scheduler fallback)
+    bool on_gpu() const { return backend_ != cpu_backend_; }
+    int n_threads() const { return n_threads_; }
+    void set_n_threads(int n);
+    int64_t weight_bytes() const;
+    std::string fingerprint() const;                             // changes when hparams or weights change
+
+    ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
+    ggml_tensor * output_norm = nullptr;  // [n_embd]
+    ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (tok_embd when tied)
+    ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] llama-3 frequency factors, optional
+    std::vector<LayerWeights> layers;
+
+private:
+    void read_hparams(gguf_context * gctx);
+    void load_tensors(gguf_context * gctx, ggml_context * meta);
+
+    std::string path_;
+    ModelHparams hp_;
+    const ArchSpec * arch_ = nullptr;
+    ggml_backend_t backend_ = nullptr;
+    ggml_backend_t cpu_backend_ = nullptr;
+    int n_threads_ = 1;
+    ggml_context * ctx_w_ = nullptr;
+    ggml_backend_buffer_t buf_w_ = nullptr;
+    uint64_t weights_hash_ = 0;
+};
+
+}  // namespace kvf

@@ -1,0 +1,34 @@
+// qwen3 family: Qwen3 dense (per-head RMS norm on q and k before RoPE; NeoX RoPE; no biases).
+#include "model/graph.h"
+
+#include <cmath>
+
+namespace kvf {
+namespace {
+
+void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    load_decoder_layer(w, src, hp, il);
+    const std::string p = "blk." + std::to_string(il) + ".";
+    w.q_norm = src.require(p + "attn_q_norm.weight", {hp.head_dim_k});
+    w.k_norm = src.require(p + "attn_k_norm.weight", {hp.head_dim_k});
+}
+
+ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    const LayerWeights & w = m.layers[il];
+    ggml_tensor * q = project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head);
+    ggml_tensor * k = project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv);
+    q = rope(g, m, rms_norm(g, q, w.q_norm, hp.rms_eps));
+    k = rope(g, m, rms_norm(g, k, w.k_norm, hp.rms_eps));
+    ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
+    return pooled_attention(g, w, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
+}
+
+ggml_tensor * build(GraphCtx & g, const Model & m) { return build_decoder(g, m, attention); }
+
+}  // namespace
+
+extern const ArchSpec arch_qwen3;   // registered in registry.cpp
+const ArchSpec arch_qwen3 = {"qwen3", GGML_ROPE_TYPE_NEOX, load_layer, build};
+
+}  // namespace kvf

@@ -1,0 +1,34 @@
+// LlamaReference: libllama's own llama_decode on a GGUF, used by the tests as the reference nobody
+// here wrote. Full KV cache, one sequence, logits for every token.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct llama_model;
+struct llama_context;
+
+namespace kvf {
+
+class LlamaReference {
+public:
+    LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn);
+    ~LlamaReference();
+    LlamaReference(const LlamaReference &) = delete;
+    LlamaReference & operator=(const LlamaReference &) = delete;
+
+    // Appends tokens to the sequence; returns logits [n, n_vocab] (all) or [n_vocab] (last).
+    std::vector<float> decode(const std::vector<int32_t> & tokens, bool all_logits);
+    void clear();
+    int32_t n_vocab() const;
+    int64_t n_past() const { return n_past_; }
+
+private:
+    llama_model * model_ = nullptr;
+    llama_context * ctx_ = nullptr;
+    int64_t n_past_ = 0;
+    int n_batch_ = 512;
+};
+
+}  // namespace kvf

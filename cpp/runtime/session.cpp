@@ -1,0 +1,235 @@
+#include "runtime/session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+namespace kvf {
+
+namespace {
+
+constexpr int64_t k_kv_pad = 256;   // CUDA FA prefers n_kv % 256 == 0; also bounds graph rebuilds
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool choose_flash_attn(const std::string & attention, bool on_gpu, ggml_type type_v) {
+    const bool v_quantized = ggml_is_quantized(type_v);
+    if (attention == "flash") return true;
+    if (attention == "matmul") {
+        if (v_quantized) {
+            throw std::invalid_argument(std::string("attention='matmul' needs an unquantized V cache; kv_type ") +
+                                        ggml_type_name(type_v) + " works only with attention='flash' or 'auto'");
+        }
+        return false;
+    }
+    if (attention != "auto") {
+        throw std::invalid_argument("unknown attention '" + attention + "' (expected auto, flash or matmul)");
+    }
+    // On CPU the mul_mat + soft_max path is ~2x faster at depth (DESIGN.md measured facts).
+    return on_gpu || v_quantized;
+}
+
+}  // namespace
+
+Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : model_(std::move(model)), cfg_(cfg) {
+    const ModelHparams & hp = model_->hparams();
+    if (cfg_.max_tokens <= 0) throw std::invalid_argument("max_tokens must be positive");
+    if (cfg_.max_tokens > hp.n_ctx_train && !cfg_.allow_beyond_train_ctx) {
+        throw std::invalid_argument("max_tokens=" + std::to_string(cfg_.max_tokens) + " exceeds the model's trained context " +
+                                    std::to_string(hp.n_ctx_train) + " (pass allow_beyond_train_ctx to override)");
+    }
+    if (cfg_.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
+    if (cfg_.pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0 = full cache)");
+
+    PagerConfig pc;
+    pc.chunk_tokens = cfg_.chunk_tokens;
+    pc.sink_chunks = cfg_.sink_chunks;
+    pc.tail_chunks = cfg_.tail_chunks;
+    pc.max_tokens = cfg_.max_tokens;
+    full_cache_ = cfg_.pool_tokens == 0;
+    // Full cache: a pool that holds the whole context, so the mapping never leaves identity.
+    pc.pool_tokens = full_cache_ ? std::max(round_up(cfg_.max_tokens, k_kv_pad), pc.min_pool_tokens())
+                                 : cfg_.pool_tokens;
+
+    KvLayout layout;
+    layout.n_layer = hp.n_layer;
+    layout.n_embd_k = hp.n_embd_k();
+    layout.n_embd_v = hp.n_embd_v();
+    layout.chunk_tokens = cfg_.chunk_tokens;
+    layout.pool_tokens = pc.pool_tokens;
+    layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
+    flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
+
+    pc.validate();
+    kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
+    pc.chunk_bytes = kv_->chunk_bytes();
+    pager_ = std::make_unique<KvPager>(pc);
+
+    std::vector<ggml_backend_t> backends = {model_->backend()};
+    if (model_->on_gpu()) backends.push_back(model_->cpu_backend());
+    const size_t graph_size = std::max<size_t>(4096, (size_t) hp.n_layer * 64);
+    sched_ = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), graph_size, false, true);
+    if (!sched_) throw std::runtime_error("could not create the ggml scheduler");
+}
+
+Session::~Session() {
+    if (sched_) ggml_backend_sched_free(sched_);
+    if (graph_ctx_) ggml_free(graph_ctx_);
+}
+
+void Session::execute(const Plan & plan) {
+    const auto t0 = std::chrono::steady_clock::now();
+    kv_->execute(plan);
+    pager_->apply(plan);
+    if (plan.moves_bytes()) timings_.t_paging_ms += ms_since(t0);
+}
+
+std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits) {
+    if (n <= 0) throw std::invalid_argument("forward needs at least one token");
+    if (start != pager_->n_tokens()) {
+        throw std::invalid_argument("forward start=" + std::to_string(start) + " but the session holds " +
+                                    std::to_string(pager_->n_tokens()) + " tokens (truncate first to rewrite)");
+    }
+    if (start + n > cfg_.max_tokens) {
+        throw std::invalid_argument("forward of " + std::to_string(n) + " tokens at " + std::to_string(start) +
+                                    " exceeds max_tokens=" + std::to_string(cfg_.max_tokens));
+    }
+    const int64_t n_vocab = model_->hparams().n_vocab;
+    for (int64_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            throw std::invalid_argument("token id " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
+                                        std::to_string(n_vocab) + ")");
+        }
+    }
+    std::vector<float> logits((size_t) (all_logits ? n : 1) * n_vocab);
+    for (int64_t done = 0; done < n;) {
+        // Each step must fit the pool at once: the pager says how much it can place.
+        const int64_t step = std::min({n - done, cfg_.n_batch, pager_->max_span_tokens()});
+        if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
+        const Plan plan = pager_->plan_alloc(start + done, step);
+        execute(plan);
+        const bool last = done + step == n;
+        if (all_logits || last) {
+            float * out = logits.data() + (all_logits ? (size_t) done * n_vocab : 0);
+            compute(tokens + done, step, plan, all_logits, out);
+        } else {
+            compute(tokens + done, step, plan, false, nullptr);
+        }
+        done += step;
+    }
+    return logits;
+}
+
+int64_t Session::attended_slots() const {
+    const std::vector<int64_t> sp = pager_->slot_positions();
+    int64_t last = -1;
+    for (int64_t s = (int64_t) sp.size() - 1; s >= 0; --s) {
+        if (sp[s] >= 0) { last = s; break; }
+    }
+    return std::min<int64_t>(round_up(last + 1, k_kv_pad), (int64_t) sp.size());
+}
+
+void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t n_kv = attended_slots();
+    const int64_t n_outputs = all_logits ? n : 1;
+    if (shape_[0] != n || shape_[1] != n_kv || shape_[2] != n_outputs) {
+        build_graph(n, n_kv, n_outputs);
+    }
+    set_inputs(tokens, n, alloc, n_outputs);
+    if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("ggml graph compute failed");
+    }
+    if (logits_out) {
+        ggml_backend_tensor_get(logits_, logits_out, 0, ggml_nbytes(logits_));
+    }
+    timings_.t_compute_ms += ms_since(t0);
+    timings_.n_computes++;
+}
+
+void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs) {
+    if (graph_ctx_) ggml_free(graph_ctx_);
+    const size_t graph_size = std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64);
+    ggml_init_params params = {ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false),
+                               nullptr, true};
+    graph_ctx_ = ggml_init(params);
+    graph_ = GraphCtx{};
+    GraphCtx & g = graph_;
+    g.ctx = graph_ctx_;
+    g.gf = ggml_new_graph_custom(graph_ctx_, graph_size, false);
+    g.kv = kv_.get();
+    g.n_tokens = n_tokens;
+    g.n_kv = n_kv;
+    g.n_outputs = n_outputs;
+    g.flash_attn = flash_attn_;
+
+    g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
+    g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
+    g.in.slots = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_tokens);
+    g.in.mask = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    g.in.out_ids = n_outputs < n_tokens ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_outputs) : nullptr;
+    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.mask, g.in.out_ids}) {
+        if (t) ggml_set_input(t);
+    }
+
+    const Model & m = *model_;
+    ggml_tensor * h = m.arch().build(g, m);   // [n_embd, n_outputs]
+    h = rms_norm(g, h, m.output_norm, m.hparams().rms_eps);
+    logits_ = ggml_mul_mat(g.ctx, m.output, h);   // [n_vocab, n_outputs]
+    ggml_set_name(logits_, "logits");
+    ggml_set_output(logits_);
+    ggml_build_forward_expand(g.gf, logits_);
+
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
+        shape_[0] = -1;
+        throw std::runtime_error("could not allocate the compute graph (out of memory?)");
+    }
+    shape_[0] = n_tokens;
+    shape_[1] = n_kv;
+    shape_[2] = n_outputs;
+    timings_.n_graph_builds++;
+}
+
+void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs) {
+    const StepInputs & in = graph_.in;
+    const int64_t start = alloc.span_start;
+    std::vector<int32_t> pos(n);
+    std::vector<int64_t> slots(n);
+    for (int64_t i = 0; i < n; ++i) {
+        pos[i] = (int32_t) (start + i);
+        slots[i] = alloc.slots[i];
+    }
+    ggml_backend_tensor_set(in.tokens, tokens, 0, n * sizeof(int32_t));
+    ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
+    ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+
+    const int64_t n_kv = shape_[1];
+    const std::vector<int64_t> slot_pos = pager_->slot_positions();
+    input_scratch_.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
+    auto * mask = reinterpret_cast<ggml_fp16_t *>(input_scratch_.data());
+    build_slot_mask(slot_pos.data(), n_kv, pos.data(), n, 0, mask);
+    ggml_backend_tensor_set(in.mask, mask, 0, input_scratch_.size());
+
+    if (in.out_ids) {
+        std::vector<int32_t> ids(n_outputs);
+        for (int64_t i = 0; i < n_outputs; ++i) ids[i] = (int32_t) (n - n_outputs + i);
+        ggml_backend_tensor_set(in.out_ids, ids.data(), 0, n_outputs * sizeof(int32_t));
+    }
+}
+
+void Session::truncate(int64_t n) { execute(pager_->plan_truncate(n)); }
+
+void Session::reselect(const std::vector<float> & scores) { execute(pager_->plan_reselect(scores)); }
+
+void Session::reset() {
+    pager_->reset();
+    kv_->clear_host();
+}
+
+}  // namespace kvf

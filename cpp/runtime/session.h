@@ -1,0 +1,87 @@
+// Session: one sequence running through a Model with its K/V in a PooledKV managed by a KvPager.
+// forward(tokens, start) = allocate slots (pager plan) -> page bytes (PooledKV executes the plan)
+// -> build or reuse the graph -> set inputs -> compute -> read logits.
+// Phases follow ggml: backends and scheduler once per session; graphs built in a no_alloc context and
+// reused while their shape (n_tokens, n_kv, n_outputs) repeats; inputs re-uploaded before every compute.
+#pragma once
+
+#include "kv/pooled_kv.h"
+#include "model/graph.h"
+#include "model/model.h"
+#include "pager/kv_pager.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvf {
+
+struct SessionConfig {
+    int64_t max_tokens   = 4096;    // logical context
+    int64_t pool_tokens  = 0;       // 0: full-cache mode (pool = context, identity mapping)
+    std::string kv_type  = "f16";
+    std::string attention = "auto"; // "auto" | "flash" | "matmul"
+    int64_t n_batch      = 512;     // most tokens per compute
+    int64_t chunk_tokens = 64;
+    int64_t sink_chunks  = 1;
+    int64_t tail_chunks  = 4;
+    bool allow_beyond_train_ctx = false;
+};
+
+struct SessionTimings {
+    double t_paging_ms  = 0;   // executing page-outs/page-ins
+    double t_compute_ms = 0;   // graph build/alloc + compute + logits read
+    int64_t n_computes  = 0;
+    int64_t n_graph_builds = 0;
+};
+
+class Session {
+public:
+    Session(std::shared_ptr<Model> model, const SessionConfig & cfg);
+    ~Session();
+    Session(const Session &) = delete;
+    Session & operator=(const Session &) = delete;
+
+    // Run tokens at positions [start, start+n); start must equal n_tokens(). Returns the logits of the
+    // last token ([n_vocab]) or of every token ([n, n_vocab], row-major) when all_logits.
+    std::vector<float> forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits);
+
+    void truncate(int64_t n);                        // forget positions >= n
+    void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
+    void reset();
+
+    int64_t n_tokens() const { return pager_->n_tokens(); }
+    bool full_cache() const { return full_cache_; }
+    bool flash_attn() const { return flash_attn_; }
+    const SessionConfig & config() const { return cfg_; }
+    const Model & model() const { return *model_; }
+    KvPager & pager() { return *pager_; }
+    PooledKV & kv() { return *kv_; }
+    const SessionTimings & timings() const { return timings_; }
+
+private:
+    void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
+    void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out);
+    int64_t attended_slots() const;    // n_kv: occupied prefix of the pool, padded to 256
+    void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs);
+    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs);
+
+    std::shared_ptr<Model> model_;
+    SessionConfig cfg_;
+    bool full_cache_ = false;
+    bool flash_attn_ = false;
+    std::unique_ptr<KvPager> pager_;
+    std::unique_ptr<PooledKV> kv_;
+    ggml_backend_sched_t sched_ = nullptr;
+
+    // The current graph and its shape; rebuilt only when the shape changes.
+    ggml_context * graph_ctx_ = nullptr;
+    GraphCtx graph_;
+    ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
+    int64_t shape_[3] = {-1, -1, -1};
+
+    std::vector<uint8_t> input_scratch_;
+    SessionTimings timings_;
+};
+
+}  // namespace kvf

@@ -1,0 +1,63 @@
+"""Option dataclasses shared by the Python API, the CLI and the server (defined once here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+CHUNK_TOKENS = 64
+AUTO_POOL_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Where the KV cache lives. pool_tokens=None is full-cache mode (every position resident);
+    an int or "auto" is KVFlash with that many device slots."""
+
+    n_ctx: int = 4096
+    pool_tokens: Union[None, int, str] = None
+    kv_type: str = "f16"
+    attention: str = "auto"        # "auto" | "flash" | "matmul"
+    n_batch: int = 512
+    sink_chunks: int = 1
+    tail_chunks: int = 4
+    allow_beyond_train_ctx: bool = False
+
+    def resolved_pool_tokens(self) -> int:
+        """0 for full cache, else the pool size in tokens (a multiple of 64)."""
+        p = self.pool_tokens
+        if p is None or p == "off":
+            return 0
+        if p == "auto":
+            ctx = -(-self.n_ctx // CHUNK_TOKENS) * CHUNK_TOKENS
+            minimum = (self.sink_chunks + self.tail_chunks + 2) * CHUNK_TOKENS
+            return max(min(ctx, AUTO_POOL_TOKENS), minimum)
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise ValueError(f"pool_tokens must be None, 'auto' or an int, not {p!r}")
+        if p <= 0:
+            raise ValueError(f"pool_tokens must be positive (got {p}); use None for full cache")
+        return p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature <= 0 is greedy (deterministic)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: Optional[int] = None
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))

@@ -1,0 +1,35 @@
+"""Next-token sampling over a logits vector: greedy, temperature, top-k, top-p, min-p (vectorised)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .options import SamplingParams
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        x = logits.astype(np.float64) / p.temperature
+        candidates = np.arange(x.shape[0])
+        if 0 < p.top_k < x.shape[0]:
+            candidates = np.argpartition(-x, p.top_k - 1)[: p.top_k]
+        x = x[candidates]
+        order = np.argsort(-x, kind="stable")
+        candidates, x = candidates[order], x[order]
+        probs = np.exp(x - x[0])
+        probs /= probs.sum()
+        keep = np.ones_like(probs, dtype=bool)
+        if p.min_p > 0.0:
+            keep &= probs >= p.min_p * probs[0]
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep &= np.concatenate(([True], np.cumsum(probs)[:-1] < p.top_p))
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+        return int(candidates[self.rng.choice(probs.shape[0], p=probs)])

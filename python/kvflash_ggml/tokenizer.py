@@ -1,0 +1,94 @@
+"""Tokenizer and chat template, both taken from the GGUF itself.
+
+Tokens come from libllama's vocabulary code (loaded vocab-only from the same file), so any GGUF that
+llama.cpp tokenizes is tokenized identically. The chat template is the GGUF's own Jinja template,
+rendered with jinja2 in a sandbox the way Hugging Face renders it.
+"""
+from __future__ import annotations
+
+import codecs
+from datetime import datetime
+from typing import Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.sandbox
+
+from . import _core
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        self._vocab = _core.Vocab(path)
+        self.n_vocab = self._vocab.n_vocab
+        self.bos = self._vocab.bos
+        self.eos = self._vocab.eos
+        self.add_bos = self._vocab.add_bos
+        self.chat_template = self._vocab.chat_template or None
+
+    def encode(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special))
+
+    def decode(self, tokens: Iterable[int], *, skip_special: bool = False) -> str:
+        return self._vocab.detokenize([int(t) for t in tokens], remove_special=skip_special)
+
+    def piece(self, token: int) -> bytes:
+        return self._vocab.token_to_piece(int(token))
+
+    def is_eog(self, token: int) -> bool:
+        return self._vocab.is_eog(int(token))
+
+    def token_text(self, token: int) -> str:
+        """Text of a special token (e.g. "<|im_end|>") as the template writes it."""
+        return self._vocab.token_to_piece(int(token), special=True).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        source = template or self.chat_template
+        if not source:
+            raise ValueError("this GGUF has no chat template (tokenizer.chat_template); pass chat_template=...")
+        return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.token_text(self.bos) if self.bos >= 0 else "",
+                                    eos_token=self.token_text(self.eos) if self.eos >= 0 else "")
+
+
+def render_chat_template(source: str, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
+                         bos_token: str, eos_token: str) -> str:
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                          bos_token=bos_token, eos_token=eos_token)
+
+
+class TextStream:
+    """Turns generated token bytes into text as soon as it is valid UTF-8, and holds back any tail
+    that could still become a stop string, so stopped output never leaks part of the stop."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        self._pending += self._decoder.decode(piece)
+        for s in self._stop:
+            i = self._pending.find(s)
+            if i >= 0:
+                self.stopped = True
+                out, self._pending = self._pending[:i], ""
+                return out
+        hold = max((k for s in self._stop for k in range(1, len(s)) if self._pending.endswith(s[:k])), default=0)
+        out = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        out = "" if self.stopped else self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
+        return out
