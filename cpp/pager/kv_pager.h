@@ -21,6 +21,19 @@
 // first every page-out (block -> host), then every page-in (host -> block). A plan records the epoch
 // it was made at; applying it after any other mapping change is an error. A plan that cannot be made
 // throws and changes nothing.
+//
+// Epoch: advances on every apply(), unpin_all(), reset() and set_block_order(), so a plan is valid only
+// against the exact state it was made from.
+//
+// Block hand-out: free blocks are handed out in block-order (identity unless set_block_order) and a
+// released block rejoins the free list at its place in that order. So a fresh pager puts chunk c in
+// block c until the first eviction, and truncate-then-rewrite keeps the identity mapping.
+//
+// Errors: std::invalid_argument for malformed arguments (bad config, start != n_tokens(), wrong score
+// count, a block order that is not a permutation); std::out_of_range for positions or chunks outside
+// [0, max_tokens) / [0, n_tokens]; std::runtime_error when the request does not fit the pool (a span or a
+// pin set too large), for a stale plan, and for set_block_order while chunks are resident;
+// std::logic_error from check_invariants(). Every message names the bad value and the valid range.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +51,8 @@ struct PagerConfig {
     int64_t chunk_bytes  = 0;   // K+V bytes of one chunk over all pooled layers (for the stats only)
 
     int64_t min_pool_tokens() const { return (sink_chunks + tail_chunks + 2) * chunk_tokens; }
-    void validate() const;      // throws std::invalid_argument naming the bad field (and the minimum)
+    void validate() const;      // throws std::invalid_argument naming the bad field (and the minimum);
+                                // also pool_tokens <= INT32_MAX, since slots are int32
 };
 
 // One chunk moving between a block and the host store.
@@ -62,6 +76,8 @@ struct Plan {
     // reselect plans only: the scores that become current on apply
     std::vector<float> scores;
     bool sets_scores = false;
+    // pin plans only: chunks that become pinned on apply
+    std::vector<int64_t> pins;
 
     bool moves_bytes() const { return !page_outs.empty() || !page_ins.empty(); }
 };
@@ -72,7 +88,7 @@ struct PagerStats {
     int64_t bytes_out   = 0;   // bytes copied block -> host
     int64_t bytes_in    = 0;   // bytes copied host -> block
     int64_t reselects   = 0;
-    int64_t evictions   = 0;   // page-outs caused by allocation (not reselect)
+    int64_t evictions   = 0;   // page-outs not chosen by a reselect (alloc, pin, truncate making room)
 };
 
 class KvPager {
@@ -85,15 +101,18 @@ public:
     int64_t n_chunks() const;                                   // chunks holding at least one position
     uint64_t epoch() const { return epoch_; }
 
-    // Allocation for positions [start, start+n). start must equal n_tokens() (truncate first to rewrite).
-    // Every chunk of the span becomes resident and protected for this call; victims are the lowest-scored
-    // evictable chunks when scores exist (unscored ones first), else the oldest written.
+    // Allocation for positions [start, start+n). start must equal n_tokens() (truncate first to rewrite),
+    // n >= 1, start+n <= max_tokens. Every chunk of the span becomes resident and protected for this call
+    // (as are the sinks, pins and the tail window at the new head); victims are the lowest-scored evictable
+    // chunks when scores exist (unscored ones first), else the oldest written. Writing into a chunk
+    // invalidates its host image.
     Plan plan_alloc(int64_t start, int64_t n) const;
     // The largest span (tokens) that plan_alloc can take in one call starting at n_tokens().
     int64_t max_span_tokens() const;
 
     // Resident set := protected chunks + the highest-scored other chunks that fit. scores.size() must be
-    // n_chunks(); NaN means "no score" and ranks below every real score.
+    // n_chunks(); NaN means "no score" and ranks below every real score. Ties keep a resident chunk over a
+    // non-resident one (no needless moves), then the more recently written.
     Plan plan_reselect(const std::vector<float> & scores) const;
 
     // Forget positions >= n (n <= n_tokens). Pages in what becomes the tail window if it was evicted.
@@ -105,21 +124,24 @@ public:
 
     void apply(const Plan & plan);
     void unpin_all();
-    void reset();   // back to a fresh pager (epoch still advances)
+    // Back to a fresh pager: no positions, pins, scores or host images, zero stats. The epoch still
+    // advances, and a block order set by set_block_order is kept.
+    void reset();
 
     // Test-only hook: the order in which free blocks are handed out (a permutation of [0, n_blocks)).
     // Only allowed while no chunk is resident. The default is identity order.
     void set_block_order(const std::vector<int64_t> & order);
 
     // Queries.
-    int64_t slot_of(int64_t pos) const;                    // -1 if pos is not resident (or not written)
+    int64_t slot_of(int64_t pos) const;                    // -1 if pos is not resident (or not written);
+                                                           // out_of_range unless 0 <= pos < max_tokens
     std::vector<int64_t> slot_positions() const;           // per slot: the position it holds, -1 if none
     std::vector<int64_t> chunk_blocks() const;             // per chunk < n_chunks(): block or -1
     std::vector<uint8_t> chunk_host_valid() const;         // per chunk < n_chunks(): host image valid
     std::vector<uint8_t> protected_chunks() const;         // per chunk < n_chunks(): protected now
     std::vector<float>   scores() const { return scores_; }
-    bool is_resident(int64_t chunk) const;
-    bool is_pinned(int64_t chunk) const;
+    bool is_resident(int64_t chunk) const;                 // out_of_range unless 0 <= chunk < max chunks
+    bool is_pinned(int64_t chunk) const;                   // (ceil(max_tokens / chunk_tokens))
     bool is_identity() const;                              // every resident chunk c sits in block c
     int64_t n_resident() const;
     int64_t n_host_images() const;
@@ -136,14 +158,28 @@ private:
         uint64_t last_write = 0;       // write clock at the last alloc touching it (LRU order)
     };
 
-    bool is_protected(int64_t chunk, int64_t n_tokens) const;
+    // The one definition of "protected" (pinned is passed in so a pin plan can ask about pins to be).
+    bool is_protected(int64_t chunk, int64_t n_tokens, bool pinned) const;
+    // Per chunk (sized for max_tokens): protected at n_tokens, with chunks [pin_c0, pin_c1) counted pinned.
+    std::vector<uint8_t> protected_mask(int64_t n_tokens, int64_t pin_c0 = 0, int64_t pin_c1 = 0) const;
+    // What must be resident after writing [start, start+n): the protection at the new head + the span.
+    std::vector<uint8_t> alloc_keep(int64_t start, int64_t n) const;
     int64_t n_chunks_for(int64_t n_tokens) const;
-    int64_t n_sinks_or_pinned() const;
-    // Plan page-outs/page-ins so that every chunk in `need` is resident, evicting only chunks outside
-    // `keep`. Blocks freed by `release` are reusable. Throws if they cannot all fit.
+    int64_t n_sinks_or_pinned(int64_t pin_c0 = 0, int64_t pin_c1 = 0) const;
+    bool pins_leave_room(int64_t n_sinks_or_pinned) const;   // the I5 rule
+    // Plan page-outs/page-ins/fresh so that every chunk in `need` is resident, evicting only chunks outside
+    // `keep`. Blocks freed by `release` are reusable. A needed chunk below n_chunks() is paged in (it has a
+    // host image by I3), one above gets a fresh block. Callers check capacity first; throws logic_error if
+    // it still does not fit.
     void plan_residency(Plan & plan, const std::vector<int64_t> & need, const std::vector<uint8_t> & keep,
-                        const std::vector<int64_t> & release, bool fresh_need) const;
+                        const std::vector<int64_t> & release) const;
     std::vector<int64_t> victims_in_order(const std::vector<uint8_t> & keep) const;
+    // The one eviction order: `candidates` sorted from first victim to last under `scores`.
+    std::vector<int64_t> rank_for_eviction(std::vector<int64_t> candidates, const std::vector<float> & scores) const;
+    // The one hand-out order: the blocks with is_free[b], in block_order_.
+    std::vector<int64_t> in_hand_out_order(const std::vector<uint8_t> & is_free) const;
+    void take_block(int64_t chunk, int64_t block);
+    void release_block(int64_t chunk);
 
     PagerConfig cfg_;
     int64_t n_blocks_ = 0;
