@@ -12,18 +12,21 @@ py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t 
 void register_session(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
-                         int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow) {
+                         int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
+                         bool ordered) {
                  return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
-                                      tail_chunks, allow};
+                                      tail_chunks, allow, ordered};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
              py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
-             py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false)
+             py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
+             py::arg("ordered_attention") = true)
         .def_readonly("max_tokens", &SessionConfig::max_tokens)
         .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
         .def_readonly("kv_type", &SessionConfig::kv_type)
         .def_readonly("attention", &SessionConfig::attention)
-        .def_readonly("n_batch", &SessionConfig::n_batch);
+        .def_readonly("n_batch", &SessionConfig::n_batch)
+        .def_readonly("ordered_attention", &SessionConfig::ordered_attention);
 
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)

@@ -38,6 +38,13 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
     ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, ggml_reshape_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens), g.in.slots));
     ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, ggml_reshape_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens), g.in.slots));
 
+    if (g.in.kv_order) {
+        // Attention sums over keys in slot order; once chunks sit in shuffled blocks that order differs
+        // from the full cache's and the floating-point sums differ (enough to flip ~2% of SmolLM2's argmaxes).
+        // A copy in position order makes the result independent of where chunks landed.
+        k_pool = ggml_set_rows(ctx, ggml_new_tensor_2d(ctx, k_pool->type, k_pool->ne[0], k_pool->ne[1]), k_pool, g.in.kv_order);
+        v_pool = ggml_set_rows(ctx, ggml_new_tensor_2d(ctx, v_pool->type, v_pool->ne[0], v_pool->ne[1]), v_pool, g.in.kv_order);
+    }
     ggml_tensor * kk = ggml_view_3d(ctx, k_pool, head_dim_k, n_head_kv, g.n_kv, ggml_row_size(k_pool->type, head_dim_k),
                                     k_pool->nb[1], 0);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * vv = ggml_view_3d(ctx, v_pool, head_dim_v, n_head_kv, g.n_kv, ggml_row_size(v_pool->type, head_dim_v),

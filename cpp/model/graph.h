@@ -14,6 +14,8 @@ struct StepInputs {
     ggml_tensor * slots     = nullptr;   // I64 [n_tokens]  pool row written by each token
     ggml_tensor * mask      = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
     ggml_tensor * out_ids   = nullptr;   // I32 [n_outputs]  tokens whose logits are computed (nullptr: all)
+    ggml_tensor * kv_order  = nullptr;   // I64 [pool_tokens] row of each slot in the position-ordered copy
+                                         // (nullptr: attend the pool in slot order)
 };
 
 struct GraphCtx {

@@ -125,23 +125,46 @@ std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t s
     return logits;
 }
 
-int64_t Session::attended_slots() const {
-    const std::vector<int64_t> sp = pager_->slot_positions();
-    int64_t last = -1;
-    for (int64_t s = (int64_t) sp.size() - 1; s >= 0; --s) {
-        if (sp[s] >= 0) { last = s; break; }
+Session::KeyOrder Session::key_order() const {
+    KeyOrder o;
+    const std::vector<int64_t> slot_pos = pager_->slot_positions();
+    const int64_t n_slots = (int64_t) slot_pos.size();
+    o.gathered = cfg_.ordered_attention && !pager_->is_identity() && !ggml_is_quantized(kv_->layout().type_k) &&
+                 !ggml_is_quantized(kv_->layout().type_v);
+    if (!o.gathered) {
+        int64_t last = -1;
+        for (int64_t s = n_slots - 1; s >= 0 && last < 0; --s) if (slot_pos[s] >= 0) last = s;
+        o.n_kv = std::min(round_up(last + 1, k_kv_pad), n_slots);
+        o.key_pos = slot_pos;
+        return o;
     }
-    return std::min<int64_t>(round_up(last + 1, k_kv_pad), (int64_t) sp.size());
+    // Occupied slots sorted by position first, then the empty ones: O(pool log pool), never O(context).
+    std::vector<int64_t> slots(n_slots);
+    for (int64_t s = 0; s < n_slots; ++s) slots[s] = s;
+    std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
+        const int64_t pa = slot_pos[a] < 0 ? INT64_MAX : slot_pos[a], pb = slot_pos[b] < 0 ? INT64_MAX : slot_pos[b];
+        return pa < pb;
+    });
+    o.slot_row.resize(n_slots);
+    o.key_pos.resize(n_slots);
+    int64_t n_occupied = 0;
+    for (int64_t j = 0; j < n_slots; ++j) {
+        o.slot_row[slots[j]] = j;
+        o.key_pos[j] = slot_pos[slots[j]];
+        n_occupied += o.key_pos[j] >= 0;
+    }
+    o.n_kv = std::min(round_up(n_occupied, k_kv_pad), n_slots);
+    return o;
 }
 
 void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out) {
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t n_kv = attended_slots();
+    const KeyOrder order = key_order();
     const int64_t n_outputs = all_logits ? n : 1;
-    if (shape_[0] != n || shape_[1] != n_kv || shape_[2] != n_outputs) {
-        build_graph(n, n_kv, n_outputs);
+    if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered) {
+        build_graph(n, order.n_kv, n_outputs, order.gathered);
     }
-    set_inputs(tokens, n, alloc, n_outputs);
+    set_inputs(tokens, n, alloc, n_outputs, order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
     }
@@ -152,7 +175,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
     timings_.n_computes++;
 }
 
-void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs) {
+void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered) {
     if (graph_ctx_) ggml_free(graph_ctx_);
     const size_t graph_size = std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64);
     ggml_init_params params = {ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false),
@@ -173,7 +196,8 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs) {
     g.in.slots = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_tokens);
     g.in.mask = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F16, n_kv, n_tokens);
     g.in.out_ids = n_outputs < n_tokens ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_outputs) : nullptr;
-    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.mask, g.in.out_ids}) {
+    g.in.kv_order = gathered ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, kv_->layout().pool_tokens) : nullptr;
+    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.mask, g.in.out_ids, g.in.kv_order}) {
         if (t) ggml_set_input(t);
     }
 
@@ -193,10 +217,12 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs) {
     shape_[0] = n_tokens;
     shape_[1] = n_kv;
     shape_[2] = n_outputs;
+    shape_[3] = gathered;
     timings_.n_graph_builds++;
 }
 
-void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs) {
+void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs,
+                         const KeyOrder & order) {
     const StepInputs & in = graph_.in;
     const int64_t start = alloc.span_start;
     std::vector<int32_t> pos(n);
@@ -209,11 +235,11 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
     ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
 
-    const int64_t n_kv = shape_[1];
-    const std::vector<int64_t> slot_pos = pager_->slot_positions();
+    const int64_t n_kv = order.n_kv;
     input_scratch_.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
     auto * mask = reinterpret_cast<ggml_fp16_t *>(input_scratch_.data());
-    build_slot_mask(slot_pos.data(), n_kv, pos.data(), n, 0, mask);
+    build_slot_mask(order.key_pos.data(), n_kv, pos.data(), n, 0, mask);
+    if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
     ggml_backend_tensor_set(in.mask, mask, 0, input_scratch_.size());
 
     if (in.out_ids) {

@@ -26,6 +26,9 @@ struct SessionConfig {
     int64_t sink_chunks  = 1;
     int64_t tail_chunks  = 4;
     bool allow_beyond_train_ctx = false;
+    // Attend in position order once the mapping leaves identity (f16/f32 KV), so results do not depend
+    // on which blocks chunks landed in. Costs one pool copy per layer per step; off = slot order.
+    bool ordered_attention = true;
 };
 
 struct SessionTimings {
@@ -62,9 +65,16 @@ public:
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
     void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out);
-    int64_t attended_slots() const;    // n_kv: occupied prefix of the pool, padded to 256
-    void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs);
-    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs);
+    // The key order of this step: per slot, the position it holds, as attention sees the keys.
+    struct KeyOrder {
+        bool gathered = false;             // keys copied into position order (kv_order input)
+        std::vector<int64_t> key_pos;      // position of attended key j (-1: empty), >= n_kv entries
+        std::vector<int64_t> slot_row;     // gathered only: row of each slot in the ordered copy
+        int64_t n_kv = 0;                  // keys attended, padded to 256
+    };
+    KeyOrder key_order() const;
+    void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
+    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KeyOrder & order);
 
     std::shared_ptr<Model> model_;
     SessionConfig cfg_;
@@ -78,7 +88,7 @@ private:
     ggml_context * graph_ctx_ = nullptr;
     GraphCtx graph_;
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
-    int64_t shape_[3] = {-1, -1, -1};
+    int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
     std::vector<uint8_t> input_scratch_;
     SessionTimings timings_;
