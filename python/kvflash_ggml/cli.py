@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 COMMANDS = {
     "generate": ("kvflash_ggml.generate", "generate text from a prompt"),
+    "convert": ("kvflash_ggml.convert", "convert a Hugging Face checkpoint to GGUF"),
 }
 
 
