@@ -93,11 +93,11 @@ class Engine:
     def stats(self) -> dict:
         s = self.session
         pager, kv, t = s.pager, s.kv, s.timings
-        ps = pager.stats
+        ps = pager.stats()
         return {
             "mode": "full" if s.full_cache else "kvflash",
             "n_ctx": self.pool.n_ctx,
-            "pool_tokens": pager.config.pool_tokens,
+            "pool_tokens": pager.config().pool_tokens,
             "tokens": s.n_tokens,
             "resident_chunks": pager.n_resident(),
             "device_kv_bytes": kv.device_bytes,

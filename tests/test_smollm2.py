@@ -1,0 +1,107 @@
+"""SmolLM2-135M (real weights, Q4_1) through our runtime vs libllama's llama_decode on the same file."""
+import numpy as np
+import pytest
+
+from kvflash_ggml import _core
+from corpus import prose
+
+pytestmark = pytest.mark.slow
+
+# Same graph ops in the same order as libllama for the matmul path: we expect (and have seen) 0.0.
+# The bound leaves room for a different CPU kernel choice, not for a different computation.
+TOL_SAME_PATH = 1e-3
+# Flash attention accumulates V in F16 on CPU (DESIGN.md): allow that error across different slot orders.
+TOL_FLASH = 5e-2
+
+
+def greedy_both(model, vocab, path, cfg, n_prompt, n_steps, flash):
+    prompt = vocab.tokenize(prose(80, seed=1), add_special=True)[:n_prompt]
+    assert len(prompt) == n_prompt
+    sess = _core.Session(model, cfg)
+    ref = _core.LlamaReference(path, n_ctx=1024, n_threads=2, flash_attn=flash)
+    ours, theirs = sess.forward(np.array(prompt, np.int32), 0), ref.decode(prompt)
+    diffs, mismatches = [float(np.abs(ours - theirs).max())], 0
+    for _ in range(n_steps):
+        tok = int(ours.argmax())
+        mismatches += tok != int(theirs.argmax())
+        ours = sess.forward(np.array([tok], np.int32), sess.n_tokens)
+        theirs = ref.decode([tok])
+        diffs.append(float(np.abs(ours - theirs).max()))
+    return max(diffs), mismatches
+
+
+@pytest.mark.parametrize("attention,flash,tol", [("matmul", False, TOL_SAME_PATH), ("flash", True, TOL_FLASH)])
+def test_full_cache_matches_libllama(smollm2, smollm2_vocab, smollm2_path, attention, flash, tol):
+    cfg = _core.SessionConfig(max_tokens=1024, pool_tokens=0, attention=attention)
+    max_diff, mismatches = greedy_both(smollm2, smollm2_vocab, smollm2_path, cfg, 320, 64, flash)
+    assert mismatches == 0
+    assert max_diff <= tol, f"max |logit diff| {max_diff} > {tol}"
+
+
+def test_pool_larger_than_context_equals_full_cache(smollm2, smollm2_vocab):
+    tokens = np.array(smollm2_vocab.tokenize(prose(60, seed=2), add_special=True)[:400], np.int32)
+    full = _core.Session(smollm2, _core.SessionConfig(max_tokens=512, pool_tokens=0))
+    pooled = _core.Session(smollm2, _core.SessionConfig(max_tokens=512, pool_tokens=512))
+    a = full.forward(tokens, 0, all_logits=True)
+    b = pooled.forward(tokens, 0, all_logits=True)
+    assert pooled.pager.is_identity()
+    assert np.abs(a - b).max() <= TOL_SAME_PATH
+
+
+def test_relocated_blocks_give_the_same_argmax(smollm2, smollm2_vocab):
+    # Regression guard for slot-mapped writes and masks: the same chunks in shuffled blocks must give the
+    # same predictions (only the summation order over slots changes).
+    tokens = np.array(smollm2_vocab.tokenize(prose(200, seed=3), add_special=True)[:1100], np.int32)
+    cfg = _core.SessionConfig(max_tokens=1152, pool_tokens=1152)
+    identity = _core.Session(smollm2, cfg)
+    shuffled = _core.Session(smollm2, cfg)
+    order = np.random.default_rng(0).permutation(shuffled.pager.n_blocks())
+    shuffled.pager.set_block_order(order.tolist())
+    a = identity.forward(tokens, 0, all_logits=True).argmax(axis=1)
+    b = shuffled.forward(tokens, 0, all_logits=True).argmax(axis=1)
+    assert not shuffled.pager.is_identity()
+    flips = int((a != b).sum())
+    assert flips <= 0.005 * len(tokens), f"{flips} argmax flips in {len(tokens)} tokens"
+
+
+def mean_nll(model, prompt, continuation):
+    """Mean negative log-likelihood of `continuation` after `prompt` under the full cache."""
+    sess = _core.Session(model, _core.SessionConfig(max_tokens=4096, pool_tokens=0))
+    sess.forward(np.array(prompt[:-1], np.int32), 0)
+    logits = sess.forward(np.array([prompt[-1]] + continuation[:-1], np.int32), len(prompt) - 1, all_logits=True)
+    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    return float(-logp[np.arange(len(continuation)), continuation].mean())
+
+
+def test_live_eviction_decodes_coherently_in_a_bounded_pool(smollm2, smollm2_vocab):
+    prompt = smollm2_vocab.tokenize(prose(400, seed=4), add_special=True)[:2000]
+    assert len(prompt) == 2000
+    pooled = _core.Session(smollm2, _core.SessionConfig(max_tokens=4096, pool_tokens=512))
+    logits = pooled.forward(np.array(prompt, np.int32), 0)
+    generated = []
+    for _ in range(200):
+        tok = int(logits.argmax())
+        generated.append(tok)
+        logits = pooled.forward(np.array([tok], np.int32), pooled.n_tokens)
+    pager = pooled.pager
+    pager.check_invariants()
+    assert pager.n_resident() <= 512 // 64
+    assert pager.stats().page_outs > 0 and pager.host_bytes() > 0
+    # device K/V is the pool, not the context: 512 slots x 30 layers x (K + V) x 192 x 2 bytes
+    assert pooled.kv.device_bytes == 512 * 30 * 2 * 192 * 2
+    bigger = _core.Session(smollm2, _core.SessionConfig(max_tokens=8192, pool_tokens=512))
+    assert bigger.kv.device_bytes == pooled.kv.device_bytes
+
+    # Coherent: not a loop, and the full-cache model finds the continuation plausible
+    # (uniform random tokens score ~10.8 nats; fluent text from this model ~1-2).
+    grams = [tuple(generated[i:i + 4]) for i in range(len(generated) - 3)]
+    assert len(set(grams)) / len(grams) > 0.5, smollm2_vocab.detokenize(generated)
+    nll = mean_nll(smollm2, prompt, generated)
+    assert nll < 3.0, (nll, smollm2_vocab.detokenize(generated))
+
+
+def test_tokenizer_matches_libllama_conventions(smollm2_vocab):
+    toks = smollm2_vocab.tokenize("The capital of France is", add_special=True)
+    assert smollm2_vocab.detokenize(toks, remove_special=True) == "The capital of France is"
+    assert smollm2_vocab.is_eog(smollm2_vocab.eos)
+    assert "im_start" in smollm2_vocab.chat_template
