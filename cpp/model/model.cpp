@@ -3,6 +3,7 @@
 #include "ggml-cpu.h"
 #include "gguf.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -77,6 +78,15 @@ public:
     ggml_tensor * optional(const std::string & name, std::vector<int64_t> shape) override {
         ggml_tensor * t = ggml_get_tensor(meta_, name.c_str());
         if (!t) return nullptr;
+        // Norms, biases and rope factors are F32 in every converter's output; matrices are float or
+        // quantized. Anything else (integer types, F64) has no mul/mul_mat kernel: ggml would abort.
+        const bool ok_type = shape.size() == 1
+            ? t->type == GGML_TYPE_F32
+            : t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16 || ggml_is_quantized(t->type);
+        if (!ok_type) {
+            throw std::runtime_error("tensor " + name + " has type " + ggml_type_name(t->type) + ", expected " +
+                                     (shape.size() == 1 ? "f32" : "a float or quantized type"));
+        }
         for (int i = 0; i < GGML_MAX_DIMS; ++i) {
             const int64_t want = i < (int) shape.size() ? shape[i] : 1;
             if (t->ne[i] != want) {
@@ -208,6 +218,23 @@ void Model::read_hparams(gguf_context * g) {
     }
     if (hp_.n_layer <= 0 || hp_.n_embd <= 0 || hp_.n_head <= 0 || hp_.n_head_kv <= 0 || hp_.n_head % hp_.n_head_kv != 0) {
         throw std::runtime_error("GGUF hyperparameters are inconsistent (n_layer, n_embd, n_head, n_head_kv)");
+    }
+    // ggml asserts (aborts the process) on what follows, so a bad file must be refused here.
+    if (hp_.n_layer > gguf_get_n_tensors(g)) {
+        throw std::runtime_error("GGUF " + a + "block_count=" + std::to_string(hp_.n_layer) + " but the file has only " +
+                                 std::to_string(gguf_get_n_tensors(g)) + " tensors");
+    }
+    if (hp_.head_dim_k <= 0 || hp_.head_dim_v <= 0) {
+        throw std::runtime_error("GGUF head sizes must be positive (key_length=" + std::to_string(hp_.head_dim_k) +
+                                 ", value_length=" + std::to_string(hp_.head_dim_v) + ")");
+    }
+    if (hp_.n_rot <= 0 || hp_.n_rot % 2 != 0 || hp_.n_rot > hp_.head_dim_k) {
+        throw std::runtime_error("GGUF " + a + "rope.dimension_count=" + std::to_string(hp_.n_rot) +
+                                 " must be even and in [2, head size " + std::to_string(hp_.head_dim_k) + "]");
+    }
+    if (!(hp_.rms_eps >= 0.0f) || !std::isfinite(hp_.rms_eps)) {
+        throw std::runtime_error("GGUF " + a + "attention.layer_norm_rms_epsilon=" + std::to_string(hp_.rms_eps) +
+                                 " must be finite and >= 0");
     }
 }
 

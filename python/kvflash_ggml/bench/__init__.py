@@ -1,0 +1,1 @@
+"""Benchmark helpers: random-weight GGUF models of any supported family and size."""
