@@ -92,12 +92,22 @@ def test_live_eviction_decodes_coherently_in_a_bounded_pool(smollm2, smollm2_voc
     bigger = _core.Session(smollm2, _core.SessionConfig(max_tokens=8192, pool_tokens=512))
     assert bigger.kv.device_bytes == pooled.kv.device_bytes
 
-    # Coherent: not a loop, and the full-cache model finds the continuation plausible
-    # (uniform random tokens score ~10.8 nats; fluent text from this model ~1-2).
-    grams = [tuple(generated[i:i + 4]) for i in range(len(generated) - 3)]
-    assert len(set(grams)) / len(grams) > 0.5, smollm2_vocab.detokenize(generated)
+    # Coherent: the full-cache model finds the continuation plausible (uniform random tokens score
+    # ~10.8 nats; fluent text ~1-2), and it loops no more than the full cache's own greedy continuation
+    # (greedy decoding of a 135M model over templated prose repeats itself even with every token resident).
     nll = mean_nll(smollm2, prompt, generated)
     assert nll < 3.0, (nll, smollm2_vocab.detokenize(generated))
+    full = _core.Session(smollm2, _core.SessionConfig(max_tokens=4096, pool_tokens=0))
+    logits, reference = full.forward(np.array(prompt, np.int32), 0), []
+    for _ in range(200):
+        reference.append(int(logits.argmax()))
+        logits = full.forward(np.array([reference[-1]], np.int32), full.n_tokens)
+    assert distinct_4grams(generated) >= 0.5 * distinct_4grams(reference), smollm2_vocab.detokenize(generated)
+
+
+def distinct_4grams(tokens):
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams)
 
 
 def test_tokenizer_matches_libllama_conventions(smollm2_vocab):

@@ -1,0 +1,149 @@
+"""The Python layer: sampling, streamed text, the llama-cpp-python-shaped API, the CLI, bad input."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvflash_ggml as kvf
+from kvflash_ggml.options import PoolConfig, SamplingParams
+from kvflash_ggml.sampling import Sampler
+from kvflash_ggml.tokenizer import TextStream
+
+
+# -- sampling and text streaming (no model) ------------------------------------------------------
+def test_greedy_is_argmax_and_seeded_sampling_repeats():
+    logits = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    assert Sampler(SamplingParams(temperature=0.0))(logits) == int(logits.argmax())
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1))(logits) == int(logits.argmax())
+    a = [Sampler(SamplingParams(temperature=1.0, seed=7))(logits) for _ in range(5)]
+    s = Sampler(SamplingParams(temperature=1.0, seed=7))
+    assert a[0] == s(logits)
+
+
+def test_min_p_and_top_p_cut_the_tail():
+    logits = np.array([10.0, 9.9, 0.0, -5.0], np.float32)
+    draws = {Sampler(SamplingParams(temperature=1.0, min_p=0.5, top_k=0, seed=i))(logits) for i in range(50)}
+    assert draws <= {0, 1}
+    draws = {Sampler(SamplingParams(temperature=1.0, top_p=0.1, min_p=0.0, top_k=0, seed=i))(logits) for i in range(50)}
+    assert draws == {0}
+
+
+def test_bad_sampling_params_raise():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+
+
+def test_text_stream_holds_back_partial_stop_and_split_utf8():
+    s = TextStream(["STOP"])
+    out = s.push(b"hello ST")
+    assert out == "hello "        # "ST" could still become "STOP"
+    assert s.push(b"OP and more") == "" and s.stopped
+    s = TextStream([])
+    euro = "€".encode()
+    assert s.push(euro[:2]) == "" and s.push(euro[2:]) == "€"
+
+
+def test_pool_config_resolution_and_errors():
+    assert PoolConfig(pool_tokens=None).resolved_pool_tokens() == 0
+    assert PoolConfig(n_ctx=8192, pool_tokens="auto").resolved_pool_tokens() == 4096
+    assert PoolConfig(n_ctx=100, pool_tokens="auto").resolved_pool_tokens() == 448   # the minimum
+    with pytest.raises(ValueError, match="pool_tokens"):
+        PoolConfig(pool_tokens=-3).resolved_pool_tokens()
+
+
+# -- the model API on SmolLM2 ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    with kvf.Model("smollm2", n_ctx=2048, pool_tokens=448, n_threads=2) as m:
+        yield m
+
+
+@pytest.mark.slow
+def test_completion_is_openai_shaped_and_greedy_deterministic(llm):
+    a = llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0)
+    b = llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0)
+    assert a["object"] == "text_completion" and a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert "Paris" in a["choices"][0]["text"]
+    usage = a["usage"]
+    assert usage["completion_tokens"] == 8 and usage["total_tokens"] == usage["prompt_tokens"] + 8
+    assert usage["kvflash"]["mode"] == "kvflash" and usage["kvflash"]["pool_tokens"] == 448
+    streamed = "".join(c["choices"][0]["text"] for c in
+                       llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0, stream=True))
+    assert streamed == a["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_chat_completion_uses_the_gguf_template(llm):
+    out = llm.create_chat_completion([{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0.0)
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"]["role"] == "assistant" and out["choices"][0]["message"]["content"]
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_extending_prompt_prefills_only_the_suffix(llm):
+    eng = llm.engine
+    first = llm.tokenize("A long time ago in a galaxy far, far away, there lived")
+    eng.prefill(first)
+    computes_before = eng.session.timings.n_computes
+    longer = first + llm.tokenize(" a small robot", add_bos=False)
+    logits_warm = eng.prefill(longer)
+    assert eng.session.timings.n_computes == computes_before + 1   # one batch: just the suffix
+    fresh = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, pool_tokens=448))
+    np.testing.assert_allclose(fresh.prefill(longer), logits_warm, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_stop_strings_end_generation(llm):
+    out = llm.create_completion("1, 2, 3, 4,", max_tokens=20, temperature=0.0, stop=[" 7"])
+    text = out["choices"][0]["text"]
+    assert out["choices"][0]["finish_reason"] == "stop" and " 7" not in text and "6" in text
+
+
+@pytest.mark.slow
+def test_bad_requests_raise_clear_errors(llm):
+    with pytest.raises(ValueError, match="exceeds n_ctx"):
+        llm.create_completion(list(range(10, 2100)), max_tokens=1)
+    with pytest.raises(ValueError, match="minimum"):
+        kvf.Model("smollm2", n_ctx=2048, pool_tokens=256)
+    with pytest.raises(ValueError, match="policy"):
+        kvf.Model("smollm2", policy="nonsense")
+    with pytest.raises(ValueError, match="trained context"):
+        kvf.Model("smollm2", n_ctx=1 << 20)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kvf.Model("/nonexistent/model.gguf")
+
+
+def test_non_gguf_and_truncated_files_raise(tmp_path, smollm2_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a gguf file at all" * 100)
+    with pytest.raises(RuntimeError, match="not a valid GGUF"):
+        kvf._core.Model(str(junk), backend="cpu")
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(20_000_000))
+    with pytest.raises(RuntimeError, match="truncated"):
+        kvf._core.Model(str(cut), backend="cpu")
+
+
+@pytest.mark.slow
+def test_cli_generate_prints_a_continuation():
+    proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "generate", "--model", "smollm2", "--prompt",
+                           "The capital of France is", "--max-tokens", "8", "--kvflash", "448", "--stats"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The capital of France is") and "Paris" in proc.stdout
+    assert json.loads(proc.stderr[proc.stderr.index("{"):])["pool_tokens"] == 448
+
+
+def test_cli_rejects_bad_flags():
+    proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "generate", "--prompt", "x", "--kvflash", "lots"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "expected N, 'auto' or 'off'" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "frobnicate"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown command" in proc.stderr
