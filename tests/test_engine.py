@@ -147,3 +147,14 @@ def test_cli_rejects_bad_flags():
     assert proc.returncode == 2 and "expected N, 'auto' or 'off'" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "frobnicate"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+@pytest.mark.slow
+def test_engine_generate_takes_text_tokens_or_messages(llm):
+    eng = llm.engine
+    by_text = [r.token for r in eng.generate("The capital of France is", max_tokens=5, temperature=0.0)]
+    by_tokens = [r.token for r in eng.generate(llm.tokenize("The capital of France is", special=True), max_tokens=5,
+                                                temperature=0.0)]
+    assert by_text == by_tokens and by_text[-1] is None and len(by_text) == 6
+    chat = list(eng.generate([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0))
+    assert chat[-1].finish_reason in ("stop", "length")

@@ -5,7 +5,7 @@ full); this module decides only what to feed and when to stop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -68,8 +68,13 @@ class Engine:
         self.history.append(int(token))
         return logits
 
-    def generate(self, prompt_tokens: Sequence[int], params: SamplingParams) -> Iterator[GenerationRecord]:
-        logits = self.prefill(prompt_tokens)
+    def generate(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]],
+                 params: Optional[SamplingParams] = None, **sampling) -> Iterator[GenerationRecord]:
+        """Stream records for a prompt given as text, token ids, or chat messages (rendered with the
+        GGUF's template). Sampling options come as a SamplingParams or as keywords (max_tokens,
+        temperature, top_k, top_p, min_p, seed, stop); temperature 0 is greedy and deterministic."""
+        params = params or SamplingParams(**sampling)
+        logits = self.prefill(self.prompt_tokens(prompt))
         sampler = Sampler(params)
         stream = TextStream(params.stop)
         finish = "length"
@@ -88,6 +93,15 @@ class Engine:
                 break
             logits = self.decode_one(token)
         yield GenerationRecord(None, stream.flush(), finish)
+
+    def prompt_tokens(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, parse_special=True)
+        prompt = list(prompt)
+        if prompt and isinstance(prompt[0], Mapping):
+            text = self.tokenizer.apply_chat_template(prompt)
+            return self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
+        return [int(t) for t in prompt]
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -77,9 +77,11 @@ class Model:
                                min_p: float = 0.05, seed: Optional[int] = None,
                                stop: Union[None, str, Sequence[str]] = None,
                                stream: bool = False) -> Union[dict, Iterator[dict]]:
-        text = self.tokenizer.apply_chat_template(messages, template=self.chat_template)
-        # the template writes BOS itself when the model wants one
-        tokens = self.tokenizer.encode(text, add_special=False, parse_special=True)
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, template=self.chat_template)
+            tokens = self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
+        else:
+            tokens = self.engine.prompt_tokens(list(messages))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()))
         chunks = self._completion_chunks(tokens, params, "chat.completion.chunk")

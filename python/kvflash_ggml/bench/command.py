@@ -1,0 +1,16 @@
+"""kvflash bench <name>: one module per benchmark, each with main()."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+BENCHES = {"decode": "kvflash_ggml.bench.decode"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: kvflash bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

@@ -1,0 +1,172 @@
+"""kvflash bench decode: decode tok/s vs context depth, ours (full cache and pooled) next to llama-bench.
+
+All figures come from one run on one machine: for each depth, our full-cache session, our pooled
+session and llama-bench (`-d depth`, same GGUF, same threads, flash attention on and off) decode
+--n-gen tokens after a depth-token prefill. Prints a table with the ratios, writes JSON and a PNG plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+CHUNK = 64
+
+
+def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
+    """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed beside the package, a build made by
+    scripts/build_llama_bench.sh, or llama-bench on PATH."""
+    candidates = [explicit, os.environ.get("KVFLASH_LLAMA_BENCH"),
+                  str(Path(__file__).resolve().parent.parent / "bin" / "llama-bench")]
+    candidates += [str(p) for p in sorted(Path.cwd().glob("build/llama-bench/**/llama-bench"))]
+    candidates.append(shutil.which("llama-bench"))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def time_decode(model, depth: int, n_gen: int, pool_tokens: int, kv_type: str, attention: str, seed: int) -> dict:
+    from .. import _core
+    n_ctx = -(-(depth + n_gen + 1) // CHUNK) * CHUNK
+    cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
+                              allow_beyond_train_ctx=True)
+    session = _core.Session(model, cfg)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32)
+    logits = session.forward(prompt, 0)   # depth tokens of context + the first decode input
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
+    dt = time.perf_counter() - t0
+    return {"tok_s": n_gen / dt, "device_kv_bytes": session.kv.device_bytes,
+            "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn}
+
+
+def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int) -> dict:
+    """{(depth, fa): tok/s} from one llama-bench call."""
+    cmd = [binary, "-m", model_path, "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
+           "-t", str(threads), "-fa", "0,1", "-r", "2", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
+    return {(int(r["n_depth"]), bool(r["flash_attn"])): float(r["avg_ts"]) for r in json.loads(proc.stdout)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvflash bench decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="GGUF path or known short name")
+    ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
+    ap.add_argument("--pool", type=int, default=512, help="KVFlash pool in tokens (default 512)")
+    ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per depth")
+    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
+    ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
+    ap.add_argument("--json", default="bench-out/decode.json", help="where to write the JSON")
+    ap.add_argument("--plot", default="bench-out/decode.png", help="where to write the PNG ('' = none)")
+    args = ap.parse_args(argv)
+    try:
+        depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    except ValueError:
+        ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
+    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0:
+        ap.error("depths must be >= 0, --n-gen and --pool positive")
+
+    from .. import _core
+    from ..model import resolve_model_path
+
+    binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
+    if not args.no_llama_bench and binary is None:
+        print("kvflash bench decode: llama-bench not found; build it with scripts/build_llama_bench.sh, pass "
+              "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
+        return 2
+    try:
+        path = resolve_model_path(args.model)
+        model = _core.Model(path, backend=args.backend, n_threads=args.threads)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"kvflash bench decode: {e}", file=sys.stderr)
+        return 2
+
+    rows = []
+    for d in depths:
+        row = {"depth": d}
+        for name, pool in (("full", 0), ("pooled", args.pool)):
+            row[name] = time_decode(model, d, args.n_gen, pool, args.kv_type, args.attention, seed=d)
+        rows.append(row)
+        print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
+              file=sys.stderr)
+    if binary:
+        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads)
+        for row in rows:
+            row["llama_fa0"] = ref.get((row["depth"], False))
+            row["llama_fa1"] = ref.get((row["depth"], True))
+    report = {"model": path, "pool": args.pool, "kv_type": args.kv_type, "threads": args.threads,
+              "n_gen": args.n_gen, "device": model.backend_name, "llama_bench": binary,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    print_table(report)
+    write_outputs(report, args.json, args.plot)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"model {Path(report['model']).name}, pool {report['pool']}, kv {report['kv_type']}, "
+          f"{report['threads']} threads, {report['device']}, n_gen {report['n_gen']}")
+    head = f"{'depth':>7} {'full':>8} {'pooled':>8} {'llama fa0':>10} {'llama fa1':>10} {'pooled/llama':>13} " \
+           f"{'full/llama':>11} {'dev KV MiB full/pooled':>23} {'host MiB':>9}"
+    print(head)
+    for r in report["rows"]:
+        best = max([x for x in (r.get("llama_fa0"), r.get("llama_fa1")) if x], default=None)
+        fmt = lambda x: f"{x:.1f}" if x else "-"
+        ratio = lambda a: f"{a / best:.2f}x" if best else "-"
+        print(f"{r['depth']:>7} {r['full']['tok_s']:>8.1f} {r['pooled']['tok_s']:>8.1f} {fmt(r.get('llama_fa0')):>10} "
+              f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
+              f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
+              f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f}")
+    print("ratios are against llama-bench's best (flash attention on or off) at the same depth")
+
+
+def write_outputs(report: dict, json_path: str, plot_path: str) -> None:
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}")
+    if not plot_path:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no plot written", file=sys.stderr)
+        return
+    depths = [r["depth"] for r in report["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(depths, [r["full"]["tok_s"] for r in report["rows"]], "o-", label="kvflash full cache")
+    ax.plot(depths, [r["pooled"]["tok_s"] for r in report["rows"]], "o-", label=f"kvflash pool {report['pool']}")
+    for key, label in (("llama_fa0", "llama-bench fa off"), ("llama_fa1", "llama-bench fa on")):
+        if any(r.get(key) for r in report["rows"]):
+            ax.plot(depths, [r.get(key) for r in report["rows"]], "s--", label=label)
+    ax.set_xlabel("context depth (tokens)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"{Path(report['model']).name} on {report['device']}, {report['threads']} threads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot_path, dpi=120, bbox_inches="tight")
+    print(f"wrote {plot_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
