@@ -279,12 +279,7 @@ Plan KvPager::plan_reselect(const std::vector<float> & scores) const {
     plan.n_tokens_after = n_tokens_;
     plan.scores         = scores;
     plan.sets_scores    = true;
-    std::vector<int64_t> need;
-    for (int64_t c = 0; c < n_chunks(); ++c) {
-        if (keep[c] && chunks_[c].block < 0) {
-            need.push_back(c);
-        }
-    }
+    const std::vector<int64_t> need = evicted_among(keep);
     // When the keep set fills the pool, making room for `need` evicts every resident chunk outside it.
     plan_residency(plan, need, keep, {});
     return plan;
@@ -343,14 +338,19 @@ Plan KvPager::plan_pin(int64_t lo, int64_t hi) const {
         }
     }
     const std::vector<uint8_t> keep = protected_mask(n_tokens_, c0, c1);
-    std::vector<int64_t> need;
-    for (int64_t c = 0; c < n_chunks(); ++c) {
-        if (keep[c] && chunks_[c].block < 0) {
-            need.push_back(c);
-        }
-    }
+    const std::vector<int64_t> need = evicted_among(keep);
     plan_residency(plan, need, keep, {});
     return plan;
+}
+
+std::vector<int64_t> KvPager::evicted_among(const std::vector<uint8_t> & keep) const {
+    std::vector<int64_t> out;
+    for (int64_t c = 0; c < n_chunks(); ++c) {
+        if (keep[c] && chunks_[c].block < 0) {
+            out.push_back(c);
+        }
+    }
+    return out;
 }
 
 // ---- mutators ---------------------------------------------------------------------------------------

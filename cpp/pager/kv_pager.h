@@ -174,6 +174,8 @@ private:
     void plan_residency(Plan & plan, const std::vector<int64_t> & need, const std::vector<uint8_t> & keep,
                         const std::vector<int64_t> & release) const;
     std::vector<int64_t> victims_in_order(const std::vector<uint8_t> & keep) const;
+    // Chunks with positions that `keep` marks but that are not resident (they must be paged in).
+    std::vector<int64_t> evicted_among(const std::vector<uint8_t> & keep) const;
     // The one eviction order: `candidates` sorted from first victim to last under `scores`.
     std::vector<int64_t> rank_for_eviction(std::vector<int64_t> candidates, const std::vector<float> & scores) const;
     // The one hand-out order: the blocks with is_free[b], in block_order_.
