@@ -51,6 +51,23 @@ void register_model(py::module_ & m) {
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
         .def_property_readonly("fingerprint", &Model::fingerprint);
     m.def("supported_archs", &supported_archs);
+    m.def("gpu_devices", [] {
+        // What backend="auto" can pick: every GPU device ggml was built with, with its memory now.
+        py::list out;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) continue;
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(dev, &free, &total);
+            py::dict d;
+            d["name"] = ggml_backend_dev_name(dev);
+            d["description"] = ggml_backend_dev_description(dev);
+            d["memory_free"] = free;
+            d["memory_total"] = total;
+            out.append(d);
+        }
+        return out;
+    }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
 
     py::class_<Vocab>(m, "Vocab")
         .def(py::init<const std::string &>(), py::arg("path"))
@@ -70,8 +87,8 @@ void register_model(py::module_ & m) {
         .def("meta", &Vocab::meta, py::arg("key"));
 
     py::class_<LlamaReference>(m, "LlamaReference")
-        .def(py::init<const std::string &, int, int, bool>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
-             py::arg("n_threads") = 2, py::arg("flash_attn") = false)
+        .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
+             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
         .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
                  std::vector<float> out;
                  { py::gil_scoped_release nogil; out = r.decode(tokens, all); }

@@ -13,7 +13,8 @@ namespace kvf {
 
 class LlamaReference {
 public:
-    LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn);
+    // n_gpu_layers: layers libllama offloads to a GPU (0: CPU only; large: everything), as llama.cpp's -ngl.
+    LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn, int n_gpu_layers = 0);
     ~LlamaReference();
     LlamaReference(const LlamaReference &) = delete;
     LlamaReference & operator=(const LlamaReference &) = delete;

@@ -1,8 +1,11 @@
 """kvflash bench decode: decode tok/s vs context depth, ours (full cache and pooled) next to llama-bench.
 
 All figures come from one run on one machine: for each depth, our full-cache session, our pooled
-session and llama-bench (`-d depth`, same GGUF, same threads, flash attention on and off) decode
---n-gen tokens after a depth-token prefill. Prints a table with the ratios, writes JSON and a PNG plot.
+session and llama-bench (`-d depth`, same GGUF, same threads) decode --n-gen tokens after a depth-token
+prefill (and WARMUP untimed steps, as llama-bench warms up too). llama-bench runs with flash attention
+on and off on the CPU, and on a GPU with what that backend prefers (flash attention on, every layer
+offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the prefill
+rates and, on a GPU, the device memory each session took) and a PNG plot.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 CHUNK = 64
+WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 
 
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
@@ -34,27 +38,47 @@ def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
     return None
 
 
+def gpu_free_bytes() -> Optional[int]:
+    from .. import _core
+    devices = _core.gpu_devices()
+    return devices[0]["memory_free"] if devices else None
+
+
 def time_decode(model, depth: int, n_gen: int, pool_tokens: int, kv_type: str, attention: str, seed: int) -> dict:
     from .. import _core
-    n_ctx = -(-(depth + n_gen + 1) // CHUNK) * CHUNK
+    n_ctx = -(-(depth + n_gen + WARMUP + 1) // CHUNK) * CHUNK
     cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                               allow_beyond_train_ctx=True)
+    free0 = gpu_free_bytes() if model.on_gpu else None
     session = _core.Session(model, cfg)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32)
+    t0 = time.perf_counter()
     logits = session.forward(prompt, 0)   # depth tokens of context + the first decode input
+    t_prefill = time.perf_counter() - t0
+    for _ in range(WARMUP):
+        logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
+    paging0 = session.timings.t_paging_ms
     t0 = time.perf_counter()
     for _ in range(n_gen):
         logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
     dt = time.perf_counter() - t0
-    return {"tok_s": n_gen / dt, "device_kv_bytes": session.kv.device_bytes,
-            "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn}
+    out = {"tok_s": n_gen / dt, "prefill_tok_s": (depth + 1) / t_prefill, "device_kv_bytes": session.kv.device_bytes,
+           "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn,
+           "decode_paging_ms": session.timings.t_paging_ms - paging0}
+    if free0 is not None:
+        out["device_bytes_taken"] = free0 - gpu_free_bytes()   # pool + compute buffers, measured by the driver
+    return out
 
 
-def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int) -> dict:
+def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
+                    on_gpu: bool) -> dict:
     """{(depth, fa): tok/s} from one llama-bench call."""
     cmd = [binary, "-m", model_path, "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
-           "-t", str(threads), "-fa", "0,1", "-r", "2", "-o", "json"]
+           "-t", str(threads), "-r", "2", "-o", "json"]
+    # CPU: both attention paths (the faster one differs with depth). GPU: all layers offloaded and flash
+    # attention on, what the CUDA backend prefers and what our backend="auto" runs.
+    cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
@@ -106,14 +130,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row[name] = time_decode(model, d, args.n_gen, pool, args.kv_type, args.attention, seed=d)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
     if binary:
-        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads)
+        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu)
         for row in rows:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
+    gpus = _core.gpu_devices() if model.on_gpu else []
     report = {"model": path, "pool": args.pool, "kv_type": args.kv_type, "threads": args.threads,
-              "n_gen": args.n_gen, "device": model.backend_name, "llama_bench": binary,
+              "n_gen": args.n_gen, "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""),
+              "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     print_table(report)
     write_outputs(report, args.json, args.plot)

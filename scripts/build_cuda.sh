@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build and install kvflash-ggml with ggml's CUDA backend on a GPU machine, in one step, together with
+# llama-bench from the same build: one ggml-cuda compile serves both (building llama-bench separately with
+# scripts/build_llama_bench.sh -DKVFLASH_CUDA=ON would compile ggml-cuda a second time). The wheel puts
+# llama-bench into kvflash_ggml/bin, where `kvflash bench decode` finds it.
+#
+# Usage: scripts/build_cuda.sh [LLAMA_TREE.tar.xz]
+#   LLAMA_TREE.tar.xz: a third_party/llama.cpp tree packed by scripts/pack_llama_tree.sh, unpacked first
+#   when the tree is missing; it carries the .kvflash-source stamp, so CMake does not fetch (a machine that
+#   reaches no package registry can build). Without it the tree must be present or CMake fetches it.
+# Environment: CMAKE_CUDA_ARCHITECTURES (default 90: H100/H200 only), BUILD_JOBS (default: all cores).
+# Incremental: the build folder (build/<wheel tag>) is kept, so a second run recompiles only what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -f third_party/llama.cpp/.kvflash-source ]; then
+    if [ $# -ge 1 ]; then
+        rm -rf third_party/llama.cpp && mkdir -p third_party && tar xJf "$1" -C third_party
+    fi
+fi
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+jobs=${BUILD_JOBS:-$(nproc)}
+arch=${CMAKE_CUDA_ARCHITECTURES:-90}
+# CMakeLists.txt keeps GGML_CUDA_FA_ALL_QUANTS off: only the f16/q8_0/q4_0 flash-attention pairs get built.
+KVFLASH_CUDA=ON KVFLASH_LLAMA_BENCH=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+    python3 -m pip install -v --no-build-isolation --no-deps --no-cache-dir \
+    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Cbuild.verbose=true .
+python3 -c 'import kvflash_ggml, kvflash_ggml._core as c; print("installed", kvflash_ggml.__file__, c.gpu_devices())'

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# What ran on the lent H100 for docs/RESULTS.md, phase by phase, each phase's log under $OUT.
+#
+#   scripts/gpu_session.sh PHASE...     phases run in the order given:
+#     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
+#     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA)
+#     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
+#     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
+#     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
+#     profile      per-kernel GPU time of decode steps under ncu: ours (full, pooled) and llama-bench
+#
+# Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
+# pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
+# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, POOL.
+# KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
+# only get a new mtime, so a kept build folder recompiles only what changed), then run from KVF_DIR.
+set -uo pipefail
+if [ -n "${KVF_SRC:-}" ]; then
+    python3 - "$KVF_SRC" "$KVF_DIR" <<'PY'
+import filecmp, os, shutil, sys
+src, dst = sys.argv[1:3]
+n = 0
+for root, _, files in os.walk(src):
+    for f in files:
+        s = os.path.join(root, f)
+        d = os.path.join(dst, os.path.relpath(s, src))
+        if not os.path.exists(d) or not filecmp.cmp(s, d, shallow=False):
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            shutil.copyfile(s, d)
+            shutil.copymode(s, d)
+            n += 1
+print(f"synced {n} changed files into {dst}")
+open("/tmp/kvf-synced", "w").write(str(n))
+PY
+    cd "$KVF_DIR"
+else
+    cd "$(dirname "$0")/.."
+fi
+OUT=${OUT:-$PWD/gpu-out}
+CARRY=${CARRY:-$PWD/.devcarry}
+MODEL=${MODEL:-/tmp/l8b.gguf}
+DEPTHS=${DEPTHS:-0,4096,32768,65536,131072}
+N_GEN=${N_GEN:-64}
+POOL=${POOL:-4096}
+mkdir -p "$OUT"
+t0=$(date +%s)
+log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
+
+if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$CARRY"/whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+
+need_model() {
+    [ -f "$MODEL" ] || python3 -m kvflash_ggml.bench.random_gguf "$MODEL" --shape llama3-8b --type q4_0 2>&1 | tee -a "$OUT/session.log"
+}
+
+for phase in "$@"; do
+    log "phase $phase"
+    case $phase in
+    build)
+        if [ "$(cat /tmp/kvf-synced 2>/dev/null)" = 0 ] && python3 -c "import kvflash_ggml._core as c; assert c.gpu_devices()" 2>/dev/null; then
+            log "build: nothing changed since the last build on this machine"; continue
+        fi
+        if ! bash scripts/build_cuda.sh "$CARRY/llama.cpp.tar.xz" > "$OUT/build.log" 2>&1; then
+            tail -40 "$OUT/build.log"; log "build FAILED"; exit 1
+        fi
+        grep -E "^\[[0-9]+/[0-9]+\]" "$OUT/build.log" | tail -1; tail -2 "$OUT/build.log" ;;
+    check)
+        { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
+          nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee -a "$OUT/session.log"
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error" ;;
+    bench-small)
+        need_model
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --pool "$POOL" --n-gen 32 \
+            --json "$OUT/decode-small.json" --plot "" 2>&1 | tee -a "$OUT/bench.log" ;;
+    bench)
+        need_model
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --pool "$POOL" --n-gen "$N_GEN" \
+            --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+    order)
+        need_model
+        python3 scripts/profile_decode.py --model "$MODEL" --depth 8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
+    profile)
+        need_model
+        for mode in full pooled; do
+            ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \
+                python3 scripts/profile_decode.py --model "$MODEL" --depth 4096 --pool "$POOL" --mode $mode --steps 4 --cuda-profiler \
+                > "$OUT/ncu-$mode.log" 2>&1; tail -3 "$OUT/ncu-$mode.log"
+        done ;;
+    *) log "unknown phase $phase"; exit 2 ;;
+    esac
+done
+log "done"
