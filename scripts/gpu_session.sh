@@ -7,7 +7,8 @@
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the grid (DEPTHS, N_GEN)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
-#     profile      per-kernel GPU time of decode steps under ncu: ours (full, pooled) and llama-bench
+#     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
+#                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
 # pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
@@ -70,7 +71,7 @@ for phase in "$@"; do
     check)
         { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
           nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee -a "$OUT/session.log"
-        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error" ;;
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
     bench-small)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --pool "$POOL" --n-gen 32 \
@@ -81,14 +82,19 @@ for phase in "$@"; do
             --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     order)
         need_model
-        python3 scripts/profile_decode.py --model "$MODEL" --depth 8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
+        python3 scripts/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
     profile)
         need_model
-        for mode in full pooled; do
-            ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \
-                python3 scripts/profile_decode.py --model "$MODEL" --depth 4096 --pool "$POOL" --mode $mode --steps 4 --cuda-profiler \
-                > "$OUT/ncu-$mode.log" 2>&1; tail -3 "$OUT/ncu-$mode.log"
-        done ;;
+        python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \
+            --runs full:0,pooled:0,full:4096,pooled:4096,pooled:8192 2>&1 | tee -a "$OUT/extra.log"
+        python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 16 --runs full:0,pooled:8192 \
+            --count-logs 2>&1 | tee -a "$OUT/extra.log"
+        ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \
+            python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --runs full:0 --steps 3 --cuda-profiler \
+            > "$OUT/ncu-ours.log" 2>&1; tail -3 "$OUT/ncu-ours.log"
+        lb=$(python3 -c 'from kvflash_ggml.bench.decode import find_llama_bench; print(find_llama_bench(None))')
+        ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$lb" -m "$MODEL" -p 0 -n 2 -r 1 -ngl 99 -fa 1 > "$OUT/ncu-llama.log" 2>&1; tail -3 "$OUT/ncu-llama.log" ;;
     *) log "unknown phase $phase"; exit 2 ;;
     esac
 done

@@ -11,6 +11,11 @@ weights; its flash attention works on F16 Q/K tiles with F32 softmax. Logits of 
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from kvflash_ggml import _core
@@ -29,14 +34,19 @@ TOL_QUANT = 3e-2
 # Same backend, same kernels, same shapes: only the pool placement differs (identity) -> exact.
 TOL_SAME = 1e-5
 
+# head_dim 64: ggml-cuda's flash attention has kernels for head sizes 64..256 (not the presets' 32, which
+# the scheduler would quietly run on the CPU), so these shapes put every op of ours on the GPU.
+H64 = dict(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512)
 VARIANTS = {
-    "llama-f32": ("tiny-llama", dict(weight_type="f32"), TOL_FLOAT),
-    "llama-f16": ("tiny-llama", dict(weight_type="f16"), TOL_FLOAT),
-    "llama-q8_0": ("tiny-llama", dict(weight_type="q8_0"), TOL_QUANT),
-    "llama-q4_0": ("tiny-llama", dict(weight_type="q4_0"), TOL_QUANT),
-    "qwen2-f32": ("tiny-qwen2", dict(weight_type="f32"), TOL_FLOAT),
-    "qwen3-f32": ("tiny-qwen3", dict(weight_type="f32"), TOL_FLOAT),
-    "llama-tied": ("tiny-llama", dict(tied_embeddings=True), TOL_FLOAT),
+    "llama-f32": ("tiny-llama", dict(weight_type="f32", **H64), TOL_FLOAT),
+    "llama-f16": ("tiny-llama", dict(weight_type="f16", **H64), TOL_FLOAT),
+    "llama-q8_0": ("tiny-llama", dict(weight_type="q8_0", **H64), TOL_QUANT),
+    "llama-q4_0": ("tiny-llama", dict(weight_type="q4_0", **H64), TOL_QUANT),
+    "qwen2-f32": ("tiny-qwen2", dict(weight_type="f32", **H64), TOL_FLOAT),
+    "qwen3-f32": ("tiny-qwen3", dict(weight_type="f32", n_embd=128, n_head=4, n_head_kv=2, head_dim=64,
+                                     n_ff=256), TOL_FLOAT),
+    "llama-tied": ("tiny-llama", dict(tied_embeddings=True, **H64), TOL_FLOAT),
+    "llama-hd32": ("tiny-llama", dict(weight_type="f32"), TOL_FLOAT),   # flash attention falls back to CPU
 }
 
 
@@ -86,9 +96,16 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
 
 
+def report(line: str) -> None:
+    print(line)
+    if os.environ.get("KVFLASH_CUDA_REPORT"):
+        with open(os.environ["KVFLASH_CUDA_REPORT"], "a") as f:
+            f.write(line + "\n")
+
+
 def assert_close(name: str, ours: np.ndarray, ref: np.ndarray, tol: float) -> None:
     diff = max_diff(ours, ref)
-    print(f"CUDA-DIFF {name}: max|diff| {diff:.3g} (tol {tol:g})")
+    report(f"CUDA-DIFF {name}: max|diff| {diff:.3g} (tol {tol:g})")
     assert diff <= tol, f"{name}: max |logit diff| {diff:.3g} > {tol:g}"
     # greedy choices agree wherever the reference's top-2 margin is clearly above the tolerance
     top2 = np.sort(ref, -1)[:, -2:]
@@ -99,12 +116,14 @@ def assert_close(name: str, ours: np.ndarray, ref: np.ndarray, tol: float) -> No
 def test_auto_backend_picks_the_gpu(model_path):
     model = _core.Model(model_path("llama-f32"), backend="auto")
     assert model.on_gpu and model.backend_name.startswith("CUDA")
-    sess = _core.Session(model, _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=256))
+    sess = _core.Session(model, _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=512))
     assert sess.flash_attn   # auto picks flash attention on the GPU
+    assert not sess.ordered_attention   # auto: slot order on the GPU (no per-step copy of the pool)
+    assert sess.kv.pinned_host
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_full_cache_cuda_matches_cpu_and_libllama_cuda(model_path, variant):
+def test_full_cache_cuda_matches_cpu_and_libllama_cuda(model_path, variant, tmp_path):
     path = model_path(variant)
     tol = VARIANTS[variant][2]
     cpu = _core.Model(path, backend="cpu", n_threads=4)
@@ -116,9 +135,37 @@ def test_full_cache_cuda_matches_cpu_and_libllama_cuda(model_path, variant):
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(max_tokens=MAX_TOKENS, attention="matmul"), prompt, fed)
     assert_close(f"{variant} ours-cuda vs ours-cpu", ours_gpu, ours_cpu, tol)
 
-    ref = _core.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=4, flash_attn=True, n_gpu_layers=999)
-    theirs = [ref.decode(prompt.tolist(), all_logits=True)] + [ref.decode([t])[None, :] for t in fed]
-    assert_close(f"{variant} ours-cuda vs libllama-cuda", ours_gpu, np.concatenate(theirs), tol)
+    theirs = libllama_cuda(path, prompt, fed, tmp_path)
+    assert_close(f"{variant} ours-cuda vs libllama-cuda", ours_gpu, theirs, tol)
+
+
+# libllama on CUDA runs in a child process: if it crashes, this test fails with a backtrace (cuda-gdb
+# runs host code too) instead of taking the whole session down.
+_REF_CHILD = """
+import sys, numpy as np
+from kvflash_ggml import _core
+path, out = sys.argv[1], sys.argv[2]
+z = np.load(out + ".in.npz")
+ref = _core.LlamaReference(path, n_ctx=int(z["n_ctx"]), n_threads=4, flash_attn=True, n_gpu_layers=999)
+rows = [ref.decode(z["prompt"].tolist(), all_logits=True)] + [ref.decode([int(t)])[None, :] for t in z["fed"]]
+np.save(out, np.concatenate(rows))
+"""
+
+
+def libllama_cuda(path: str, prompt: np.ndarray, fed: list[int], tmp_path) -> np.ndarray:
+    out = str(tmp_path / "ref.npy")
+    np.savez(out + ".in.npz", prompt=prompt, fed=np.asarray(fed, np.int32), n_ctx=MAX_TOKENS)
+    cmd = [sys.executable, "-c", _REF_CHILD, path, out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        bt = ""
+        if shutil.which("cuda-gdb"):
+            dbg = subprocess.run(["cuda-gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd],
+                                 capture_output=True, text=True, timeout=300)
+            bt = "\n".join(l for l in dbg.stdout.splitlines() if l.startswith(("#", "Thread", "Program", "signal")))
+        report(f"CUDA-REF-CRASH rc={proc.returncode}\n{proc.stderr[-3000:]}\n{bt}")
+        pytest.fail(f"libllama on CUDA failed (rc {proc.returncode}); backtrace in the report")
+    return np.load(out)
 
 
 def test_cuda_matmul_attention_matches_flash(model_path):
@@ -145,7 +192,7 @@ def test_pooled_identity_equals_full_cache_on_cuda(model_path, kv_type):
 
 @pytest.mark.parametrize("ordered", [True, False])
 def test_paging_on_cuda_matches_cpu(model_path, ordered):
-    """A pool far smaller than the context: page-outs during prefill and decode, page-ins from a reselect.
+    """A pool (512) far smaller than the context (932): page-outs during prefill and decode, page-ins from a reselect.
     The pager is deterministic, so CPU and CUDA evict the same chunks; logits must agree within the
     float tolerance, and every resident chunk that has a host image must hold exactly its bytes."""
     path = model_path("llama-f32")
@@ -153,12 +200,13 @@ def test_paging_on_cuda_matches_cpu(model_path, ordered):
     gpu = _core.Model(path, backend="cuda")
     prompt = prompt_for(cpu.hparams.n_vocab, n=900)
     fed = greedy_tokens(cpu, _core.SessionConfig(max_tokens=1024, attention="matmul"), prompt)
-    kw = dict(max_tokens=1024, pool_tokens=384, n_batch=128, ordered_attention=ordered)
+    kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128, ordered_attention=ordered)
     ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
     stats = sess.pager.stats()
     assert stats.page_outs > 0 and stats.page_ins > 0, stats
-    assert_close(f"llama-f32 pool 384 ordered={ordered} cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
+    assert sess.kv.pinned_host   # images in page-locked memory, copies queued asynchronously
+    assert_close(f"llama-f32 pool 512 ordered={ordered} cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
     valid = sess.pager.chunk_host_valid()
     checked = 0
     for c, b in enumerate(sess.pager.chunk_blocks()):
@@ -171,11 +219,11 @@ def test_paging_on_cuda_matches_cpu(model_path, ordered):
 def test_device_kv_is_the_pool(model_path):
     gpu = _core.Model(model_path("llama-f32"), backend="cuda")
     free0 = _core.gpu_devices()[0]["memory_free"]
-    sess = _core.Session(gpu, _core.SessionConfig(max_tokens=4096, pool_tokens=256))
+    sess = _core.Session(gpu, _core.SessionConfig(max_tokens=4096, pool_tokens=512))
     sess.forward(prompt_for(gpu.hparams.n_vocab, n=2000), 0)
     hp = gpu.hparams
-    pool_bytes = 256 * hp.n_layer * (hp.head_dim_k + hp.head_dim_v) * hp.n_head_kv * 2   # f16
+    pool_bytes = 512 * hp.n_layer * (hp.head_dim_k + hp.head_dim_v) * hp.n_head_kv * 2   # f16
     assert sess.kv.device_bytes == pool_bytes
     assert sess.pager.host_bytes() > 0
     used = free0 - _core.gpu_devices()[0]["memory_free"]
-    print(f"CUDA-MEM pool {pool_bytes} B, device memory taken by the session {used} B")
+    report(f"CUDA-MEM pool {pool_bytes} B, device memory taken by the session {used} B")

@@ -34,6 +34,7 @@ void register_kv(py::module_ & m) {
             kv.write_block(b, std::vector<uint8_t>(s.begin(), s.end()));
         }, py::arg("block"), py::arg("data"))
         .def("has_host_image", &PooledKV::has_host_image, py::arg("chunk"))
+        .def_property_readonly("pinned_host", &PooledKV::pinned_host)
         .def("host_image", [](const PooledKV & kv, int64_t c) { return to_bytes(kv.host_image(c)); }, py::arg("chunk"));
 
     py::class_<CpuPooledKV>(m, "CpuPooledKV")

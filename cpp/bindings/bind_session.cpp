@@ -5,6 +5,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 namespace kvf::bind {
 
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
@@ -13,20 +15,23 @@ void register_session(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
                          int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
-                         bool ordered) {
+                         std::optional<bool> ordered) {
                  return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
-                                      tail_chunks, allow, ordered};
+                                      tail_chunks, allow, ordered ? (int) *ordered : -1};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
              py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
-             py::arg("ordered_attention") = true)
+             py::arg("ordered_attention") = py::none())
         .def_readonly("max_tokens", &SessionConfig::max_tokens)
         .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
         .def_readonly("kv_type", &SessionConfig::kv_type)
         .def_readonly("attention", &SessionConfig::attention)
         .def_readonly("n_batch", &SessionConfig::n_batch)
-        .def_readonly("ordered_attention", &SessionConfig::ordered_attention);
+        .def_property_readonly("ordered_attention", [](const SessionConfig & c) -> std::optional<bool> {
+            if (c.ordered_attention < 0) return std::nullopt;   // auto: on for CPU, off for GPU
+            return c.ordered_attention != 0;
+        });
 
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
@@ -54,6 +59,7 @@ void register_session(py::module_ & m) {
         .def_property_readonly("n_tokens", &Session::n_tokens)
         .def_property_readonly("full_cache", &Session::full_cache)
         .def_property_readonly("flash_attn", &Session::flash_attn)
+        .def_property_readonly("ordered_attention", &Session::ordered_attention)
         .def_property_readonly("config", &Session::config)
         .def_property_readonly("timings", &Session::timings)
         .def_property_readonly("pager", &Session::pager, py::return_value_policy::reference_internal)

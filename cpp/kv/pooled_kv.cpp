@@ -1,5 +1,8 @@
 #include "kv/pooled_kv.h"
 
+#include "ggml-cpu.h"
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -16,7 +19,20 @@ ggml_type kv_type_from_name(const std::string & name) {
     throw std::invalid_argument("unknown kv_type '" + name + "' (expected f16, q8_0, q4_0, bf16 or f32)");
 }
 
-PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout) {
+namespace {
+
+constexpr size_t k_max_slab_bytes = 256u << 20;   // host store grows in slabs up to this size (pinning is slow)
+
+// The host buffer type of the backend's device: pinned memory for a GPU, nullptr when there is none.
+ggml_backend_buffer_type_t pinned_buffer_type(ggml_backend_t backend) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return nullptr;
+    return ggml_backend_dev_host_buffer_type(dev);
+}
+
+}  // namespace
+
+PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout), backend_(backend) {
     const auto & L = layout_;
     if (L.n_layer <= 0 || L.n_embd_k <= 0 || L.n_embd_v <= 0) {
         throw std::invalid_argument("PooledKV: n_layer, n_embd_k and n_embd_v must be positive");
@@ -47,9 +63,12 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
     }
     // Empty slots are masked, but -inf * garbage could still poison a sum: start from zeros.
     ggml_backend_buffer_clear(buf_, 0);
+    can_pin_ = pinned_buffer_type(backend) != nullptr;
 }
 
 PooledKV::~PooledKV() {
+    synchronize();   // no copy may still be writing into a slab or reading a block that goes away
+    slabs_.clear();
     if (buf_) ggml_backend_buffer_free(buf_);
     if (ctx_) ggml_free(ctx_);
 }
@@ -62,6 +81,43 @@ int64_t PooledKV::chunk_bytes() const {
 int64_t PooledKV::device_bytes() const { return chunk_bytes() * (layout_.pool_tokens / layout_.chunk_tokens); }
 
 int64_t PooledKV::host_bytes() const { return (int64_t) host_.size() * chunk_bytes(); }
+
+void PooledKV::synchronize() const {
+    if (backend_) ggml_backend_synchronize(backend_);
+}
+
+uint8_t * PooledKV::image_for(int64_t chunk) {
+    auto it = host_.find(chunk);
+    if (it != host_.end()) return it->second;
+    if (free_slots_.empty()) {
+        // Grow geometrically (4, 8, 16, ... slots) up to k_max_slab_bytes, so tiny models pin little.
+        const size_t slot = (size_t) chunk_bytes();
+        const size_t n_slots = std::max<size_t>(1, std::min(k_max_slab_bytes / slot, (size_t) 4 << slabs_.size()));
+        ggml_backend_buffer_t b = nullptr;
+        if (can_pin_) {
+            b = ggml_backend_buft_alloc_buffer(pinned_buffer_type(backend_), n_slots * slot);
+            if (!b) can_pin_ = false;   // out of pinned memory: carry on with pageable slabs
+        }
+        if (b) pinned_ = true;
+        if (!b) b = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), n_slots * slot);
+        if (!b) throw std::runtime_error("PooledKV: out of host memory for the host store");
+        slabs_.emplace_back(b, ggml_backend_buffer_free);
+        auto * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(b));
+        for (size_t i = n_slots; i-- > 0;) free_slots_.push_back(base + i * slot);
+    }
+    uint8_t * p = free_slots_.back();
+    free_slots_.pop_back();
+    host_.emplace(chunk, p);
+    return p;
+}
+
+void PooledKV::release_image(int64_t chunk) {
+    // No wait needed: a later copy into this slot is queued behind any copy still using it.
+    auto it = host_.find(chunk);
+    if (it == host_.end()) return;
+    free_slots_.push_back(it->second);
+    host_.erase(it);
+}
 
 template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn) const {
     if (block < 0 || block >= layout_.pool_tokens / layout_.chunk_tokens) {
@@ -78,7 +134,7 @@ template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn) c
 }
 
 void PooledKV::execute(const Plan & plan) {
-    const size_t n = (size_t) chunk_bytes();
+    // Queued on the backend's stream (plain copies on the CPU backend); see the header.
     for (const ChunkMove & m : plan.page_outs) {
         if (!m.copy) {
             if (!host_.count(m.chunk)) {
@@ -87,10 +143,9 @@ void PooledKV::execute(const Plan & plan) {
             }
             continue;
         }
-        std::vector<uint8_t> & image = host_[m.chunk];
-        image.resize(n);
+        uint8_t * image = image_for(m.chunk);
         for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
-            ggml_backend_tensor_get(t, image.data() + img_off, off, size);
+            ggml_backend_tensor_get_async(backend_, t, image + img_off, off, size);
         });
     }
     for (const ChunkMove & m : plan.page_ins) {
@@ -99,15 +154,16 @@ void PooledKV::execute(const Plan & plan) {
             throw std::logic_error("PooledKV: page-in of chunk " + std::to_string(m.chunk) + " with no host image");
         }
         for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
-            ggml_backend_tensor_set(t, it->second.data() + img_off, off, size);
+            ggml_backend_tensor_set_async(backend_, t, it->second + img_off, off, size);
         });
     }
-    for (int64_t c : plan.dropped) host_.erase(c);
+    for (int64_t c : plan.dropped) release_image(c);
     // A chunk being (re)written invalidates its image; the pager forgets it too (copy=true next time).
-    for (const ChunkMove & m : plan.fresh) host_.erase(m.chunk);
+    for (const ChunkMove & m : plan.fresh) release_image(m.chunk);
 }
 
 std::vector<uint8_t> PooledKV::read_block(int64_t block) const {
+    synchronize();
     std::vector<uint8_t> out((size_t) chunk_bytes());
     for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
         ggml_backend_tensor_get(t, out.data() + img_off, off, size);
@@ -120,18 +176,24 @@ void PooledKV::write_block(int64_t block, const std::vector<uint8_t> & bytes) {
         throw std::invalid_argument("PooledKV: block image has " + std::to_string(bytes.size()) + " bytes, expected " +
                                     std::to_string(chunk_bytes()));
     }
+    synchronize();
     for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
         ggml_backend_tensor_set(t, bytes.data() + img_off, off, size);
     });
 }
 
-const std::vector<uint8_t> & PooledKV::host_image(int64_t chunk) const {
+std::vector<uint8_t> PooledKV::host_image(int64_t chunk) const {
     auto it = host_.find(chunk);
     if (it == host_.end()) throw std::out_of_range("PooledKV: no host image for chunk " + std::to_string(chunk));
-    return it->second;
+    synchronize();
+    return std::vector<uint8_t>(it->second, it->second + chunk_bytes());
 }
 
-void PooledKV::clear_host() { host_.clear(); }
+void PooledKV::clear_host() {
+    synchronize();
+    for (auto & [c, p] : host_) free_slots_.push_back(p);
+    host_.clear();
+}
 
 void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens, int64_t window,
                      ggml_fp16_t * out) {

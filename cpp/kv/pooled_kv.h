@@ -5,6 +5,14 @@
 // Layout (same for every architecture): per pooled layer, K is [n_embd_k, pool_tokens] and V is
 // [n_embd_v, pool_tokens] (ggml order: ne0 = row width, ne1 = slot), so one chunk of one layer is one
 // contiguous region of chunk_tokens rows and a page-out/page-in is one copy per layer per K/V.
+//
+// Host store: on a GPU backend the chunk images live in pinned (page-locked) host memory, handed out
+// from slabs of the device's host buffer type, and page-outs/page-ins are asynchronous copies queued
+// on the backend's stream, the stream the next forward runs on: stream order alone guarantees that a
+// page-out has read a block before the forward overwrites it and that a page-in has landed before the
+// forward reads it, so the host never waits for paging. It waits (synchronize()) only where it touches
+// images or blocks itself: host_image, read_block, write_block, clear_host, destruction. On the CPU
+// backend images are plain heap memory and copies are memcpy.
 #pragma once
 
 #include "pager/kv_pager.h"
@@ -13,6 +21,7 @@
 #include "ggml-backend.h"
 
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -53,18 +62,28 @@ public:
     std::vector<uint8_t> read_block(int64_t block) const;
     void write_block(int64_t block, const std::vector<uint8_t> & bytes);
     bool has_host_image(int64_t chunk) const { return host_.count(chunk) != 0; }
-    const std::vector<uint8_t> & host_image(int64_t chunk) const;
+    std::vector<uint8_t> host_image(int64_t chunk) const;
     void clear_host();
+    bool pinned_host() const { return !slabs_.empty() ? pinned_ : can_pin_; }   // images in page-locked memory
+    void synchronize() const;   // wait for every queued page-out/page-in
 
 private:
     // Visit every contiguous region of one block: fn(tensor, byte offset, byte size, offset in image).
     template <typename Fn> void for_each_region(int64_t block, Fn && fn) const;
+    uint8_t * image_for(int64_t chunk);   // the chunk's image slot, taken from the free slots if new
+    void release_image(int64_t chunk);
 
     KvLayout layout_;
+    ggml_backend_t backend_ = nullptr;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> k_, v_;
-    std::unordered_map<int64_t, std::vector<uint8_t>> host_;   // chunk -> image (chunk_bytes())
+
+    // Host store: fixed-size image slots carved out of slabs; chunk -> slot.
+    bool can_pin_ = false, pinned_ = false;
+    std::vector<std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)>> slabs_;
+    std::vector<uint8_t *> free_slots_;
+    std::unordered_map<int64_t, uint8_t *> host_;
 };
 
 // The F16 slot-space mask for one step, [n_kv, n_tokens] in ggml order (row i = query token i):

@@ -64,6 +64,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.pool_tokens = pc.pool_tokens;
     layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
     flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
+    ordered_ = cfg_.ordered_attention < 0 ? !model_->on_gpu() : cfg_.ordered_attention != 0;
 
     pc.validate();
     kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
@@ -71,9 +72,16 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     pager_ = std::make_unique<KvPager>(pc);
 
     std::vector<ggml_backend_t> backends = {model_->backend()};
-    if (model_->on_gpu()) backends.push_back(model_->cpu_backend());
+    std::vector<ggml_backend_buffer_type_t> bufts = {ggml_backend_get_default_buffer_type(model_->backend())};
+    if (model_->on_gpu()) {
+        // The step inputs (tokens, positions, slots, mask) live in the CPU backend's buffer and are
+        // copied to the GPU every step: from pinned memory, as llama.cpp does, those copies are DMA.
+        ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(model_->backend()));
+        backends.push_back(model_->cpu_backend());
+        bufts.push_back(host ? host : ggml_backend_get_default_buffer_type(model_->cpu_backend()));
+    }
     const size_t graph_size = std::max<size_t>(4096, (size_t) hp.n_layer * 64);
-    sched_ = ggml_backend_sched_new(backends.data(), nullptr, (int) backends.size(), graph_size, false, true);
+    sched_ = ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), graph_size, false, true);
     if (!sched_) throw std::runtime_error("could not create the ggml scheduler");
 }
 
@@ -129,7 +137,7 @@ Session::KeyOrder Session::key_order() const {
     KeyOrder o;
     const std::vector<int64_t> slot_pos = pager_->slot_positions();
     const int64_t n_slots = (int64_t) slot_pos.size();
-    o.gathered = cfg_.ordered_attention && !pager_->is_identity() && !ggml_is_quantized(kv_->layout().type_k) &&
+    o.gathered = ordered_ && !pager_->is_identity() && !ggml_is_quantized(kv_->layout().type_k) &&
                  !ggml_is_quantized(kv_->layout().type_v);
     if (!o.gathered) {
         int64_t last = -1;
