@@ -70,7 +70,9 @@ for phase in "$@"; do
         grep -E "^\[[0-9]+/[0-9]+\]" "$OUT/build.log" | tail -1; tail -2 "$OUT/build.log" ;;
     check)
         { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
-          nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee -a "$OUT/session.log"
+          nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"
+          so=$(python3 -c 'import kvflash_ggml._core as c; print(c.__file__)')
+          echo "libstdc++ symbols exported by _core: $(nm -D --defined-only "$so" | grep -c 'St6locale\|codecvt')"; } 2>&1 | tee -a "$OUT/session.log"
         python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
     bench-small)
         need_model

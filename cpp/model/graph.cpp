@@ -35,8 +35,12 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
     ggml_tensor * v_pool = g.kv->v(il);   // [n_embd_v, pool_tokens]
 
     // RoPE happened before this write, so a K row is position-independent and may live in any slot.
-    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, ggml_reshape_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens), g.in.slots));
-    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, ggml_reshape_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens), g.in.slots));
+    // Flattened with a view (not a reshape), as llama.cpp does: ggml-cuda fuses rope -> view -> set_rows
+    // into one kernel that writes the rotated K straight into the pool.
+    ggml_tensor * k_rows = ggml_view_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens, k->nb[2], 0);
+    ggml_tensor * v_rows = ggml_view_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens, v->nb[2], 0);
+    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, k_rows, g.in.slots));
+    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, v_rows, g.in.slots));
 
     if (g.in.kv_order) {
         // Attention sums over keys in slot order; once chunks sit in shuffled blocks that order differs

@@ -79,6 +79,7 @@ private:
     KeyOrder key_order() const;
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
     void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KeyOrder & order);
+    void read_logits(float * out);
 
     std::shared_ptr<Model> model_;
     SessionConfig cfg_;
@@ -96,6 +97,7 @@ private:
     int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
     std::vector<uint8_t> input_scratch_;
+    ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;
 };
 
