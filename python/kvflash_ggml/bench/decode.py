@@ -2,8 +2,8 @@
 
 All figures come from one run on one machine: for each depth, our full-cache session, our pooled
 session and llama-bench (`-d depth`, same GGUF, same threads) decode --n-gen tokens after a depth-token
-prefill (and WARMUP untimed steps, as llama-bench warms up too), REPS times; tok/s is the mean over the
-repetitions for both, as llama-bench reports it. llama-bench runs with flash attention
+prefill (and WARMUP untimed steps, as llama-bench warms up too), REPS times; tok/s is the median over the
+repetitions for both (llama-bench's per-repetition rates come from its JSON). llama-bench runs with flash attention
 on and off on the CPU, and on a GPU with what that backend prefers (flash attention on, every layer
 offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the prefill
 rates and, on a GPU, the device memory each session took) and a PNG plot.
@@ -24,7 +24,7 @@ import numpy as np
 
 CHUNK = 64
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
-REPS = 2     # timed windows of --n-gen tokens per measurement, as llama-bench -r 2
+REPS = 5     # timed windows of --n-gen tokens per measurement, and llama-bench -r 5; tok/s = their median
 
 
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
@@ -62,12 +62,12 @@ def time_decode(model, depth: int, n_gen: int, pool_tokens: int, kv_type: str, a
         logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
     paging0 = session.timings.t_paging_ms
     rates = []
-    for _ in range(REPS):   # like llama-bench -r: REPS windows of n_gen tokens, the mean of their rates
+    for _ in range(REPS):   # like llama-bench -r: REPS windows of n_gen tokens; the median of their rates
         t0 = time.perf_counter()
         for _ in range(n_gen):
             logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
         rates.append(n_gen / (time.perf_counter() - t0))
-    out = {"tok_s": float(np.mean(rates)), "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
+    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
            "device_kv_bytes": session.kv.device_bytes,
            "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn,
            "decode_paging_ms": session.timings.t_paging_ms - paging0}
@@ -87,7 +87,9 @@ def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
-    return {(int(r["n_depth"]), bool(r["flash_attn"])): float(r["avg_ts"]) for r in json.loads(proc.stdout)}
+    # the median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)
+    return {(int(r["n_depth"]), bool(r["flash_attn"])): float(np.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"])
+            for r in json.loads(proc.stdout)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -168,7 +170,8 @@ def print_table(report: dict) -> None:
               f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
               f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f}")
-    print("ratios are against llama-bench's best (flash attention on or off) at the same depth")
+    print(f"tok/s: median of {REPS} timed windows of n_gen tokens (llama-bench: of -r {REPS}); ratios are against "
+          "llama-bench's best (flash attention on or off) at the same depth")
 
 
 def write_outputs(report: dict, json_path: str, plot_path: str) -> None:
