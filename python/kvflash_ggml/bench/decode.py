@@ -2,11 +2,11 @@
 
 All figures come from one run on one machine: for each depth, our full-cache session, our pooled
 session and llama-bench (`-d depth`, same GGUF, same threads) decode --n-gen tokens after a depth-token
-prefill (and WARMUP untimed steps, as llama-bench warms up too), REPS times; tok/s is the median over the
-repetitions for both (llama-bench's per-repetition rates come from its JSON). llama-bench runs with flash attention
-on and off on the CPU, and on a GPU with what that backend prefers (flash attention on, every layer
-offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the prefill
-rates and, on a GPU, the device memory each session took) and a PNG plot.
+prefill (and WARMUP untimed steps, as llama-bench warms up too), REPS times; tok/s is the median over
+the repetitions for both (llama-bench's per-repetition rates come from its JSON). llama-bench runs with
+flash attention on and off on the CPU, and on a GPU with what that backend prefers (flash attention on,
+every layer offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the
+prefill rates and, on a GPU, the device memory each session took) and a PNG plot.
 """
 from __future__ import annotations
 
@@ -46,31 +46,41 @@ def gpu_free_bytes() -> Optional[int]:
     return devices[0]["memory_free"] if devices else None
 
 
-def time_decode(model, depth: int, n_gen: int, pool_tokens: int, kv_type: str, attention: str, seed: int) -> dict:
-    from .. import _core
+def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[int], kv_type: str,
+                attention: str, policy: str, tau: int, seed: int) -> dict:
+    """Prefill `depth` random tokens, then WARMUP untimed steps, then REPS timed windows of n_gen decode
+    steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
+    real use); tok/s is the median of the windows' rates."""
+    from ..engine import Engine
+    from ..options import PoolConfig
     n_ctx = -(-(depth + REPS * n_gen + WARMUP + 1) // CHUNK) * CHUNK
-    cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
-                              allow_beyond_train_ctx=True)
+    pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
+                      allow_beyond_train_ctx=True)
     free0 = gpu_free_bytes() if model.on_gpu else None
-    session = _core.Session(model, cfg)
+    engine = Engine(model, tokenizer, pool, policy=policy, tau=tau)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32)
     t0 = time.perf_counter()
-    logits = session.forward(prompt, 0)   # depth tokens of context + the first decode input
+    logits = engine.prefill(prompt.tolist())   # depth tokens of context + the first decode input
     t_prefill = time.perf_counter() - t0
     for _ in range(WARMUP):
-        logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
-    paging0 = session.timings.t_paging_ms
-    rates = []
+        logits = engine.decode_one(int(logits.argmax()))
+    before = engine.stats()
+    rates, t_decode = [], 0.0
     for _ in range(REPS):   # like llama-bench -r: REPS windows of n_gen tokens; the median of their rates
         t0 = time.perf_counter()
         for _ in range(n_gen):
-            logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
-        rates.append(n_gen / (time.perf_counter() - t0))
+            logits = engine.decode_one(int(logits.argmax()))
+        dt = time.perf_counter() - t0
+        rates.append(n_gen / dt)
+        t_decode += dt
+    after = engine.stats()
+    reselect_ms = sum(after[k] - before[k] for k in ("time_scoring_ms", "time_paging_ms"))
     out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
-           "device_kv_bytes": session.kv.device_bytes,
-           "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn,
-           "decode_paging_ms": session.timings.t_paging_ms - paging0}
+           "device_kv_bytes": after["device_kv_bytes"], "host_kv_bytes": after["host_kv_bytes"],
+           "flash_attn": engine.session.flash_attn, "reselects": after["reselects"] - before["reselects"],
+           "reselect_share": reselect_ms / (t_decode * 1e3),
+           "decode_paging_ms": after["time_paging_ms"] - before["time_paging_ms"]}
     if free0 is not None:
         out["device_bytes_taken"] = free0 - gpu_free_bytes()   # pool + compute buffers, measured by the driver
     return out
@@ -88,7 +98,8 @@ def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: 
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
     # the median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)
-    return {(int(r["n_depth"]), bool(r["flash_attn"])): float(np.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"])
+    return {(int(r["n_depth"]), bool(r["flash_attn"])):
+            float(np.median(r["samples_ts"])) if r.get("samples_ts") else float(r["avg_ts"])
             for r in json.loads(proc.stdout)}
 
 
@@ -101,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per depth")
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
+    ap.add_argument("--policy", default="lru", help="residency policy of the pooled run (lru, qk, quest)")
+    ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (adaptive minimum)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
@@ -117,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .. import _core
     from ..model import resolve_model_path
+    from ..policy import make_policy
+    from ..tokenizer import Tokenizer
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
     if not args.no_llama_bench and binary is None:
@@ -124,20 +139,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
         return 2
     try:
+        make_policy(args.policy)
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
+        tokenizer = Tokenizer(path)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench decode: {e}", file=sys.stderr)
         return 2
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
     # initialisation (llama-bench warms up before each test too).
-    time_decode(model, 0, 8, 0, args.kv_type, args.attention, seed=0)
+    time_decode(model, tokenizer, 0, 8, None, args.kv_type, args.attention, "lru", args.tau, seed=0)
     rows = []
     for d in depths:
         row = {"depth": d}
-        for name, pool in (("full", 0), ("pooled", args.pool)):
-            row[name] = time_decode(model, d, args.n_gen, pool, args.kv_type, args.attention, seed=d)
+        for name, pool, policy in (("full", None, "lru"), ("pooled", args.pool, args.policy)):
+            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, args.kv_type, args.attention, policy,
+                                    args.tau, seed=d)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
@@ -147,9 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
     gpus = _core.gpu_devices() if model.on_gpu else []
-    report = {"model": path, "pool": args.pool, "kv_type": args.kv_type, "threads": args.threads,
-              "n_gen": args.n_gen, "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""),
-              "llama_bench": binary,
+    report = {"model": path, "pool": args.pool, "policy": args.policy, "tau": args.tau, "kv_type": args.kv_type,
+              "threads": args.threads, "n_gen": args.n_gen,
+              "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     print_table(report)
     write_outputs(report, args.json, args.plot)
@@ -157,10 +175,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"model {Path(report['model']).name}, pool {report['pool']}, kv {report['kv_type']}, "
+    print(f"model {Path(report['model']).name}, pool {report['pool']} ({report['policy']}, tau {report['tau']}), "
+          f"kv {report['kv_type']}, "
           f"{report['threads']} threads, {report['device']}, n_gen {report['n_gen']}")
     head = f"{'depth':>7} {'full':>8} {'pooled':>8} {'llama fa0':>10} {'llama fa1':>10} {'pooled/llama':>13} " \
-           f"{'full/llama':>11} {'dev KV MiB full/pooled':>23} {'host MiB':>9}"
+           f"{'full/llama':>11} {'dev KV MiB full/pooled':>23} {'host MiB':>9} {'reselect %':>10}"
     print(head)
     for r in report["rows"]:
         best = max([x for x in (r.get("llama_fa0"), r.get("llama_fa1")) if x], default=None)
@@ -169,9 +188,10 @@ def print_table(report: dict) -> None:
         print(f"{r['depth']:>7} {r['full']['tok_s']:>8.1f} {r['pooled']['tok_s']:>8.1f} {fmt(r.get('llama_fa0')):>10} "
               f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
               f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
-              f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f}")
+              f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
     print(f"tok/s: median of {REPS} timed windows of n_gen tokens (llama-bench: of -r {REPS}); ratios are against "
-          "llama-bench's best (flash attention on or off) at the same depth")
+          "llama-bench's best (flash attention on or off) at the same depth; reselect % is the share of pooled "
+          "decode time spent scoring and paging")
 
 
 def write_outputs(report: dict, json_path: str, plot_path: str) -> None:
