@@ -6,6 +6,7 @@
 #include "snapshot/byte_io.h"
 
 #include <chrono>
+#include <cstdint>
 
 namespace kvf {
 
@@ -26,10 +27,16 @@ SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n
         r.fail("version " + std::to_string(version) + " is not supported (this build reads " +
                std::to_string(k_state_version) + ")");
     }
+    // Ranges wide enough for any real session, narrow enough that no product of them overflows before
+    // Session's own validation sees it (positions and slots are int32).
+    constexpr int64_t k_int32 = INT32_MAX, k_small = 1 << 20;
     SessionConfig c;
-    for (int64_t * f : {&c.max_tokens, &c.pool_tokens, &c.n_batch, &c.chunk_tokens, &c.sink_chunks, &c.tail_chunks}) {
-        *f = r.get<int64_t>("config");
-    }
+    c.max_tokens = r.i64_in("max_tokens", 1, k_int32);
+    c.pool_tokens = r.i64_in("pool_tokens", 0, k_int32);
+    c.n_batch = r.i64_in("n_batch", 1, k_int32);
+    c.chunk_tokens = r.i64_in("chunk_tokens", 1, k_small);
+    c.sink_chunks = r.i64_in("sink_chunks", 0, k_small);
+    c.tail_chunks = r.i64_in("tail_chunks", 0, k_small);
     c.kv_type = r.str("kv_type", 16);
     c.attention = r.str("attention", 16);
     c.allow_beyond_train_ctx = r.get<uint8_t>("allow_beyond_train_ctx") != 0;

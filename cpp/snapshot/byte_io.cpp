@@ -45,6 +45,11 @@ std::string ByteReader::str(const char * field, size_t max_len) {
     const uint32_t n = get<uint32_t>(field);
     if (n > max_len) fail(std::string(field) + " has length " + std::to_string(n) + " > " + std::to_string(max_len));
     const uint8_t * p = take(n, field);
+    // Saved strings are names (kv types, fingerprints): ASCII. Anything else is damage, and must not
+    // reach an error message, which Python decodes as UTF-8.
+    for (uint32_t i = 0; i < n; ++i) {
+        if (p[i] < 32 || p[i] > 126) fail(std::string(field) + " is not printable ASCII");
+    }
     return std::string(reinterpret_cast<const char *>(p), n);
 }
 

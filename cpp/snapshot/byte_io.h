@@ -71,7 +71,7 @@ public:
         std::memcpy(&v, take(sizeof v, field), sizeof v);
         return v;
     }
-    std::string str(const char * field, size_t max_len);
+    std::string str(const char * field, size_t max_len);   // printable ASCII only
     // An element count that must fit in what is left (elem_bytes each) and in [lo, hi].
     int64_t count(const char * field, size_t elem_bytes, int64_t lo = 0, int64_t hi = INT64_MAX);
     template <typename T> std::vector<T> array(const char * field, int64_t hi = INT64_MAX) {

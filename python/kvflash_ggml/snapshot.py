@@ -73,7 +73,7 @@ class PrefixCache:
     def __init__(self, directory: Union[str, os.PathLike], max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         if max_bytes <= 0:
             raise ValueError(f"prefix_cache_bytes must be positive, got {max_bytes}")
-        self.dir = Path(directory)
+        self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
 

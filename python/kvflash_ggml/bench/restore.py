@@ -1,6 +1,6 @@
 """kvflash bench restore: restore-consume vs cold re-prefill of a long prompt.
 
-A prompt of about --n-ctx tokens is split into a chunk-aligned prefix and a short suffix (--suffix).
+A prompt of about --n-ctx tokens (templated prose, or random ids) is split into a chunk-aligned prefix and a short suffix (--suffix).
 The prefix is prefilled once and saved as a snapshot file. Then, each from a new session:
   cold  prefill the whole prompt;
   warm  Session.restore(model, snapshot) + prefill only the suffix.
@@ -32,14 +32,28 @@ def greedy(session, logits, n_gen: int) -> list[int]:
     return out
 
 
+def make_prompt(model, args, n: int) -> np.ndarray:
+    """n tokens of templated prose (the model can predict it, so greedy agreement means something), or
+    of uniformly random ids with --prompt random."""
+    if args.prompt == "random":
+        rng = np.random.default_rng(args.seed)
+        return rng.integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
+    from .. import _core
+    from .prose import prose
+    vocab = _core.Vocab(model.path)
+    n_sentences = n // 10 + 8   # a sentence is ~15 tokens
+    while len(tokens := vocab.tokenize(prose(n_sentences, seed=args.seed), add_special=True)) < n:
+        n_sentences *= 2
+    return np.array(tokens[:n], np.int32)
+
+
 def run(model, args, snapshot: Path) -> dict:
     from .. import _core
     cfg = _core.SessionConfig(max_tokens=args.n_ctx, pool_tokens=args.pool, kv_type=args.kv_type,
                               attention=args.attention, allow_beyond_train_ctx=True)
     n_prompt = args.n_ctx - args.n_gen - 1
     n_prefix = (n_prompt - args.suffix) // CHUNK * CHUNK
-    rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(100, model.hparams.n_vocab - 100, n_prompt, dtype=np.int32)
+    prompt = make_prompt(model, args, n_prompt)
 
     t0 = time.perf_counter()
     saver = _core.Session(model, cfg)
@@ -87,6 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prompt", default="prose", choices=["prose", "random"], help="prompt text (default prose)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the snapshot is written (default: a temporary folder)")
     ap.add_argument("--json", default="bench-out/restore.json", help="where to write the JSON ('' = none)")
@@ -106,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         r = run(model, args, Path(tmp) / "prefix.kvf")
-    report = {"model": path, "n_ctx": args.n_ctx, "pool": args.pool, "kv_type": args.kv_type,
+    report = {"model": path, "n_ctx": args.n_ctx, "pool": args.pool, "kv_type": args.kv_type, "prompt": args.prompt,
               "threads": args.threads, "device": model.backend_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **r}
     print(f"model {Path(path).name}, n_ctx {args.n_ctx}, pool {args.pool or 'full'}, kv {args.kv_type}, "
           f"{args.threads} threads, {model.backend_name}")
