@@ -314,7 +314,7 @@ CONTINUE = textwrap.dedent("""
     import json, sys, numpy as np
     from kvflash_ggml import _core
     path, snapshot, first, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    s = _core.Session.restore(_core.Model(path, backend="cpu", n_threads=2), snapshot)
+    s = _core.Session.restore(_core.Model(path, backend="cpu", n_threads=1), snapshot)
     tok, out = first, []
     for _ in range(n):
         out.append(tok)
@@ -323,14 +323,20 @@ CONTINUE = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def smollm2_one_thread(smollm2_path):
+    # one thread: on the shared 2-core machine, decode ran 6x slower with two (OpenMP barrier waits)
+    return _core.Model(smollm2_path, backend="cpu", n_threads=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_smollm2_restore_in_a_fresh_process_continues_identically(smollm2, smollm2_path, smollm2_vocab,
+def test_smollm2_restore_in_a_fresh_process_continues_identically(smollm2_one_thread, smollm2_path, smollm2_vocab,
                                                                    kv_type, tmp_path):
     from corpus import prose
     cfg = _core.SessionConfig(max_tokens=4096, pool_tokens=512, kv_type=kv_type)
-    s = _core.Session(smollm2, cfg)
-    tokens = np.array(smollm2_vocab.tokenize(prose(300, seed=11), add_special=True)[:1500], np.int32)
+    s = _core.Session(smollm2_one_thread, cfg)
+    tokens = np.array(smollm2_vocab.tokenize(prose(300, seed=11), add_special=True)[:1200], np.int32)
     logits = s.forward(tokens, 0)
     for _ in range(60):   # mid-conversation: decoding, with live eviction
         logits = s.forward(np.array([int(logits.argmax())], np.int32), s.n_tokens)
