@@ -91,6 +91,41 @@ def test_restore_continues_bit_identically(model, kv_type, attention, ordered):
     assert ledger(r) == ledger(s)        # and both paged alike on the way
 
 
+def test_scorer_summaries_survive_a_restore(model):
+    # qk/quest must be warm after a restore: the saved summaries come back, not recomputed or lost
+    s, logits = busy_session(model, track_summaries=True)
+    r = _core.Session.from_bytes(model, s.to_bytes())
+    np.testing.assert_array_equal(r.mean_keys(), s.mean_keys())
+    tok = np.array([int(logits.argmax())], np.int32)
+    s.forward(tok, s.n_tokens)
+    r.forward(tok, r.n_tokens)
+    for kind in ("qk", "quest"):
+        a, b = s.chunk_scores(kind), r.chunk_scores(kind)
+        assert np.isfinite(a[:-1]).all()
+        np.testing.assert_array_equal(a, b)
+    # a prefix keeps the summaries of its own chunks only
+    p = _core.Session.from_bytes(model, s.to_bytes(prefix_chunks=4))
+    np.testing.assert_array_equal(p.mean_keys(), s.mean_keys()[:4])
+    # without saved summaries, a tracking session drops its own rather than keep ones of other chunks
+    plain = new_session(model)
+    plain.forward(prompt(300, seed=8), 0)
+    r.load_bytes(plain.to_bytes())
+    r.forward(tok, r.n_tokens)
+    assert np.isnan(r.chunk_scores("qk")).all()
+
+
+def test_query_aware_engine_continues_identically_after_load_state(tiny_gguf, tmp_path):
+    llm = tiny_llm(tiny_gguf, policy="qk", tau=8)
+    tokens_of(llm.engine, prompt(700).tolist(), 20)   # reselects after the prompt and every 8 tokens
+    assert llm.stats()["reselects"] > 0
+    llm.save_state(tmp_path / "qk.kvf")
+    extended = llm.engine.history + prompt(50, seed=5).tolist()
+    expected = tokens_of(llm.engine, extended, 30)
+    fresh = tiny_llm(tiny_gguf, policy="qk", tau=8)
+    fresh.load_state(tmp_path / "qk.kvf")
+    assert tokens_of(fresh.engine, extended, 30) == expected
+
+
 def test_restore_from_file_in_a_fresh_process(model, tiny_gguf, tmp_path):
     s, logits = busy_session(model)
     s.save(tmp_path / "s.kvf")

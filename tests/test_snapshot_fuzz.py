@@ -20,14 +20,15 @@ from kvflash_ggml import _core
 
 N_CASES = int(os.environ.get("KVFLASH_FUZZ_CASES", "10000"))
 WATCHDOG_S = 600
-CONFIG = dict(max_tokens=256, pool_tokens=128, chunk_tokens=16, kv_type="f16")
+CONFIG = dict(max_tokens=256, pool_tokens=128, chunk_tokens=16, kv_type="f16", track_summaries=True)
 INTERESTING = [0, 1, 2, 7, 8, 15, 16, 63, 64, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1,
                -1, -2, -16, -(2**31), -(2**63)]
 
 
 def base_snapshots(model):
     """Snapshots that use every part of the format: eviction, host-only chunks, a shuffled block order,
-    scores with a NaN, a pin ahead of the head, a partial head chunk, a prefix, an empty session."""
+    scores with a NaN, a pin ahead of the head, a partial head chunk, chunk summaries, a prefix, an
+    empty session."""
     rng = np.random.default_rng(0)
     s = _core.Session(model, _core.SessionConfig(**CONFIG))
     s.pager.set_block_order(rng.permutation(s.pager.n_blocks()).tolist())

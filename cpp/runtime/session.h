@@ -10,6 +10,7 @@
 #include "model/graph.h"
 #include "model/model.h"
 #include "pager/kv_pager.h"
+#include "scorer/chunk_summaries.h"
 
 #include <memory>
 #include <string>
@@ -33,11 +34,14 @@ struct SessionConfig {
     // Attend in position order once the mapping leaves identity (f16/f32 KV), so results do not depend
     // on which blocks chunks landed in. Costs one pool copy per layer per step; off = slot order.
     bool ordered_attention = true;
+    // Summarise each chunk when it is sealed (mean key, min/max) for the qk and quest scorers.
+    bool track_summaries = false;
 };
 
 struct SessionTimings {
     double t_paging_ms  = 0;   // executing page-outs/page-ins
     double t_compute_ms = 0;   // graph build/alloc + compute + logits read
+    double t_scoring_ms = 0;   // summarising sealed chunks (scoring itself is timed by the caller)
     int64_t n_computes  = 0;
     int64_t n_graph_builds = 0;
 };
@@ -57,6 +61,12 @@ public:
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     void reset();
 
+    // Post-RoPE queries of the last (up to 8) tokens of the latest step, per layer.
+    StepQueries queries() const;
+    // Per-chunk relevance for the latest step's queries ("qk" or "quest"); NaN where no summary exists.
+    std::vector<float> chunk_scores(const std::string & kind);
+    const ChunkSummaries * summaries() const { return summaries_.get(); }
+
     int64_t n_tokens() const { return pager_->n_tokens(); }
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
     bool full_cache() const { return full_cache_; }
@@ -74,11 +84,14 @@ public:
     void save_state(ByteWriter & w, int64_t n_tokens) const;
     static SessionConfig config_from(ByteReader & r, uint32_t version, int64_t & n_tokens);
     // Commit a validated snapshot: `pager` from pager().state_from, one image per chunk of it (from
-    // kv().state_from), and its n_tokens() tokens. Only allocation failures can throw here.
-    void restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens);
+    // kv().state_from), its n_tokens() tokens, and the saved summaries (from summaries()->state_from;
+    // null: none saved, so a session that tracks them starts over). Only allocation failures can throw.
+    void restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
+                       std::unique_ptr<ChunkSummaries> summaries);
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
+    void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
     void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out);
     // The key order of this step: per slot, the position it holds, as attention sees the keys.
     struct KeyOrder {
@@ -97,6 +110,7 @@ private:
     bool flash_attn_ = false;
     std::unique_ptr<KvPager> pager_;
     std::unique_ptr<PooledKV> kv_;
+    std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
     ggml_backend_sched_t sched_ = nullptr;
 
     // The current graph and its shape; rebuilt only when the shape changes.

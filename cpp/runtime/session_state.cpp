@@ -1,7 +1,8 @@
 // Session state for snapshots (see session.h).
 //
 // Layout, version 1: max_tokens, pool_tokens, n_batch, chunk_tokens, sink_chunks, tail_chunks (i64),
-// kv_type, attention (u32 length + bytes), allow_beyond_train_ctx, ordered_attention (u8), n_tokens (i64).
+// kv_type, attention (u32 length + bytes), allow_beyond_train_ctx, ordered_attention, track_summaries (u8),
+// n_tokens (i64).
 #include "runtime/session.h"
 #include "snapshot/byte_io.h"
 
@@ -19,6 +20,7 @@ void Session::save_state(ByteWriter & w, int64_t n_tokens) const {
     w.str(cfg_.attention);
     w.put<uint8_t>(cfg_.allow_beyond_train_ctx);
     w.put<uint8_t>(cfg_.ordered_attention);
+    w.put<uint8_t>(cfg_.track_summaries);
     w.put<int64_t>(n_tokens);
 }
 
@@ -41,15 +43,22 @@ SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n
     c.attention = r.str("attention", 16);
     c.allow_beyond_train_ctx = r.get<uint8_t>("allow_beyond_train_ctx") != 0;
     c.ordered_attention = r.get<uint8_t>("ordered_attention") != 0;
+    c.track_summaries = r.get<uint8_t>("track_summaries") != 0;
     n_tokens = r.i64_in("n_tokens", 0, c.max_tokens);
     return c;
 }
 
-void Session::restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens) {
+void Session::restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
+                            std::unique_ptr<ChunkSummaries> summaries) {
     const auto t0 = std::chrono::steady_clock::now();
     kv_->load_state(images, pager.chunk_blocks(), pager.chunk_host_valid());
     pager_->replace_state(std::move(pager));
     tokens_ = std::move(tokens);
+    if (summaries_ && summaries) {
+        summaries_ = std::move(summaries);
+    } else if (summaries_) {
+        summaries_->clear();   // the old ones describe other chunks
+    }
     timings_.t_paging_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -25,7 +25,7 @@ constexpr uint32_t tag_of(const char (&s)[5]) {
            (uint32_t) (uint8_t) s[3] << 24;
 }
 constexpr uint32_t k_modl = tag_of("MODL"), k_sess = tag_of("SESS"), k_toks = tag_of("TOKS"),
-                   k_pagr = tag_of("PAGR"), k_kvim = tag_of("KVIM");
+                   k_pagr = tag_of("PAGR"), k_summ = tag_of("SUMM"), k_kvim = tag_of("KVIM");
 
 std::string tag_name(uint32_t t) {
     std::string s = "'";
@@ -37,6 +37,7 @@ std::string tag_name(uint32_t t) {
 }
 
 struct Section {
+    bool present = false;
     uint32_t version = 0;
     const uint8_t * data = nullptr;
     size_t size = 0;
@@ -49,7 +50,7 @@ struct Parsed {
     SessionConfig config;
     int64_t n_tokens = 0;
     std::vector<int32_t> tokens;
-    Section pager, kv;
+    Section pager, summaries, kv;
 };
 
 std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
@@ -75,12 +76,13 @@ std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
     for (uint32_t i = 0; i < n_sections; ++i) {
         const uint32_t tag = body.get<uint32_t>("section tag");
         Section s;
+        s.present = true;
         s.version = body.get<uint32_t>("section version");
         const uint64_t length = body.get<uint64_t>("section length");
         if (length > body.remaining()) body.fail("truncated: section " + tag_name(tag) + " runs past the end");
         s.size = (size_t) length;
         s.data = body.take(s.size, "section");
-        if (tag != k_modl && tag != k_sess && tag != k_toks && tag != k_pagr && tag != k_kvim) {
+        if (tag != k_modl && tag != k_sess && tag != k_toks && tag != k_pagr && tag != k_summ && tag != k_kvim) {
             body.fail("unknown section " + tag_name(tag));
         }
         if (!sections.emplace(tag, s).second) body.fail("section " + tag_name(tag) + " appears twice");
@@ -123,6 +125,7 @@ Parsed parse(const uint8_t * data, size_t size) {
     }
     tr.expect_end();
     p.pager = sections[k_pagr];
+    p.summaries = sections[k_summ];   // optional: present when the saved session tracked summaries
     p.kv = sections[k_kvim];
     return p;
 }
@@ -168,7 +171,14 @@ void load_parsed(Session & s, const Parsed & p) {
     ByteReader kr(p.kv.data, p.kv.size, "KV section");
     const std::vector<const uint8_t *> images = s.kv().state_from(kr, p.kv.version, ledger.n_chunks());
     kr.expect_end();
-    s.restore_state(std::move(ledger), images, p.tokens);
+    std::unique_ptr<ChunkSummaries> summaries;
+    if (p.summaries.present && s.summaries()) {
+        ByteReader r(p.summaries.data, p.summaries.size, "summary section");
+        const int64_t n_sealed = ledger.n_tokens() / ledger.config().chunk_tokens;
+        summaries = std::make_unique<ChunkSummaries>(s.summaries()->state_from(r, p.summaries.version, n_sealed));
+        r.expect_end();
+    }
+    s.restore_state(std::move(ledger), images, p.tokens, std::move(summaries));
 }
 
 void write_section(ByteWriter & w, uint32_t tag, uint32_t version, const std::function<void(ByteWriter &)> & body) {
@@ -205,11 +215,16 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
 
     w.raw(k_magic, sizeof k_magic);
     w.put<uint32_t>(k_snapshot_format_version);
-    w.put<uint32_t>(5);
+    w.put<uint32_t>(s.summaries() ? 6 : 5);
     write_section(w, k_modl, k_modl_version, [&](ByteWriter & o) { o.str(s.model().fingerprint()); });
     write_section(w, k_sess, Session::k_state_version, [&](ByteWriter & o) { s.save_state(o, n_tokens); });
     write_section(w, k_toks, k_toks_version, [&](ByteWriter & o) { o.array(tokens); });
     write_section(w, k_pagr, KvPager::k_state_version, [&](ByteWriter & o) { ledger.save_state(o); });
+    if (const ChunkSummaries * cs = s.summaries()) {
+        write_section(w, k_summ, ChunkSummaries::k_state_version, [&](ByteWriter & o) {
+            cs->save_state(o, ledger.n_chunks());
+        });
+    }
     // The KV images are most of the file: streamed straight out rather than staged.
     const int64_t kv_bytes = s.kv().state_bytes(ledger.n_chunks());
     w.put<uint32_t>(k_kvim);

@@ -7,9 +7,12 @@
 //   "KVFSNAP\0"  u32 format_version  u32 n_sections
 //   n_sections x { u32 tag (4 ASCII chars)  u32 section_version  u64 length  payload }
 //   u64 XXH3-64 of every byte before it
-// Sections of version 1, each exactly once: MODL (model fingerprint), SESS (Session), TOKS (token
-// history, i32 array), PAGR (KvPager), KVIM (PooledKV; written last, streamed). A new section (scorer
-// summaries, say) comes with a format version bump; readers refuse versions and tags they do not know.
+// Sections of version 1, each at most once: MODL (model fingerprint), SESS (Session), TOKS (token
+// history, i32 array), PAGR (KvPager), SUMM (ChunkSummaries: only when the session tracks them, so qk and
+// quest are warm after a restore), KVIM (PooledKV; written last, streamed). All but SUMM are required.
+// A new section comes with a format version bump; readers refuse versions and tags they do not know.
+// A session that tracks summaries, loading a snapshot without them, drops its own (scores NaN until
+// chunks are sealed again); one that does not track them ignores SUMM.
 //
 // Restore puts every resident chunk back in the block it was saved from, so a continuation computes in
 // exactly the same slot order as the session that was saved (results are bit-identical; with quantized

@@ -1,23 +1,26 @@
-"""The generation loop, top to bottom: sampling -> prefill -> decode one -> a generator of token
-records. Residency is the session's business (the pager evicts the oldest chunks when the pool is
-full); this module decides only what to feed and when to stop, and when to save or restore a snapshot.
+"""The generation loop, top to bottom: sampling -> prefill -> decode one -> maybe reselect -> a
+generator of token records. The pager evicts by itself when the pool is full (oldest first, or lowest
+score once a policy has scored); this module decides what to feed, when to ask the policy for scores
+(after the prompt, every tau generated tokens, optionally before each prefill batch), when to stop,
+and when to save or restore a snapshot (the prefix cache).
 """
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional, Sequence, Union
+import time
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
 from .options import PoolConfig, SamplingParams
+from .policy import Policy, SessionView, make_policy
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer
 
-POLICIES = ("lru",)
 log = logging.getLogger(__name__)
 
 
@@ -28,11 +31,12 @@ class GenerationRecord:
     finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
 
 
-def make_session(model: _core.Model, pool: PoolConfig) -> _core.Session:
+def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
         attention=pool.attention, n_batch=pool.n_batch, sink_chunks=pool.sink_chunks,
-        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx)
+        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
+        track_summaries=track_summaries)
     return _core.Session(model, config)
 
 
@@ -40,21 +44,26 @@ class Engine:
     """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it."""
 
-    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *, policy: str = "lru",
+    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
+                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} is not available (available: {', '.join(POLICIES)})")
+        if tau <= 0:
+            raise ValueError(f"tau must be positive, got {tau}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.policy = policy
-        self.session = make_session(model, pool)
+        self.policy = make_policy(policy)
+        self.tau = tau
+        self.prefill_reselect = prefill_reselect
+        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.history: list[int] = []   # the tokens whose K/V the session holds, in order
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
         self.n_computed = 0            # ... and tokens run through the model
+        self._since_reselect = 0
+        self._t_policy_ms = 0.0
 
     # -- snapshots -------------------------------------------------------------------------------
     def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
@@ -66,6 +75,7 @@ class Engine:
         the new suffix. On error (SnapshotError, OSError) nothing changes."""
         self.session.load(path)
         self.history = self.session.tokens.tolist()
+        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
 
     def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
         """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
@@ -96,17 +106,47 @@ class Engine:
         if n_keep < len(self.history):
             self.session.truncate(n_keep)
             del self.history[n_keep:]
-        suffix = np.asarray(tokens[n_keep:], dtype=np.int32)
-        logits = self.session.forward(suffix, n_keep)   # the session splits it into pool-sized batches
-        self.history.extend(tokens[n_keep:])
-        self.n_reused, self.n_computed = n_keep, len(suffix)
+        logits = None
+        for lo, hi in self._prefill_batches(n_keep, len(tokens)):
+            if lo > n_keep and self.prefill_reselect:
+                self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
+            logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
+            self.history.extend(tokens[lo:hi])
+        self.reselect()   # the prompt's last queries pull their evidence back before the first token
+        self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
+
+    def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
+        """One forward call (the session splits it) unless reselecting between pool-sized batches."""
+        if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
+            return [(start, end)]
+        step = max(64, min(self.pool.n_batch, self.session.pager.max_span_tokens()) // 64 * 64)
+        return chunk_aligned_batches(start, end, step)
 
     # -- decode ----------------------------------------------------------------------------------
     def decode_one(self, token: int) -> np.ndarray:
         logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
         self.history.append(int(token))
+        self._since_reselect += 1
+        if self._since_reselect >= max(self.tau, len(self.history) // 45):   # adaptive tau
+            self.reselect()
         return logits
+
+    # -- reselect --------------------------------------------------------------------------------
+    def _can_reselect(self) -> bool:
+        s = self.session
+        return self.policy.reselects and not s.full_cache and s.pager.n_chunks() > s.pager.n_blocks()
+
+    def reselect(self) -> None:
+        """Resident set := protected chunks + the policy's top-scored chunks that fit."""
+        self._since_reselect = 0
+        if not self._can_reselect():
+            return
+        t0 = time.perf_counter()
+        scores = self.policy.scores(SessionView(self.session, self.history))
+        self._t_policy_ms += (time.perf_counter() - t0) * 1e3
+        if scores is not None:
+            self.session.reselect(scores)
 
     def generate(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]],
                  params: Optional[SamplingParams] = None, **sampling) -> Iterator[GenerationRecord]:
@@ -166,8 +206,19 @@ class Engine:
             "prompt_tokens_computed": self.n_computed,
             "time_paging_ms": round(t.t_paging_ms, 3),
             "time_compute_ms": round(t.t_compute_ms, 3),
-            "time_scoring_ms": 0.0,
+            "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
+            "policy": self.policy.name,
         }
+
+
+def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
+    batches, lo = [], start
+    while lo < end:
+        hi = min(lo + step - lo % 64, end)
+        batches.append((lo, hi))
+        lo = hi
+    return batches
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
 from .engine import Engine, GenerationRecord
@@ -42,7 +42,8 @@ def resolve_model_path(model: Union[str, os.PathLike]) -> str:
 
 class Model:
     def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = 4096,
-                 pool_tokens: Union[None, int, str] = None, policy: str = "lru", kv_type: str = "f16",
+                 pool_tokens: Union[None, int, str] = None, policy: Union[str, Callable] = "lru",
+                 tau: int = 64, prefill_reselect: bool = False, kv_type: str = "f16",
                  backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
                  n_batch: int = 512, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
@@ -54,8 +55,9 @@ class Model:
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=n_threads or 0)
         self.tokenizer = Tokenizer(self.model_path)
         self.chat_template = chat_template
-        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy,
-                             prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes)
+        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
+                             prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
+                             prefix_cache_bytes=prefix_cache_bytes)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------

@@ -37,10 +37,11 @@ def snapshot_info(path: Union[str, os.PathLike]) -> dict:
 
 
 def session_key(session: _core.Session, model: _core.Model) -> str:
-    """What a cached snapshot must share with a session to load into it: the model and the geometry
-    that the KV bytes and the ledger depend on (max_tokens may differ)."""
+    """What a cached snapshot must share with a session to load into it: the model, the geometry that
+    the KV bytes and the ledger depend on (max_tokens may differ), and whether it carries summaries."""
     c, pc = session.config, session.pager.config()
-    text = f"{model.fingerprint}|{c.kv_type}|{pc.chunk_tokens}|{pc.pool_tokens}|{pc.sink_chunks}|{pc.tail_chunks}"
+    text = (f"{model.fingerprint}|{c.kv_type}|{pc.chunk_tokens}|{pc.pool_tokens}|{pc.sink_chunks}|{pc.tail_chunks}|"
+            f"{c.track_summaries}")
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
