@@ -56,6 +56,23 @@ void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
     has_[chunk] = 1;
 }
 
+// Per layer: (score - mean) / std over the chunks that have a summary.
+static void z_normalise_layers(std::vector<std::vector<double>> & per_layer, const ChunkSummaries & cs) {
+    for (auto & row : per_layer) {
+        double sum = 0.0, sq = 0.0;
+        int64_t n = 0;
+        for (int64_t c = 0; c < (int64_t) row.size(); ++c) {
+            if (!cs.has(c)) continue;
+            sum += row[c];
+            sq += row[c] * row[c];
+            ++n;
+        }
+        if (n == 0) continue;
+        const double mean = sum / n, sd = std::sqrt(std::max(sq / n - mean * mean, 0.0)) + 1e-9;
+        for (double & v : row) v = (v - mean) / sd;
+    }
+}
+
 void ChunkSummaries::forget_from(int64_t chunk) {
     if (chunk < n_chunks()) std::fill(has_.begin() + chunk, has_.end(), 0);
 }
@@ -79,12 +96,12 @@ std::vector<float> ChunkSummaries::scores(const std::string & kind, const StepQu
             for (int64_t i = 0; i < s.head_dim; ++i) qn[v + i] *= inv;
         }
     }
-    std::vector<float> out((size_t) n_chunks, std::numeric_limits<float>::quiet_NaN());
-    const double denom = (double) s.n_layer * q.n_tokens;
+    // per_layer[il][c]: the layer's score of chunk c, mean over query tokens of max over query heads
+    std::vector<std::vector<double>> per_layer(s.n_layer, std::vector<double>((size_t) n_chunks, 0.0));
     for (int64_t c = 0; c < n_chunks; ++c) {
         if (!has(c)) continue;
-        double total = 0.0;
         for (int64_t il = 0; il < s.n_layer; ++il) {
+            double total = 0.0;
             for (int64_t t = 0; t < q.n_tokens; ++t) {
                 float best = -std::numeric_limits<float>::infinity();
                 for (int64_t h = 0; h < q.n_head; ++h) {
@@ -100,8 +117,28 @@ std::vector<float> ChunkSummaries::scores(const std::string & kind, const StepQu
                 }
                 total += best;
             }
+            per_layer[il][c] = total / q.n_tokens;
         }
-        out[c] = (float) (total / denom);
+    }
+    std::vector<float> out((size_t) n_chunks, std::numeric_limits<float>::quiet_NaN());
+    if (quest) {
+        // Quest bounds live on each layer's own scale, and retrieval shows up in a few middle layers only
+        // (SmolLM2: 12-21 attend to a passkey, the rest do not); a plain mean over layers drowned it
+        // (needle rank ~25 of 45), z-scoring each layer over chunks and taking the max ranked it 3-6.
+        z_normalise_layers(per_layer, *this);
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            if (!has(c)) continue;
+            double best = -std::numeric_limits<double>::infinity();
+            for (int64_t il = 0; il < s.n_layer; ++il) best = std::max(best, per_layer[il][c]);
+            out[c] = (float) best;
+        }
+    } else {   // qk: mean over layers of the cosine (cosines share one scale)
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            if (!has(c)) continue;
+            double total = 0.0;
+            for (int64_t il = 0; il < s.n_layer; ++il) total += per_layer[il][c];
+            out[c] = (float) (total / s.n_layer);
+        }
     }
     return out;
 }

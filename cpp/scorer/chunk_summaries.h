@@ -5,8 +5,8 @@
 //
 // Scores (higher = more relevant), for the queries of the current step (post-RoPE, per layer):
 //   qk:    mean over layers and query tokens of max over query heads of cos(q, mean key of its KV head)
-//   quest: mean over layers and query tokens of max over query heads of sum_i max(q_i*min_i, q_i*max_i)
-//          (Quest's upper bound on q.k over the chunk)
+//   quest: per layer, mean over query tokens of max over query heads of sum_i max(q_i*min_i, q_i*max_i)
+//          (Quest's upper bound on q.k over the chunk), z-scored over chunks, then the max over layers
 // Chunks without a summary get NaN, which the pager ranks below every real score.
 #pragma once
 
