@@ -21,3 +21,20 @@ def smollm2(smollm2_path):
 def smollm2_vocab(smollm2_path):
     from kvflash_ggml import _core
     return _core.Vocab(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """tiny_gguf(seed=0, weight_type="f16") -> path of a tiny random-weight llama GGUF (with tokenizer),
+    written once per session per argument set."""
+    from kvflash_ggml.bench import random_gguf as rg
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    paths = {}
+
+    def get(seed: int = 0, weight_type: str = "f16") -> str:
+        if (seed, weight_type) not in paths:
+            out = root / f"tiny-llama-{weight_type}-{seed}.gguf"
+            paths[seed, weight_type] = str(rg.write_preset(out, "tiny-llama", weight_type=weight_type, seed=seed))
+        return paths[seed, weight_type]
+
+    return get

@@ -41,7 +41,8 @@ void register_session(py::module_ & m) {
         .def_readonly("n_computes", &SessionTimings::n_computes)
         .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
 
-    py::class_<Session>(m, "Session")
+    py::class_<Session> session(m, "Session");
+    session
         .def(py::init<std::shared_ptr<Model>, const SessionConfig &>(), py::arg("model"), py::arg("config"),
              py::keep_alive<1, 2>())
         .def("forward", [](Session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start,
@@ -87,8 +88,12 @@ void register_session(py::module_ & m) {
         .def_property_readonly("ordered_attention", &Session::ordered_attention)
         .def_property_readonly("config", &Session::config)
         .def_property_readonly("timings", &Session::timings)
-        .def_property_readonly("pager", &Session::pager, py::return_value_policy::reference_internal)
-        .def_property_readonly("kv", &Session::kv, py::return_value_policy::reference_internal);
+        .def_property_readonly("pager", py::overload_cast<>(&Session::pager), py::return_value_policy::reference_internal)
+        .def_property_readonly("kv", py::overload_cast<>(&Session::kv), py::return_value_policy::reference_internal)
+        .def_property_readonly("tokens", [](const Session & s) {
+            return py::array_t<int32_t>((py::ssize_t) s.tokens().size(), s.tokens().data());
+        }, "The tokens whose K/V the session holds (a copy).");
+    bind_session_snapshots(session);
 }
 
 }  // namespace kvf::bind

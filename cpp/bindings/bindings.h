@@ -2,6 +2,8 @@
 
 #include <pybind11/pybind11.h>
 
+namespace kvf { class Session; }
+
 namespace kvf::bind {
 namespace py = pybind11;
 
@@ -10,5 +12,7 @@ void register_pager(py::module_ & m);
 void register_kv(py::module_ & m);
 void register_model(py::module_ & m);
 void register_session(py::module_ & m);
+void register_snapshot(py::module_ & m);
+void bind_session_snapshots(py::class_<Session> & cls);   // bind_snapshot.cpp, called by register_session
 
 }  // namespace kvf::bind

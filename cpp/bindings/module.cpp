@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m) {
     kvf::bind::register_kv(m);
     kvf::bind::register_model(m);
     kvf::bind::register_session(m);
+    kvf::bind::register_snapshot(m);
 }

@@ -162,12 +162,22 @@ void PooledKV::execute(const Plan & plan) {
     for (const ChunkMove & m : plan.fresh) release_image(m.chunk);
 }
 
+void PooledKV::get_block(int64_t block, uint8_t * out) const {
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+        ggml_backend_tensor_get(t, out + img_off, off, size);
+    });
+}
+
+void PooledKV::set_block(int64_t block, const uint8_t * in) {
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
+        ggml_backend_tensor_set(t, in + img_off, off, size);
+    });
+}
+
 std::vector<uint8_t> PooledKV::read_block(int64_t block) const {
     synchronize();
     std::vector<uint8_t> out((size_t) chunk_bytes());
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
-        ggml_backend_tensor_get(t, out.data() + img_off, off, size);
-    });
+    get_block(block, out.data());
     return out;
 }
 
@@ -177,9 +187,7 @@ void PooledKV::write_block(int64_t block, const std::vector<uint8_t> & bytes) {
                                     std::to_string(chunk_bytes()));
     }
     synchronize();
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t img_off) {
-        ggml_backend_tensor_set(t, bytes.data() + img_off, off, size);
-    });
+    set_block(block, bytes.data());
 }
 
 std::vector<uint8_t> PooledKV::host_image(int64_t chunk) const {

@@ -27,6 +27,9 @@
 
 namespace kvf {
 
+class ByteReader;
+class ByteWriter;
+
 struct KvLayout {
     int64_t n_layer      = 0;   // pooled (full-attention) layers
     int64_t n_embd_k     = 0;   // K row width = head_dim_k * n_head_kv
@@ -67,11 +70,26 @@ public:
     bool pinned_host() const { return !slabs_.empty() ? pinned_ : can_pin_; }   // images in page-locked memory
     void synchronize() const;   // wait for every queued page-out/page-in
 
+    // ---- state (pooled_kv_state.cpp): the layout, then one image per chunk in logical order ----
+    static constexpr uint32_t k_state_version = 1;
+    int64_t state_bytes(int64_t n_chunks) const;
+    // chunk_blocks[c] >= 0: chunk c is read from that block on the device; -1: from its host image.
+    void save_state(ByteWriter & w, const std::vector<int64_t> & chunk_blocks) const;
+    // Checks the saved layout equals this pool's (types, row widths, layers, chunk size) and returns
+    // where each of the n_chunks images lies inside r's buffer. Changes nothing.
+    std::vector<const uint8_t *> state_from(ByteReader & r, uint32_t version, int64_t n_chunks) const;
+    // Commit: chunk c goes to block chunk_blocks[c] if >= 0, and to the host store if host_valid[c]; the
+    // host store is replaced. Blocks no chunk owns keep their bytes (every slot in them is masked).
+    void load_state(const std::vector<const uint8_t *> & images, const std::vector<int64_t> & chunk_blocks,
+                    const std::vector<uint8_t> & host_valid);
+
 private:
     // Visit every contiguous region of one block: fn(tensor, byte offset, byte size, offset in image).
     template <typename Fn> void for_each_region(int64_t block, Fn && fn) const;
     uint8_t * image_for(int64_t chunk);   // the chunk's image slot, taken from the free slots if new
     void release_image(int64_t chunk);
+    void get_block(int64_t block, uint8_t * out) const;      // chunk_bytes() bytes, as read_block
+    void set_block(int64_t block, const uint8_t * in);        // chunk_bytes() bytes, as write_block
 
     KvLayout layout_;
     ggml_backend_t backend_ = nullptr;

@@ -22,8 +22,13 @@
 // it was made at; applying it after any other mapping change is an error. A plan that cannot be made
 // throws and changes nothing.
 //
-// Epoch: advances on every apply(), unpin_all(), reset() and set_block_order(), so a plan is valid only
-// against the exact state it was made from.
+// Epoch: advances on every apply(), unpin_all(), reset(), set_block_order() and replace_state(), so a plan
+// is valid only against the exact state it was made from. It is not part of the saved state.
+//
+// State (snapshots): save_state() writes everything above except the epoch; state_from() is the const
+// half that reads and fully validates a saved state against this pager's config (the loaded state must
+// pass check_invariants() here) and returns it as a new pager; replace_state() is the commit. Errors in
+// saved bytes are SnapshotError (snapshot/byte_io.h), never one of the kinds above.
 //
 // Block hand-out: free blocks are handed out in block-order (identity unless set_block_order) and a
 // released block rejoins the free list at its place in that order. So a fresh pager puts chunk c in
@@ -41,6 +46,9 @@
 #include <vector>
 
 namespace kvf {
+
+class ByteReader;
+class ByteWriter;
 
 struct PagerConfig {
     int64_t chunk_tokens = 64;
@@ -150,6 +158,16 @@ public:
 
     void check_invariants() const;
 
+    // ---- state (kv_pager_state.cpp) ----
+    static constexpr uint32_t k_state_version = 1;
+    void save_state(ByteWriter & w) const;
+    // The state save_state wrote (at `version`), on a pager with this pager's config: the chunk size and
+    // chunk_bytes must match; a different pool or context works when every resident block and position
+    // fits and the protections hold. A saved non-identity block order needs the same number of blocks.
+    KvPager state_from(ByteReader & r, uint32_t version) const;
+    // Become `loaded` (made by state_from on this pager); the epoch moves past this pager's.
+    void replace_state(KvPager && loaded);
+
 private:
     struct ChunkState {
         int64_t  block      = -1;      // -1: not resident
@@ -182,6 +200,7 @@ private:
     std::vector<int64_t> in_hand_out_order(const std::vector<uint8_t> & is_free) const;
     void take_block(int64_t chunk, int64_t block);
     void release_block(int64_t chunk);
+    void read_chunk_table(ByteReader & r);   // state_from's chunk table and pins, into a fresh pager
 
     PagerConfig cfg_;
     int64_t n_blocks_ = 0;

@@ -125,6 +125,7 @@ std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t s
         if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
         const Plan plan = pager_->plan_alloc(start + done, step);
         execute(plan);
+        tokens_.insert(tokens_.end(), tokens + done, tokens + done + step);
         const bool last = done + step == n;
         if (all_logits || last) {
             float * out = logits.data() + (all_logits ? (size_t) done * n_vocab : 0);
@@ -285,6 +286,7 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
 
 void Session::truncate(int64_t n) {
     execute(pager_->plan_truncate(n));
+    tokens_.resize((size_t) n);
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
 }
 
@@ -324,6 +326,7 @@ void Session::reselect(const std::vector<float> & scores) { execute(pager_->plan
 void Session::reset() {
     pager_->reset();
     kv_->clear_host();
+    tokens_.clear();
     if (summaries_) summaries_->clear();
 }
 

@@ -3,6 +3,7 @@
 // -> build or reuse the graph -> set inputs -> compute -> read logits.
 // Phases follow ggml: backends and scheduler once per session; graphs built in a no_alloc context and
 // reused while their shape (n_tokens, n_kv, n_outputs) repeats; inputs re-uploaded before every compute.
+// The session also keeps the tokens whose K/V it holds (tokens()), so a snapshot of it is complete.
 #pragma once
 
 #include "kv/pooled_kv.h"
@@ -16,6 +17,9 @@
 #include <vector>
 
 namespace kvf {
+
+class ByteReader;
+class ByteWriter;
 
 struct SessionConfig {
     int64_t max_tokens   = 4096;    // logical context
@@ -67,14 +71,27 @@ public:
     const ChunkSummaries * summaries() const { return summaries_.get(); }
 
     int64_t n_tokens() const { return pager_->n_tokens(); }
+    const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
     bool full_cache() const { return full_cache_; }
     bool flash_attn() const { return flash_attn_; }
     bool ordered_attention() const { return ordered_; }
     const SessionConfig & config() const { return cfg_; }
     const Model & model() const { return *model_; }
     KvPager & pager() { return *pager_; }
+    const KvPager & pager() const { return *pager_; }
     PooledKV & kv() { return *kv_; }
+    const PooledKV & kv() const { return *kv_; }
     const SessionTimings & timings() const { return timings_; }
+
+    // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
+    static constexpr uint32_t k_state_version = 1;
+    void save_state(ByteWriter & w, int64_t n_tokens) const;
+    static SessionConfig config_from(ByteReader & r, uint32_t version, int64_t & n_tokens);
+    // Commit a validated snapshot: `pager` from pager().state_from, one image per chunk of it (from
+    // kv().state_from), its n_tokens() tokens, and the saved summaries (from summaries()->state_from;
+    // null: none saved, so a session that tracks them starts over). Only allocation failures can throw.
+    void restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
+                       std::unique_ptr<ChunkSummaries> summaries);
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
@@ -108,6 +125,7 @@ private:
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
     int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
+    std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
     std::vector<uint8_t> input_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;

@@ -18,6 +18,9 @@
 
 namespace kvf {
 
+class ByteReader;
+class ByteWriter;
+
 struct SummaryShape {
     int64_t n_layer = 0;
     int64_t n_head_kv = 0;
@@ -49,6 +52,12 @@ public:
 
     std::vector<float> scores(const std::string & kind, const StepQueries & q, int64_t n_chunks) const;
     const std::vector<float> & mean_keys() const { return mean_; }   // [chunk][layer][head_kv][head_dim]
+
+    // ---- state (chunk_summaries_state.cpp), for snapshots: qk/quest stay warm after a restore ----
+    static constexpr uint32_t k_state_version = 1;
+    void save_state(ByteWriter & w, int64_t n_chunks) const;   // chunks [0, n_chunks) (fewer if never sealed)
+    // Summaries of this shape as saved; a summarised chunk must be one of the first n_sealed (whole) chunks.
+    ChunkSummaries state_from(ByteReader & r, uint32_t version, int64_t n_sealed) const;
 
 private:
     SummaryShape shape_;

@@ -11,13 +11,14 @@ from . import _core
 from .engine import Engine, GenerationRecord
 from .model import Model, resolve_model_path
 from .options import PoolConfig, SamplingParams
+from .snapshot import PrefixCache, SnapshotError
 from .tokenizer import Tokenizer
 
 Session = _core.Session
 SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "SamplingParams", "Session", "SessionConfig",
-           "Tokenizer", "resolve_model_path", "__version__"]
+__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "SamplingParams", "Session",
+           "SessionConfig", "SnapshotError", "Tokenizer", "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,10 +1,13 @@
 """The generation loop, top to bottom: sampling -> prefill -> decode one -> maybe reselect -> a
 generator of token records. The pager evicts by itself when the pool is full (oldest first, or lowest
 score once a policy has scored); this module decides what to feed, when to ask the policy for scores
-(after the prompt, every tau generated tokens, optionally before each prefill batch) and when to stop.
+(after the prompt, every tau generated tokens, optionally before each prefill batch), when to stop,
+and when to save or restore a snapshot (the prefix cache).
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 import time
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -15,7 +18,10 @@ from . import _core
 from .options import PoolConfig, SamplingParams
 from .policy import Policy, SessionView, make_policy
 from .sampling import Sampler
+from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,8 +41,13 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 
 
 class Engine:
+    """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
+    least recently used out first) and start a prompt from the longest cached prefix of it."""
+
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
-                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False) -> None:
+                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
+                 prefix_cache_dir: Union[None, str, os.PathLike] = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
         self.model = model
@@ -47,8 +58,37 @@ class Engine:
         self.prefill_reselect = prefill_reselect
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.history: list[int] = []   # the tokens whose K/V the session holds, in order
+        self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
+        self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
+        self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
+        self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
         self._t_policy_ms = 0.0
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
+        """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
+        self.session.save(path, prefix_chunks=prefix_chunks)
+
+    def load_state(self, path: Union[str, os.PathLike]) -> None:
+        """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
+        the new suffix. On error (SnapshotError, OSError) nothing changes."""
+        self.session.load(path)
+        self.history = self.session.tokens.tolist()
+        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
+
+    def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
+        """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
+        hit = self.prefix_cache.lookup(self._cache_key, tokens, longer_than=n_keep)
+        if hit is None:
+            return n_keep
+        try:
+            self.load_state(hit.path)
+        except (SnapshotError, OSError) as e:
+            log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
+            self.prefix_cache.discard(hit.path)
+            return n_keep
+        return common_prefix(self.history, tokens)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
@@ -60,6 +100,8 @@ class Engine:
         if len(tokens) > self.pool.n_ctx:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self.pool.n_ctx}")
         n_keep = common_prefix(self.history, tokens)
+        if self.prefix_cache is not None:
+            n_keep = self._restore_cached_prefix(tokens, n_keep)
         n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
         if n_keep < len(self.history):
             self.session.truncate(n_keep)
@@ -71,6 +113,7 @@ class Engine:
             logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
             self.history.extend(tokens[lo:hi])
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
+        self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
@@ -129,6 +172,8 @@ class Engine:
             if i + 1 == params.max_tokens or len(self.history) >= self.pool.n_ctx:
                 break
             logits = self.decode_one(token)
+        if self.prefix_cache is not None:   # before the last yield: a consumer may stop after it
+            self.prefix_cache.store(self._cache_key, self.session)
         yield GenerationRecord(None, stream.flush(), finish)
 
     def prompt_tokens(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
@@ -157,6 +202,8 @@ class Engine:
             "page_ins": ps.page_ins,
             "bytes_moved": ps.bytes_out + ps.bytes_in,
             "reselects": ps.reselects,
+            "prompt_tokens_reused": self.n_reused,
+            "prompt_tokens_computed": self.n_computed,
             "time_paging_ms": round(t.t_paging_ms, 3),
             "time_compute_ms": round(t.t_compute_ms, 3),
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),

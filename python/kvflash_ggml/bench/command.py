@@ -5,7 +5,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = {"decode": "kvflash_ggml.bench.decode"}
+BENCHES = {"decode": "kvflash_ggml.bench.decode", "restore": "kvflash_ggml.bench.restore"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,68 @@
+// Snapshots: a Session's whole state in one checksummed file, restorable in this or another process
+// without running the model again. Each piece writes its own versioned section (Session: config and
+// token count; KvPager: the ledger; PooledKV: the layout and every chunk's K/V image); this module
+// adds the container, the model fingerprint and the token history, and does all file handling.
+//
+// Container, format version 1 (little-endian):
+//   "KVFSNAP\0"  u32 format_version  u32 n_sections
+//   n_sections x { u32 tag (4 ASCII chars)  u32 section_version  u64 length  payload }
+//   u64 XXH3-64 of every byte before it
+// Sections of version 1, each at most once: MODL (model fingerprint), SESS (Session), TOKS (token
+// history, i32 array), PAGR (KvPager), SUMM (ChunkSummaries: only when the session tracks them, so qk and
+// quest are warm after a restore), KVIM (PooledKV; written last, streamed). All but SUMM are required.
+// A new section comes with a format version bump; readers refuse versions and tags they do not know.
+// A session that tracks summaries, loading a snapshot without them, drops its own (scores NaN until
+// chunks are sealed again); one that does not track them ignores SUMM.
+//
+// Restore puts every resident chunk back in the block it was saved from, so a continuation computes in
+// exactly the same slot order as the session that was saved (results are bit-identical; with quantized
+// KV, attention sums in slot order). Evicted chunks go back to the host store.
+//
+// Errors: SnapshotError naming the reason for anything wrong with the bytes or their fit to the session;
+// SnapshotIOError (an OSError in Python) when a file cannot be read or written. Loading validates the
+// whole file before it changes anything; saving writes a temporary file and renames it into place.
+#pragma once
+
+#include "runtime/session.h"
+#include "snapshot/byte_io.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvf {
+
+class SnapshotIOError : public SnapshotError {
+public:
+    SnapshotIOError(const std::string & msg, int err, std::string path)
+        : SnapshotError(msg), err(err), path(std::move(path)) {}
+    int err;            // errno
+    std::string path;
+};
+
+constexpr uint32_t k_snapshot_format_version = 1;
+
+// prefix_chunks < 0: everything the session holds; else only the first prefix_chunks chunks, with the
+// ledger the session would have after truncating to them (the live session is not touched).
+std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks = -1);
+void snapshot_to_file(const Session & s, const std::string & path, int64_t prefix_chunks = -1);
+std::vector<uint8_t> read_snapshot_file(const std::string & path);
+
+// Load into an existing session (same model, same kv_type and chunk size; the pool and context may
+// differ where the saved state fits). On any error the session is unchanged.
+void snapshot_load(Session & s, const uint8_t * data, size_t size);
+// A new session with the saved config, holding the saved state.
+std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const uint8_t * data, size_t size);
+
+struct SnapshotInfo {
+    uint32_t format_version = 0;
+    std::string fingerprint;
+    SessionConfig config;
+    int64_t n_tokens = 0;
+};
+SnapshotInfo snapshot_info(const uint8_t * data, size_t size);   // checks the container and checksum
+
+uint64_t snapshot_checksum(const uint8_t * data, size_t size);   // what the trailer of such bytes must hold
+
+}  // namespace kvf
