@@ -5,7 +5,11 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = {"decode": "kvflash_ggml.bench.decode"}
+BENCHES = {
+    "decode": "kvflash_ggml.bench.decode",
+    "niah": "kvflash_ggml.bench.niah",
+    "ruler": "kvflash_ggml.bench.ruler",
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
