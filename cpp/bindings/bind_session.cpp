@@ -13,24 +13,26 @@ void register_session(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
                          int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
-                         bool ordered) {
+                         bool ordered, bool summaries) {
                  return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
-                                      tail_chunks, allow, ordered};
+                                      tail_chunks, allow, ordered, summaries};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
              py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
-             py::arg("ordered_attention") = true)
+             py::arg("ordered_attention") = true, py::arg("track_summaries") = false)
         .def_readonly("max_tokens", &SessionConfig::max_tokens)
         .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
         .def_readonly("kv_type", &SessionConfig::kv_type)
         .def_readonly("attention", &SessionConfig::attention)
         .def_readonly("n_batch", &SessionConfig::n_batch)
-        .def_readonly("ordered_attention", &SessionConfig::ordered_attention);
+        .def_readonly("ordered_attention", &SessionConfig::ordered_attention)
+        .def_readonly("track_summaries", &SessionConfig::track_summaries);
 
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
         .def_readonly("t_compute_ms", &SessionTimings::t_compute_ms)
+        .def_readonly("t_scoring_ms", &SessionTimings::t_scoring_ms)
         .def_readonly("n_computes", &SessionTimings::n_computes)
         .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
 
@@ -49,8 +51,31 @@ void register_session(py::module_ & m) {
              },
              py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("all_logits") = false)
         .def("truncate", &Session::truncate, py::arg("n_tokens"))
-        .def("reselect", &Session::reselect, py::arg("scores"))
+        .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
+                 if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
+                 s.reselect(std::vector<float>(scores.data(), scores.data() + scores.size()));
+             }, py::arg("scores"))
         .def("reset", &Session::reset)
+        .def("queries", [](const Session & s) {
+                 StepQueries q = s.queries();
+                 py::array_t<float> out({q.n_layer, q.n_tokens, q.n_head, q.head_dim});
+                 std::copy(q.data.begin(), q.data.end(), out.mutable_data());
+                 return out;
+             }, "post-RoPE queries of the last (up to 8) tokens of the latest step: [n_layer, n_tokens, n_head, head_dim]")
+        .def("chunk_scores", [](Session & s, const std::string & kind) {
+                 std::vector<float> v = s.chunk_scores(kind);
+                 py::array_t<float> out((py::ssize_t) v.size());
+                 std::copy(v.begin(), v.end(), out.mutable_data());
+                 return out;
+             }, py::arg("kind"), "per-chunk relevance for the latest step's queries: 'qk' or 'quest' (NaN: no summary)")
+        .def("mean_keys", [](const Session & s) {
+                 const ChunkSummaries * cs = s.summaries();
+                 if (!cs) throw std::logic_error("mean_keys needs a session made with track_summaries=True");
+                 const SummaryShape & sh = cs->shape();
+                 py::array_t<float> out({cs->n_chunks(), sh.n_layer, sh.n_head_kv, sh.head_dim});
+                 std::copy(cs->mean_keys().begin(), cs->mean_keys().end(), out.mutable_data());
+                 return out;
+             }, "L2-normalised mean key per sealed chunk: [n_chunks, n_layer, n_head_kv, head_dim] (zeros: unsealed)")
         .def_property_readonly("n_tokens", &Session::n_tokens)
         .def_property_readonly("full_cache", &Session::full_cache)
         .def_property_readonly("flash_attn", &Session::flash_attn)

@@ -37,6 +37,14 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
     // RoPE happened before this write, so a K row is position-independent and may live in any slot.
     ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, ggml_reshape_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens), g.in.slots));
     ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, ggml_reshape_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens), g.in.slots));
+    if (g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
+        const int64_t n_q = g.n_query_tokens;
+        ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
+                                                         (g.n_tokens - n_q) * q->nb[2]));
+        ggml_set_output(last);
+        ggml_build_forward_expand(g.gf, last);
+        g.queries.push_back(last);
+    }
 
     if (g.in.kv_order) {
         // Attention sums over keys in slot order; once chunks sit in shuffled blocks that order differs

@@ -27,6 +27,8 @@ struct GraphCtx {
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
     bool flash_attn = false;
+    int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers
+    std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
 };
 
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);

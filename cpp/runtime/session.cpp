@@ -69,6 +69,9 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
     pc.chunk_bytes = kv_->chunk_bytes();
     pager_ = std::make_unique<KvPager>(pc);
+    if (cfg_.track_summaries) {
+        summaries_ = std::make_unique<ChunkSummaries>(SummaryShape{hp.n_layer, hp.n_head_kv, hp.head_dim_k});
+    }
 
     std::vector<ggml_backend_t> backends = {model_->backend()};
     if (model_->on_gpu()) backends.push_back(model_->cpu_backend());
@@ -120,6 +123,7 @@ std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t s
         } else {
             compute(tokens + done, step, plan, false, nullptr);
         }
+        seal_chunks(start + done, step);
         done += step;
     }
     return logits;
@@ -190,6 +194,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     g.n_kv = n_kv;
     g.n_outputs = n_outputs;
     g.flash_attn = flash_attn_;
+    g.n_query_tokens = std::min<int64_t>(n_tokens, 8);
 
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
@@ -249,13 +254,48 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
     }
 }
 
-void Session::truncate(int64_t n) { execute(pager_->plan_truncate(n)); }
+void Session::truncate(int64_t n) {
+    execute(pager_->plan_truncate(n));
+    if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
+}
+
+void Session::seal_chunks(int64_t start, int64_t n) {
+    if (!summaries_) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t C = cfg_.chunk_tokens;
+    for (int64_t c = start / C; (c + 1) * C <= start + n; ++c) {
+        if ((c + 1) * C - 1 < start) continue;   // sealed before this step
+        summaries_->seal(c, pager_->slot_of(c * C) / C, *kv_);
+    }
+    timings_.t_scoring_ms += ms_since(t0);
+}
+
+StepQueries Session::queries() const {
+    StepQueries q;
+    if (graph_.queries.empty() || shape_[0] < 0) return q;
+    const ggml_tensor * t0 = graph_.queries[0];   // [head_dim, n_head, n_q]
+    q.n_layer = (int64_t) graph_.queries.size();
+    q.head_dim = t0->ne[0];
+    q.n_head = t0->ne[1];
+    q.n_tokens = t0->ne[2];
+    q.data.resize((size_t) (q.n_layer * q.n_tokens * q.n_head * q.head_dim));
+    for (int64_t il = 0; il < q.n_layer; ++il) {
+        ggml_backend_tensor_get(graph_.queries[il], q.data.data() + il * ggml_nelements(t0), 0, ggml_nbytes(t0));
+    }
+    return q;
+}
+
+std::vector<float> Session::chunk_scores(const std::string & kind) {
+    if (!summaries_) throw std::logic_error("chunk_scores needs a session made with track_summaries=True");
+    return summaries_->scores(kind, queries(), pager_->n_chunks());
+}
 
 void Session::reselect(const std::vector<float> & scores) { execute(pager_->plan_reselect(scores)); }
 
 void Session::reset() {
     pager_->reset();
     kv_->clear_host();
+    if (summaries_) summaries_->clear();
 }
 
 }  // namespace kvf

@@ -9,6 +9,7 @@
 #include "model/graph.h"
 #include "model/model.h"
 #include "pager/kv_pager.h"
+#include "scorer/chunk_summaries.h"
 
 #include <memory>
 #include <string>
@@ -29,11 +30,14 @@ struct SessionConfig {
     // Attend in position order once the mapping leaves identity (f16/f32 KV), so results do not depend
     // on which blocks chunks landed in. Costs one pool copy per layer per step; off = slot order.
     bool ordered_attention = true;
+    // Summarise each chunk when it is sealed (mean key, min/max) for the qk and quest scorers.
+    bool track_summaries = false;
 };
 
 struct SessionTimings {
     double t_paging_ms  = 0;   // executing page-outs/page-ins
     double t_compute_ms = 0;   // graph build/alloc + compute + logits read
+    double t_scoring_ms = 0;   // summarising sealed chunks (scoring itself is timed by the caller)
     int64_t n_computes  = 0;
     int64_t n_graph_builds = 0;
 };
@@ -53,6 +57,12 @@ public:
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     void reset();
 
+    // Post-RoPE queries of the last (up to 8) tokens of the latest step, per layer.
+    StepQueries queries() const;
+    // Per-chunk relevance for the latest step's queries ("qk" or "quest"); NaN where no summary exists.
+    std::vector<float> chunk_scores(const std::string & kind);
+    const ChunkSummaries * summaries() const { return summaries_.get(); }
+
     int64_t n_tokens() const { return pager_->n_tokens(); }
     bool full_cache() const { return full_cache_; }
     bool flash_attn() const { return flash_attn_; }
@@ -64,6 +74,7 @@ public:
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
+    void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
     void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out);
     // The key order of this step: per slot, the position it holds, as attention sees the keys.
     struct KeyOrder {
@@ -82,6 +93,7 @@ private:
     bool flash_attn_ = false;
     std::unique_ptr<KvPager> pager_;
     std::unique_ptr<PooledKV> kv_;
+    std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
     ggml_backend_sched_t sched_ = nullptr;
 
     // The current graph and its shape; rebuilt only when the shape changes.

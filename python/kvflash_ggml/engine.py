@@ -1,20 +1,21 @@
-"""The generation loop, top to bottom: sampling -> prefill -> decode one -> a generator of token
-records. Residency is the session's business (the pager evicts the oldest chunks when the pool is
-full); this module decides only what to feed and when to stop.
+"""The generation loop, top to bottom: sampling -> prefill -> decode one -> maybe reselect -> a
+generator of token records. The pager evicts by itself when the pool is full (oldest first, or lowest
+score once a policy has scored); this module decides what to feed, when to ask the policy for scores
+(after the prompt, every tau generated tokens, optionally before each prefill batch) and when to stop.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional, Sequence, Union
+import time
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
 from .options import PoolConfig, SamplingParams
+from .policy import Policy, SessionView, make_policy
 from .sampling import Sampler
 from .tokenizer import TextStream, Tokenizer
-
-POLICIES = ("lru",)
 
 
 @dataclass
@@ -24,24 +25,30 @@ class GenerationRecord:
     finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
 
 
-def make_session(model: _core.Model, pool: PoolConfig) -> _core.Session:
+def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
         attention=pool.attention, n_batch=pool.n_batch, sink_chunks=pool.sink_chunks,
-        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx)
+        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
+        track_summaries=track_summaries)
     return _core.Session(model, config)
 
 
 class Engine:
-    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *, policy: str = "lru") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} is not available (available: {', '.join(POLICIES)})")
+    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
+                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False) -> None:
+        if tau <= 0:
+            raise ValueError(f"tau must be positive, got {tau}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.policy = policy
-        self.session = make_session(model, pool)
+        self.policy = make_policy(policy)
+        self.tau = tau
+        self.prefill_reselect = prefill_reselect
+        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.history: list[int] = []   # the tokens whose K/V the session holds, in order
+        self._since_reselect = 0
+        self._t_policy_ms = 0.0
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
@@ -57,16 +64,46 @@ class Engine:
         if n_keep < len(self.history):
             self.session.truncate(n_keep)
             del self.history[n_keep:]
-        suffix = np.asarray(tokens[n_keep:], dtype=np.int32)
-        logits = self.session.forward(suffix, n_keep)   # the session splits it into pool-sized batches
-        self.history.extend(tokens[n_keep:])
+        logits = None
+        for lo, hi in self._prefill_batches(n_keep, len(tokens)):
+            if lo > n_keep and self.prefill_reselect:
+                self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
+            logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
+            self.history.extend(tokens[lo:hi])
+        self.reselect()   # the prompt's last queries pull their evidence back before the first token
         return logits
+
+    def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
+        """One forward call (the session splits it) unless reselecting between pool-sized batches."""
+        if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
+            return [(start, end)]
+        step = max(64, min(self.pool.n_batch, self.session.pager.max_span_tokens()) // 64 * 64)
+        return chunk_aligned_batches(start, end, step)
 
     # -- decode ----------------------------------------------------------------------------------
     def decode_one(self, token: int) -> np.ndarray:
         logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
         self.history.append(int(token))
+        self._since_reselect += 1
+        if self._since_reselect >= max(self.tau, len(self.history) // 45):   # adaptive tau
+            self.reselect()
         return logits
+
+    # -- reselect --------------------------------------------------------------------------------
+    def _can_reselect(self) -> bool:
+        s = self.session
+        return self.policy.reselects and not s.full_cache and s.pager.n_chunks() > s.pager.n_blocks()
+
+    def reselect(self) -> None:
+        """Resident set := protected chunks + the policy's top-scored chunks that fit."""
+        self._since_reselect = 0
+        if not self._can_reselect():
+            return
+        t0 = time.perf_counter()
+        scores = self.policy.scores(SessionView(self.session, self.history))
+        self._t_policy_ms += (time.perf_counter() - t0) * 1e3
+        if scores is not None:
+            self.session.reselect(scores)
 
     def generate(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]],
                  params: Optional[SamplingParams] = None, **sampling) -> Iterator[GenerationRecord]:
@@ -122,8 +159,19 @@ class Engine:
             "reselects": ps.reselects,
             "time_paging_ms": round(t.t_paging_ms, 3),
             "time_compute_ms": round(t.t_compute_ms, 3),
-            "time_scoring_ms": 0.0,
+            "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
+            "policy": self.policy.name,
         }
+
+
+def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
+    batches, lo = [], start
+    while lo < end:
+        hi = min(lo + step - lo % 64, end)
+        batches.append((lo, hi))
+        lo = hi
+    return batches
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
 from .engine import Engine, GenerationRecord
@@ -41,7 +41,8 @@ def resolve_model_path(model: Union[str, os.PathLike]) -> str:
 
 class Model:
     def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = 4096,
-                 pool_tokens: Union[None, int, str] = None, policy: str = "lru", kv_type: str = "f16",
+                 pool_tokens: Union[None, int, str] = None, policy: Union[str, Callable] = "lru",
+                 tau: int = 64, prefill_reselect: bool = False, kv_type: str = "f16",
                  backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
                  n_batch: int = 512, chat_template: Optional[str] = None) -> None:
         self.model_path = resolve_model_path(model_path)
@@ -51,7 +52,8 @@ class Model:
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=n_threads or 0)
         self.tokenizer = Tokenizer(self.model_path)
         self.chat_template = chat_template
-        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy)
+        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
+                             prefill_reselect=prefill_reselect)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------

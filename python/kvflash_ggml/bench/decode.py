@@ -34,21 +34,29 @@ def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
     return None
 
 
-def time_decode(model, depth: int, n_gen: int, pool_tokens: int, kv_type: str, attention: str, seed: int) -> dict:
-    from .. import _core
+def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[int], kv_type: str,
+                attention: str, policy: str, tau: int, seed: int) -> dict:
+    """Prefill `depth` random tokens, then time n_gen decode steps through the Engine (so the policy's
+    reselects at its cadence are part of the timed loop, as in real use)."""
+    from ..engine import Engine
+    from ..options import PoolConfig
     n_ctx = -(-(depth + n_gen + 1) // CHUNK) * CHUNK
-    cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
-                              allow_beyond_train_ctx=True)
-    session = _core.Session(model, cfg)
+    pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
+                      allow_beyond_train_ctx=True)
+    engine = Engine(model, tokenizer, pool, policy=policy, tau=tau)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32)
-    logits = session.forward(prompt, 0)   # depth tokens of context + the first decode input
+    logits = engine.prefill(prompt.tolist())   # depth tokens of context + the first decode input
+    before = engine.stats()
     t0 = time.perf_counter()
     for _ in range(n_gen):
-        logits = session.forward(np.array([int(logits.argmax())], np.int32), session.n_tokens)
+        logits = engine.decode_one(int(logits.argmax()))
     dt = time.perf_counter() - t0
-    return {"tok_s": n_gen / dt, "device_kv_bytes": session.kv.device_bytes,
-            "host_kv_bytes": session.pager.host_bytes(), "flash_attn": session.flash_attn}
+    after = engine.stats()
+    reselect_ms = sum(after[k] - before[k] for k in ("time_scoring_ms", "time_paging_ms"))
+    return {"tok_s": n_gen / dt, "device_kv_bytes": after["device_kv_bytes"], "host_kv_bytes": after["host_kv_bytes"],
+            "flash_attn": engine.session.flash_attn, "reselects": after["reselects"] - before["reselects"],
+            "reselect_share": reselect_ms / (dt * 1e3)}
 
 
 def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int) -> dict:
@@ -70,6 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per depth")
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
+    ap.add_argument("--policy", default="lru", help="residency policy of the pooled run (lru, qk, quest)")
+    ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (adaptive minimum)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
@@ -86,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .. import _core
     from ..model import resolve_model_path
+    from ..policy import make_policy
+    from ..tokenizer import Tokenizer
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
     if not args.no_llama_bench and binary is None:
@@ -93,8 +105,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
         return 2
     try:
+        make_policy(args.policy)
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
+        tokenizer = Tokenizer(path)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench decode: {e}", file=sys.stderr)
         return 2
@@ -102,8 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for d in depths:
         row = {"depth": d}
-        for name, pool in (("full", 0), ("pooled", args.pool)):
-            row[name] = time_decode(model, d, args.n_gen, pool, args.kv_type, args.attention, seed=d)
+        for name, pool, policy in (("full", None, "lru"), ("pooled", args.pool, args.policy)):
+            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, args.kv_type, args.attention, policy,
+                                    args.tau, seed=d)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr)
@@ -112,7 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for row in rows:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
-    report = {"model": path, "pool": args.pool, "kv_type": args.kv_type, "threads": args.threads,
+    report = {"model": path, "pool": args.pool, "policy": args.policy, "tau": args.tau, "kv_type": args.kv_type,
+              "threads": args.threads,
               "n_gen": args.n_gen, "device": model.backend_name, "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     print_table(report)
@@ -121,10 +137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"model {Path(report['model']).name}, pool {report['pool']}, kv {report['kv_type']}, "
+    print(f"model {Path(report['model']).name}, pool {report['pool']} ({report['policy']}, tau {report['tau']}), "
+          f"kv {report['kv_type']}, "
           f"{report['threads']} threads, {report['device']}, n_gen {report['n_gen']}")
     head = f"{'depth':>7} {'full':>8} {'pooled':>8} {'llama fa0':>10} {'llama fa1':>10} {'pooled/llama':>13} " \
-           f"{'full/llama':>11} {'dev KV MiB full/pooled':>23} {'host MiB':>9}"
+           f"{'full/llama':>11} {'dev KV MiB full/pooled':>23} {'host MiB':>9} {'reselect %':>10}"
     print(head)
     for r in report["rows"]:
         best = max([x for x in (r.get("llama_fa0"), r.get("llama_fa1")) if x], default=None)
@@ -133,8 +150,9 @@ def print_table(report: dict) -> None:
         print(f"{r['depth']:>7} {r['full']['tok_s']:>8.1f} {r['pooled']['tok_s']:>8.1f} {fmt(r.get('llama_fa0')):>10} "
               f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
               f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
-              f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f}")
-    print("ratios are against llama-bench's best (flash attention on or off) at the same depth")
+              f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
+    print("ratios are against llama-bench's best (flash attention on or off) at the same depth; reselect % is the "
+          "share of pooled decode time spent scoring and paging")
 
 
 def write_outputs(report: dict, json_path: str, plot_path: str) -> None:

@@ -1,0 +1,109 @@
+#include "scorer/chunk_summaries.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace kvf {
+
+void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
+    const SummaryShape & s = shape_;
+    const KvLayout & L = kv.layout();
+    if (L.n_embd_k != s.n_head_kv * s.head_dim || L.n_layer != s.n_layer) {
+        throw std::logic_error("ChunkSummaries: shape does not match the pool");
+    }
+    if (chunk >= n_chunks()) {
+        has_.resize(chunk + 1, 0);
+        mean_.resize((chunk + 1) * s.per_chunk());
+        min_.resize((chunk + 1) * s.per_chunk());
+        max_.resize((chunk + 1) * s.per_chunk());
+    }
+    const int64_t n_rows = L.chunk_tokens, width = L.n_embd_k;
+    const auto * traits = ggml_get_type_traits(L.type_k);
+    std::vector<uint8_t> raw;
+    std::vector<float> rows((size_t) (n_rows * width));
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+        ggml_tensor * k = kv.k(il);
+        const size_t row_bytes = k->nb[1];
+        raw.resize(row_bytes * n_rows);
+        ggml_backend_tensor_get(k, raw.data(), (size_t) block * n_rows * row_bytes, raw.size());
+        if (L.type_k == GGML_TYPE_F32) {
+            std::copy_n(reinterpret_cast<const float *>(raw.data()), rows.size(), rows.data());
+        } else {
+            traits->to_float(raw.data(), rows.data(), n_rows * width);   // rows are contiguous: one call
+        }
+        for (int64_t h = 0; h < s.n_head_kv; ++h) {
+            const size_t off = (size_t) (((chunk * s.n_layer + il) * s.n_head_kv + h) * s.head_dim);
+            float * mean = &mean_[off], * mn = &min_[off], * mx = &max_[off];
+            std::fill_n(mean, s.head_dim, 0.0f);
+            std::fill_n(mn, s.head_dim, std::numeric_limits<float>::infinity());
+            std::fill_n(mx, s.head_dim, -std::numeric_limits<float>::infinity());
+            for (int64_t r = 0; r < n_rows; ++r) {
+                const float * x = &rows[(size_t) (r * width + h * s.head_dim)];
+                for (int64_t i = 0; i < s.head_dim; ++i) {
+                    mean[i] += x[i];
+                    mn[i] = std::min(mn[i], x[i]);
+                    mx[i] = std::max(mx[i], x[i]);
+                }
+            }
+            double norm = 0.0;
+            for (int64_t i = 0; i < s.head_dim; ++i) norm += (double) mean[i] * mean[i];
+            const float inv = norm > 0.0 ? (float) (1.0 / std::sqrt(norm)) : 0.0f;
+            for (int64_t i = 0; i < s.head_dim; ++i) mean[i] *= inv;
+        }
+    }
+    has_[chunk] = 1;
+}
+
+void ChunkSummaries::forget_from(int64_t chunk) {
+    if (chunk < n_chunks()) std::fill(has_.begin() + chunk, has_.end(), 0);
+}
+
+std::vector<float> ChunkSummaries::scores(const std::string & kind, const StepQueries & q, int64_t n_chunks) const {
+    const SummaryShape & s = shape_;
+    const bool quest = kind == "quest";
+    if (!quest && kind != "qk") throw std::invalid_argument("unknown scorer '" + kind + "' (expected qk or quest)");
+    if (q.n_tokens == 0) throw std::runtime_error("no captured queries yet: run a forward step first");
+    if (q.n_layer != s.n_layer || q.head_dim != s.head_dim || q.n_head % s.n_head_kv != 0) {
+        throw std::logic_error("ChunkSummaries: captured queries do not match the summaries");
+    }
+    const int64_t group = q.n_head / s.n_head_kv;
+    // qk compares directions: normalise each query once.
+    std::vector<float> qn(q.data);
+    if (!quest) {
+        for (size_t v = 0; v < qn.size(); v += (size_t) s.head_dim) {
+            double norm = 0.0;
+            for (int64_t i = 0; i < s.head_dim; ++i) norm += (double) qn[v + i] * qn[v + i];
+            const float inv = norm > 0.0 ? (float) (1.0 / std::sqrt(norm)) : 0.0f;
+            for (int64_t i = 0; i < s.head_dim; ++i) qn[v + i] *= inv;
+        }
+    }
+    std::vector<float> out((size_t) n_chunks, std::numeric_limits<float>::quiet_NaN());
+    const double denom = (double) s.n_layer * q.n_tokens;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+        if (!has(c)) continue;
+        double total = 0.0;
+        for (int64_t il = 0; il < s.n_layer; ++il) {
+            for (int64_t t = 0; t < q.n_tokens; ++t) {
+                float best = -std::numeric_limits<float>::infinity();
+                for (int64_t h = 0; h < q.n_head; ++h) {
+                    const size_t off = (size_t) (((c * s.n_layer + il) * s.n_head_kv + h / group) * s.head_dim);
+                    const float * qv = qn.data() + ((il * q.n_tokens + t) * q.n_head + h) * s.head_dim;
+                    float acc = 0.0f;
+                    if (quest) {
+                        for (int64_t i = 0; i < s.head_dim; ++i) acc += std::max(qv[i] * min_[off + i], qv[i] * max_[off + i]);
+                    } else {
+                        for (int64_t i = 0; i < s.head_dim; ++i) acc += qv[i] * mean_[off + i];
+                    }
+                    best = std::max(best, acc);
+                }
+                total += best;
+            }
+        }
+        out[c] = (float) (total / denom);
+    }
+    return out;
+}
+
+}  // namespace kvf

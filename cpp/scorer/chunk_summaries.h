@@ -1,0 +1,59 @@
+// ChunkSummaries: per sealed chunk, per (pooled layer, KV head), what the qk and quest scorers need:
+// the L2-normalised mean of the chunk's post-RoPE keys, and the channel-wise min and max of the keys.
+// A chunk is sealed once all its positions are written; it is summarised then, from the pool, while it
+// is certainly resident. Summaries live on the host and survive page-outs.
+//
+// Scores (higher = more relevant), for the queries of the current step (post-RoPE, per layer):
+//   qk:    mean over layers and query tokens of max over query heads of cos(q, mean key of its KV head)
+//   quest: mean over layers and query tokens of max over query heads of sum_i max(q_i*min_i, q_i*max_i)
+//          (Quest's upper bound on q.k over the chunk)
+// Chunks without a summary get NaN, which the pager ranks below every real score.
+#pragma once
+
+#include "kv/pooled_kv.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvf {
+
+struct SummaryShape {
+    int64_t n_layer = 0;
+    int64_t n_head_kv = 0;
+    int64_t head_dim = 0;
+    int64_t per_chunk() const { return n_layer * n_head_kv * head_dim; }
+};
+
+// Queries of one step: [n_layer][n_tokens][n_head][head_dim], float.
+struct StepQueries {
+    int64_t n_layer = 0, n_tokens = 0, n_head = 0, head_dim = 0;
+    std::vector<float> data;
+    const float * at(int64_t il, int64_t t, int64_t h) const {
+        return data.data() + ((il * n_tokens + t) * n_head + h) * head_dim;
+    }
+};
+
+class ChunkSummaries {
+public:
+    explicit ChunkSummaries(const SummaryShape & shape) : shape_(shape) {}
+
+    const SummaryShape & shape() const { return shape_; }
+    int64_t n_chunks() const { return (int64_t) has_.size(); }
+    bool has(int64_t chunk) const { return chunk < n_chunks() && has_[chunk]; }
+
+    // Summarise `chunk` from the K rows of `block` in the pool (all pooled layers).
+    void seal(int64_t chunk, int64_t block, const PooledKV & kv);
+    void forget_from(int64_t chunk);   // truncate: chunks >= chunk lose their summary
+    void clear() { has_.clear(); mean_.clear(); min_.clear(); max_.clear(); }
+
+    std::vector<float> scores(const std::string & kind, const StepQueries & q, int64_t n_chunks) const;
+    const std::vector<float> & mean_keys() const { return mean_; }   // [chunk][layer][head_kv][head_dim]
+
+private:
+    SummaryShape shape_;
+    std::vector<uint8_t> has_;
+    std::vector<float> mean_, min_, max_;   // [chunk][layer][head_kv][head_dim]
+};
+
+}  // namespace kvf
