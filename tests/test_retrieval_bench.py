@@ -159,6 +159,11 @@ def test_configs_put_the_control_first_and_pass_policies_through():
     assert [(c.label, c.pool) for c in cfgs[1:]] == [("lru", 512), ("my_scorer", 512), ("lru", 1024),
                                                      ("my_scorer", 1024)]
     assert cfgs[2].policy is my_scorer
+    # query-aware prefill variants apply only to policies that reselect (LRU never does)
+    cfgs = make_configs([512], ["lru", "qk"], include_full=False, prefill_reselect=(False, True), tau=32)
+    assert [c.label for c in cfgs] == ["lru", "qk", "qk+pf"]
+    assert cfgs[2].model_options() == {"prefill_reselect": True, "tau": 32}
+    assert Config("lru", None, True, 32).model_options() == {}   # the control takes no pool options
 
 
 def test_unknown_policy_fails_before_any_cell(smollm2_path, tokenizer):
@@ -224,21 +229,25 @@ def test_cli_jsonl_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["qk", "quest"])
-def test_policy_beats_lru_on_needles_outside_the_tail(smollm2_path, tokenizer, policy):
-    # Issue 4's CI bar: a query-aware policy recalls needles that LRU has paged out for good. The
-    # needles sit at 15-45% of a 1K context; pool 448 keeps the sink, the tail window and one more
-    # chunk, so every needle is outside what LRU keeps. Skipped while the engine lacks the policy.
+def test_query_aware_policy_beats_lru_on_needles_outside_the_tail(smollm2_path, tokenizer):
+    # Issue 4's CI bar: the best query-aware policy recalls needles that LRU has paged out for good.
+    # Needles at 20% and 40% of a 1K context; pool 448 keeps the sink, the tail window and one more
+    # chunk, so both needles are far outside what LRU keeps. Policies the engine lacks are left out.
     from kvflash_ggml import Model
-    try:
-        Model(smollm2_path, n_ctx=1024, pool_tokens=448, policy=policy, n_threads=2).close()
-    except ValueError as e:
-        pytest.skip(f"policy {policy!r} is not available yet: {e}")
+    policies = []
+    for policy in ("qk", "quest"):
+        try:
+            Model(smollm2_path, n_ctx=1024, pool_tokens=448, policy=policy, n_threads=2).close()
+            policies.append(policy)
+        except ValueError:
+            pass
+    if not policies:
+        pytest.skip("no query-aware policy is available")
     r = Renderer(tokenizer, "chat")
     cases = [tasks.generate("passkey", r, 1024, 1, depths=[d], fillers=[f], seed=i)[0]
-             for i, (d, f) in enumerate([(0.15, "grass"), (0.3, "prose"), (0.45, "code")])]
-    report = run_grid(smollm2_path, {1024: cases}, r, make_configs([448], ["lru", policy], include_full=False),
+             for i, (d, f) in enumerate([(0.2, "grass"), (0.4, "prose")])]
+    report = run_grid(smollm2_path, {1024: cases}, r, make_configs([448], ["lru", *policies], include_full=False),
                       n_threads=2, log=lambda s: None)
     recall = {c["policy"]: c["recall"] for c in report["cells"]}
-    assert recall["lru"] <= 1 / 3, recall
-    assert recall[policy] >= recall["lru"] + 0.5, recall
+    assert recall["lru"] == 0.0, recall
+    assert max(recall[p] for p in policies) >= 0.5, recall

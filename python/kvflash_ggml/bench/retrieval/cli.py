@@ -29,9 +29,13 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default="8192", help="comma-separated context lengths in tokens (default 8192)")
     ap.add_argument("--pools", default="512,1024", help="comma-separated pool sizes in tokens (default 512,1024)")
     ap.add_argument("--policies", default="lru",
-                    help="comma-separated policies passed to Model(policy=...): names (lru, qk, quest, drafter, "
-                         "...) or module:function for a Python callable; 'full' adds the control (default lru)")
+                    help="comma-separated policies passed to Model(policy=...): names (lru, qk, quest, ...) or "
+                         "module:function for a Python callable; 'full' adds the control (default lru)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-cache control")
+    ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
+                    help="query-aware prefill (reselect before each prefill batch) for policies that reselect: "
+                         "the engine's default, on, off, or both variants side by side (labelled +pf)")
+    ap.add_argument("--tau", type=int, default=None, help="decode tokens between reselects (engine default)")
     ap.add_argument("--tasks", default=",".join(default_tasks),
                     help=f"comma-separated tasks from {', '.join(tasks.TASKS)} (default {','.join(default_tasks)})")
     ap.add_argument("--cases", type=int, default=default_cases, help=f"cases per task and length ({default_cases})")
@@ -126,7 +130,11 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
         print(f"kvflash bench {bench}: {e}", file=sys.stderr)
         return 2
     cases = make_cases(args, ap, renderer, lengths)
-    cfgs = make_configs(pools if policies else [], policies, include_full=include_full)
+    if args.tau is not None and args.tau <= 0:
+        ap.error("--tau must be positive")
+    variants = {"default": (None,), "on": (True,), "off": (False,), "both": (False, True)}[args.prefill_reselect]
+    cfgs = make_configs(pools if policies else [], policies, include_full=include_full,
+                        prefill_reselect=variants, tau=args.tau)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     given = list(argv) if argv is not None else sys.argv[1:]
     meta = {"bench": bench, "command": " ".join(["kvflash", "bench", bench, *given]), "seed": args.seed}

@@ -24,26 +24,52 @@ Policy = Union[str, Callable]
 @dataclass(frozen=True)
 class Config:
     policy: Policy
-    pool: Optional[int]          # None = full cache (the control)
+    pool: Optional[int]                       # None = full cache (the control)
+    prefill_reselect: Optional[bool] = None   # None = the engine's default; True adds "+pf" to the label
+    tau: Optional[int] = None                 # None = the engine's default
 
     @property
     def label(self) -> str:
-        return "full" if self.pool is None else policy_label(self.policy)
+        if self.pool is None:
+            return "full"
+        return policy_label(self.policy) + ("+pf" if self.prefill_reselect else "")
+
+    def model_options(self) -> dict:
+        """Keywords for Model beyond pool and policy: only those chosen, so engine defaults rule."""
+        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau}
+        return {k: v for k, v in opts.items() if v is not None and self.pool is not None}
 
 
 def policy_label(policy: Policy) -> str:
     return policy if isinstance(policy, str) else getattr(policy, "__name__", type(policy).__name__)
 
 
-def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_full: bool = True) -> list[Config]:
-    """The full-cache control first (its recall B is what every pooled cell is judged against)."""
+def reselects(policy: Policy) -> bool:
+    """Whether the engine would ask this policy to reselect (unknown names: assume so, and let
+    check_configs report them)."""
+    try:
+        from ...policy import make_policy
+        return bool(make_policy(policy).reselects)
+    except (ImportError, ValueError):
+        return True
+
+
+def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_full: bool = True,
+                 prefill_reselect: Sequence[Optional[bool]] = (None,), tau: Optional[int] = None) -> list[Config]:
+    """The full-cache control first (its recall B is what every pooled cell is judged against), then
+    every pool x policy x prefill-reselect variant; a policy that never reselects gets one variant."""
     out = [Config("lru", None)] if include_full else []
-    return out + [Config(p, pool) for pool in pools for p in policies]
+    for pool in pools:
+        for p in policies:
+            variants = prefill_reselect if reselects(p) else (None,)
+            out += [Config(p, pool, pf, tau) for pf in variants]
+    return out
 
 
 def open_model(model_path: str, cfg: Config, n_ctx: int, n_threads: Optional[int]):
     from ...model import Model
-    return Model(model_path, n_ctx=n_ctx, pool_tokens=cfg.pool, policy=cfg.policy, n_threads=n_threads)
+    return Model(model_path, n_ctx=n_ctx, pool_tokens=cfg.pool, policy=cfg.policy, n_threads=n_threads,
+                 **cfg.model_options())
 
 
 def check_configs(model_path: str, cfgs: Sequence[Config], n_ctx: int, n_threads: Optional[int]) -> None:
@@ -90,7 +116,7 @@ def run_grid(model_path: str, cases_by_length: dict[int, list[Case]], renderer: 
     check_configs(model_path, cfgs, n_ctx, n_threads)
     report = {**(meta or {}), "model": model_path, "format": renderer.fmt, "n_ctx": n_ctx, "threads": n_threads,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "lengths": list(cases_by_length),
-              "configs": [{"policy": c.label, "pool": c.pool} for c in cfgs],
+              "configs": [{"policy": c.label, "pool": c.pool, **c.model_options()} for c in cfgs],
               "cases": {str(length): [c.to_json() for c in cs] for length, cs in cases_by_length.items()},
               "cells": []}
     for cfg in cfgs:
