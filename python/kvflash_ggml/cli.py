@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 COMMANDS = {
     "generate": ("kvflash_ggml.generate", "generate text from a prompt"),
     "convert": ("kvflash_ggml.convert", "convert a Hugging Face checkpoint to GGUF"),
-    "bench": ("kvflash_ggml.bench.command", "benchmarks (decode: tok/s vs depth next to llama-bench)"),
+    "bench": ("kvflash_ggml.bench.command", "benchmarks: decode (tok/s vs depth), niah and ruler (recall vs residency)"),
 }
 
 

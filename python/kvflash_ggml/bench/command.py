@@ -5,7 +5,12 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = {"decode": "kvflash_ggml.bench.decode", "restore": "kvflash_ggml.bench.restore"}
+BENCHES = {
+    "decode": "kvflash_ggml.bench.decode",
+    "restore": "kvflash_ggml.bench.restore",
+    "niah": "kvflash_ggml.bench.niah",
+    "ruler": "kvflash_ggml.bench.ruler",
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
