@@ -5,12 +5,13 @@ from hypothesis import given, settings, strategies as st
 
 from kvflash_ggml import _core
 
-KV_TYPES = ["f16", "q8_0", "q4_0", "f32"]
+KV_TYPES = ["f16", "q8_0", "q4_0", "f32", "f16-v_trans", "f32-v_trans"]
 
 
 def make(kv_type, pool_tokens=448, chunk=64, n_layer=3):
+    kv_type, _, layout = kv_type.partition("-")
     store = _core.CpuPooledKV(n_layer=n_layer, n_embd_k=64, n_embd_v=96, pool_tokens=pool_tokens,
-                              chunk_tokens=chunk, kv_type=kv_type)
+                              chunk_tokens=chunk, kv_type=kv_type, v_trans=layout == "v_trans")
     pager = _core.KvPager(_core.PagerConfig(chunk_tokens=chunk, pool_tokens=pool_tokens, max_tokens=4096,
                                             chunk_bytes=store.kv.chunk_bytes))
     return store, pager
@@ -63,6 +64,8 @@ def test_bad_layouts_raise():
         _core.CpuPooledKV(n_layer=1, n_embd_k=48, n_embd_v=64, pool_tokens=448, kv_type="q8_0")
     with pytest.raises(ValueError, match="unknown kv_type"):
         _core.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q3_k")
+    with pytest.raises(ValueError, match="transposed V needs an unquantized type"):
+        _core.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q8_0", v_trans=True)
 
 
 def numpy_mask(slot_pos, n_kv, pos, window):

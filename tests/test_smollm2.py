@@ -50,9 +50,9 @@ def test_pool_larger_than_context_equals_full_cache(smollm2, smollm2_vocab):
 
 def test_relocated_blocks_give_the_same_argmax(smollm2, smollm2_vocab):
     # Regression guard for slot-mapped writes and masks: the same chunks in shuffled blocks must give the
-    # same predictions (only the summation order over slots changes).
+    # same predictions under ordered attention (only the summation order over slots changes without it).
     tokens = np.array(smollm2_vocab.tokenize(prose(200, seed=3), add_special=True)[:1100], np.int32)
-    cfg = _core.SessionConfig(max_tokens=1152, pool_tokens=1152)
+    cfg = _core.SessionConfig(max_tokens=1152, pool_tokens=1152, ordered_attention=True)
     identity = _core.Session(smollm2, cfg)
     shuffled = _core.Session(smollm2, cfg)
     order = np.random.default_rng(0).permutation(shuffled.pager.n_blocks())
@@ -115,3 +115,18 @@ def test_tokenizer_matches_libllama_conventions(smollm2_vocab):
     assert smollm2_vocab.detokenize(toks, remove_special=True) == "The capital of France is"
     assert smollm2_vocab.is_eog(smollm2_vocab.eos)
     assert "im_start" in smollm2_vocab.chat_template
+
+
+def test_greedy_on_the_backend_equals_argmax_of_the_logits(smollm2, smollm2_vocab):
+    # forward_greedy takes the argmax inside the graph (the GPU sends back 4 bytes); it must pick what
+    # NumPy picks from the logits of the same step, through prefill, decode and a pool that evicts.
+    tokens = np.array(smollm2_vocab.tokenize(prose(80, seed=5), add_special=True)[:520], np.int32)
+    cfg = _core.SessionConfig(max_tokens=640, pool_tokens=448)
+    a, b = _core.Session(smollm2, cfg), _core.Session(smollm2, cfg)
+    tok_a = int(a.forward(tokens, 0).argmax())
+    tok_b = b.forward_greedy(tokens, 0)
+    for _ in range(40):
+        assert tok_a == tok_b
+        tok_a, tok_b = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax()), b.forward_greedy(
+            np.array([tok_b], np.int32), b.n_tokens)
+    assert a.pager.stats().page_outs > 0 and tok_a == tok_b

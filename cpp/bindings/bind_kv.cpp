@@ -39,7 +39,7 @@ void register_kv(py::module_ & m) {
 
     py::class_<CpuPooledKV>(m, "CpuPooledKV")
         .def(py::init([](int64_t n_layer, int64_t n_embd_k, int64_t n_embd_v, int64_t pool_tokens, int64_t chunk_tokens,
-                         const std::string & kv_type) {
+                         const std::string & kv_type, bool v_trans) {
                  auto w = std::make_unique<CpuPooledKV>();
                  KvLayout L;
                  L.n_layer = n_layer;
@@ -48,11 +48,12 @@ void register_kv(py::module_ & m) {
                  L.pool_tokens = pool_tokens;
                  L.chunk_tokens = chunk_tokens;
                  L.type_k = L.type_v = kv_type_from_name(kv_type);
+                 L.v_trans = v_trans;
                  w->kv = std::make_unique<PooledKV>(w->backend.get(), L);
                  return w;
              }),
              py::kw_only(), py::arg("n_layer"), py::arg("n_embd_k"), py::arg("n_embd_v"), py::arg("pool_tokens"),
-             py::arg("chunk_tokens") = 64, py::arg("kv_type") = "f16")
+             py::arg("chunk_tokens") = 64, py::arg("kv_type") = "f16", py::arg("v_trans") = false)
         .def_property_readonly("kv", [](CpuPooledKV & w) -> PooledKV & { return *w.kv; }, py::return_value_policy::reference_internal);
 
     m.def("build_slot_mask", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> slot_pos, int64_t n_kv,

@@ -29,7 +29,7 @@ void register_session(py::module_ & m) {
         .def_readonly("attention", &SessionConfig::attention)
         .def_readonly("n_batch", &SessionConfig::n_batch)
         .def_property_readonly("ordered_attention", [](const SessionConfig & c) -> std::optional<bool> {
-            if (c.ordered_attention < 0) return std::nullopt;   // auto: on for CPU, off for GPU
+            if (c.ordered_attention < 0) return std::nullopt;   // auto: off (slot order)
             return c.ordered_attention != 0;
         })
         .def_readonly("track_summaries", &SessionConfig::track_summaries);
@@ -56,6 +56,12 @@ void register_session(py::module_ & m) {
                  return make_logits(std::move(out), n, s.model().hparams().n_vocab, all_logits);
              },
              py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("all_logits") = false)
+        .def("forward_greedy", [](Session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                                  int64_t start) {
+                 py::gil_scoped_release nogil;
+                 return s.forward_greedy(tokens.data(), tokens.size(), start);
+             }, py::arg("tokens"), py::arg("start"),
+             "forward(), returning only the argmax after the last token (computed on the backend)")
         .def("truncate", &Session::truncate, py::arg("n_tokens"))
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");

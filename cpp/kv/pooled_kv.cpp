@@ -30,6 +30,30 @@ ggml_backend_buffer_type_t pinned_buffer_type(ggml_backend_t backend) {
     return ggml_backend_dev_host_buffer_type(dev);
 }
 
+template <typename T> void transpose(const T * src, T * dst, int64_t rows, int64_t cols) {   // src [rows][cols]
+    for (int64_t r = 0; r < rows; ++r) for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+// Copy an image, turning each layer's V between channel runs ([n_embd_v][C] values, v_trans) and slot
+// rows ([C][n_embd_v]); K and non-transposed layouts are copied as they are.
+void transpose_v_images(const KvLayout & L, const uint8_t * src, uint8_t * dst, bool to_rows) {
+    const int64_t C = L.chunk_tokens, W = L.n_embd_v;
+    const size_t k_bytes = ggml_row_size(L.type_k, L.n_embd_k) * C, v_bytes = ggml_row_size(L.type_v, W) * C;
+    const int64_t rows = to_rows ? W : C, cols = to_rows ? C : W;
+    for (int64_t il = 0; il < L.n_layer; ++il, src += k_bytes + v_bytes, dst += k_bytes + v_bytes) {
+        if (!L.v_trans) {
+            std::memcpy(dst, src, k_bytes + v_bytes);
+            continue;
+        }
+        std::memcpy(dst, src, k_bytes);
+        if (ggml_type_size(L.type_v) == 2) {   // f16, bf16
+            transpose((const uint16_t *) (src + k_bytes), (uint16_t *) (dst + k_bytes), rows, cols);
+        } else {                                // f32 (v_trans is refused for quantized types)
+            transpose((const uint32_t *) (src + k_bytes), (uint32_t *) (dst + k_bytes), rows, cols);
+        }
+    }
+}
+
 }  // namespace
 
 PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout), backend_(backend) {
@@ -41,6 +65,10 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
         throw std::invalid_argument("PooledKV: pool_tokens=" + std::to_string(L.pool_tokens) +
                                     " must be a positive multiple of chunk_tokens=" + std::to_string(L.chunk_tokens));
     }
+    if (L.v_trans && ggml_is_quantized(L.type_v)) {
+        throw std::invalid_argument(std::string("PooledKV: a transposed V needs an unquantized type, not ") +
+                                    ggml_type_name(L.type_v));
+    }
     for (auto [t, w, what] : {std::tuple{L.type_k, L.n_embd_k, "K"}, std::tuple{L.type_v, L.n_embd_v, "V"}}) {
         if (w % ggml_blck_size(t) != 0) {
             throw std::invalid_argument(std::string("PooledKV: ") + what + " row width " + std::to_string(w) +
@@ -51,7 +79,8 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
     ctx_ = ggml_init(params);
     for (int64_t il = 0; il < L.n_layer; ++il) {
         k_.push_back(ggml_new_tensor_2d(ctx_, L.type_k, L.n_embd_k, L.pool_tokens));
-        v_.push_back(ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, L.pool_tokens));
+        v_.push_back(L.v_trans ? ggml_new_tensor_2d(ctx_, L.type_v, L.pool_tokens, L.n_embd_v)
+                               : ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, L.pool_tokens));
         ggml_format_name(k_.back(), "pool_k_%d", (int) il);
         ggml_format_name(v_.back(), "pool_v_%d", (int) il);
     }
@@ -123,14 +152,28 @@ template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn) c
     if (block < 0 || block >= layout_.pool_tokens / layout_.chunk_tokens) {
         throw std::out_of_range("PooledKV: block " + std::to_string(block) + " outside the pool");
     }
+    const int64_t C = layout_.chunk_tokens;
     size_t image_off = 0;
     for (int64_t il = 0; il < layout_.n_layer; ++il) {
         for (ggml_tensor * t : {k_[il], v_[il]}) {
-            const size_t size = t->nb[1] * layout_.chunk_tokens;
+            if (t == v_[il] && layout_.v_trans) {   // one run of C values per V channel
+                const size_t size = ggml_type_size(t->type) * C;
+                for (int64_t r = 0; r < t->ne[1]; ++r, image_off += size) fn(t, r * t->nb[1] + block * size, size, image_off);
+                continue;
+            }
+            const size_t size = t->nb[1] * C;
             fn(t, (size_t) block * size, size, image_off);
             image_off += size;
         }
     }
+}
+
+void PooledKV::image_to_rows(const uint8_t * native, uint8_t * rows) const {
+    transpose_v_images(layout_, native, rows, true);
+}
+
+void PooledKV::image_from_rows(const uint8_t * rows, uint8_t * native) const {
+    transpose_v_images(layout_, rows, native, false);
 }
 
 void PooledKV::execute(const Plan & plan) {

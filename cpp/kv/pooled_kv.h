@@ -5,6 +5,11 @@
 // Layout (same for every architecture): per pooled layer, K is [n_embd_k, pool_tokens] and V is
 // [n_embd_v, pool_tokens] (ggml order: ne0 = row width, ne1 = slot), so one chunk of one layer is one
 // contiguous region of chunk_tokens rows and a page-out/page-in is one copy per layer per K/V.
+// With v_trans (mul_mat attention, as llama.cpp lays V out without flash attention) V is
+// [pool_tokens, n_embd_v] instead: mul_mat reads it as is, where slot rows would need a transposed copy
+// of the whole pool per layer per step (on the CPU ~20% of a SmolLM2 decode step). A chunk of V is
+// then n_embd_v strided runs of chunk_tokens values; images hold them in that native order, and
+// snapshots convert them to slot rows (save_state/load_state), so a snapshot restores under either layout.
 //
 // Host store: on a GPU backend the chunk images live in pinned (page-locked) host memory, handed out
 // from slabs of the device's host buffer type, and page-outs/page-ins are asynchronous copies queued
@@ -38,6 +43,7 @@ struct KvLayout {
     int64_t chunk_tokens = 64;
     ggml_type type_k = GGML_TYPE_F16;
     ggml_type type_v = GGML_TYPE_F16;
+    bool v_trans = false;       // V is [pool_tokens, n_embd_v] (unquantized V only)
 };
 
 ggml_type kv_type_from_name(const std::string & name);   // "f16" | "q8_0" | "q4_0" | "f32" | "bf16"
@@ -51,7 +57,7 @@ public:
 
     const KvLayout & layout() const { return layout_; }
     ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens]
-    ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens]
+    ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens] ([pool_tokens, n_embd_v] if v_trans)
 
     int64_t chunk_bytes() const;        // one chunk, all layers, K and V
     int64_t device_bytes() const;       // the whole pool
@@ -90,6 +96,9 @@ private:
     void release_image(int64_t chunk);
     void get_block(int64_t block, uint8_t * out) const;      // chunk_bytes() bytes, as read_block
     void set_block(int64_t block, const uint8_t * in);        // chunk_bytes() bytes, as write_block
+    // Snapshots store V in slot rows whatever the pool's layout: native image <-> that form.
+    void image_to_rows(const uint8_t * native, uint8_t * rows) const;
+    void image_from_rows(const uint8_t * rows, uint8_t * native) const;
 
     KvLayout layout_;
     ggml_backend_t backend_ = nullptr;

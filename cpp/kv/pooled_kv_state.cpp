@@ -2,7 +2,8 @@
 //
 // Layout, version 1: n_layer, n_embd_k, n_embd_v, chunk_tokens (i64), type_k, type_v (i32, ggml type ids),
 // chunk_bytes, n_chunks (i64), then n_chunks images of chunk_bytes each. An image is what read_block
-// returns: per layer, the chunk's K rows then its V rows, exactly as they sit in the pool.
+// returns (per layer, the chunk's K rows then its V rows), with V always in slot rows: a pool with a
+// transposed V (v_trans) converts, so snapshots move between attention paths (e.g. CPU matmul -> GPU flash).
 #include "kv/pooled_kv.h"
 #include "snapshot/byte_io.h"
 
@@ -31,14 +32,15 @@ void PooledKV::save_state(ByteWriter & w, const std::vector<int64_t> & chunk_blo
     w.put<int64_t>(chunk_bytes());
     w.put<int64_t>((int64_t) chunk_blocks.size());
     synchronize();   // queued page-outs/page-ins (GPU) must have landed before blocks and images are read
-    std::vector<uint8_t> scratch((size_t) chunk_bytes());
+    std::vector<uint8_t> native((size_t) chunk_bytes()), rows(native.size());
     for (size_t c = 0; c < chunk_blocks.size(); ++c) {
         if (chunk_blocks[c] < 0) {
-            w.raw(host_image((int64_t) c).data(), scratch.size());   // throws out_of_range if it has none
-            continue;
+            native = host_image((int64_t) c);   // throws out_of_range if it has none
+        } else {
+            get_block(chunk_blocks[c], native.data());
         }
-        get_block(chunk_blocks[c], scratch.data());
-        w.raw(scratch.data(), scratch.size());
+        image_to_rows(native.data(), rows.data());
+        w.raw(rows.data(), rows.size());
     }
 }
 
@@ -75,11 +77,12 @@ std::vector<const uint8_t *> PooledKV::state_from(ByteReader & r, uint32_t versi
 
 void PooledKV::load_state(const std::vector<const uint8_t *> & images, const std::vector<int64_t> & chunk_blocks,
                           const std::vector<uint8_t> & host_valid) {
-    const size_t n = (size_t) chunk_bytes();
+    std::vector<uint8_t> native((size_t) chunk_bytes());
     clear_host();   // also waits for queued copies, so none lands on a block or image written here
     for (size_t c = 0; c < images.size(); ++c) {
-        if (chunk_blocks[c] >= 0) set_block(chunk_blocks[c], images[c]);
-        if (host_valid[c]) std::memcpy(image_for((int64_t) c), images[c], n);
+        image_from_rows(images[c], native.data());
+        if (chunk_blocks[c] >= 0) set_block(chunk_blocks[c], native.data());
+        if (host_valid[c]) std::memcpy(image_for((int64_t) c), native.data(), native.size());
     }
 }
 

@@ -12,6 +12,8 @@ struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
     ggml_tensor * positions = nullptr;   // I32 [n_tokens]
     ggml_tensor * slots     = nullptr;   // I64 [n_tokens]  pool row written by each token
+    ggml_tensor * v_slots   = nullptr;   // I64 [n_embd_v * n_tokens]  element of the transposed V pool
+                                         // written by each V value (v_trans layouts only)
     ggml_tensor * mask      = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
     ggml_tensor * out_ids   = nullptr;   // I32 [n_outputs]  tokens whose logits are computed (nullptr: all)
     ggml_tensor * kv_order  = nullptr;   // I64 [pool_tokens] row of each slot in the position-ordered copy

@@ -64,7 +64,9 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.pool_tokens = pc.pool_tokens;
     layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
     flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
-    ordered_ = cfg_.ordered_attention < 0 ? !model_->on_gpu() : cfg_.ordered_attention != 0;
+    ordered_ = cfg_.ordered_attention > 0;
+    // The position-ordered copy gathers slot rows, so an ordered session keeps V in slot rows.
+    layout.v_trans = !flash_attn_ && !ordered_;
 
     pc.validate();
     kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
@@ -102,6 +104,18 @@ void Session::execute(const Plan & plan) {
 }
 
 std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits) {
+    std::vector<float> logits((size_t) (all_logits ? std::max<int64_t>(n, 0) : 1) * model_->hparams().n_vocab);
+    run(tokens, n, start, all_logits, logits.data(), nullptr);
+    return logits;
+}
+
+int32_t Session::forward_greedy(const int32_t * tokens, int64_t n, int64_t start) {
+    int32_t token = -1;
+    run(tokens, n, start, false, nullptr, &token);
+    return token;
+}
+
+void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy) {
     if (n <= 0) throw std::invalid_argument("forward needs at least one token");
     if (start != pager_->n_tokens()) {
         throw std::invalid_argument("forward start=" + std::to_string(start) + " but the session holds " +
@@ -118,7 +132,6 @@ std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t s
                                         std::to_string(n_vocab) + ")");
         }
     }
-    std::vector<float> logits((size_t) (all_logits ? n : 1) * n_vocab);
     for (int64_t done = 0; done < n;) {
         // Each step must fit the pool at once: the pager says how much it can place.
         const int64_t step = std::min({n - done, cfg_.n_batch, pager_->max_span_tokens()});
@@ -127,16 +140,11 @@ std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t s
         execute(plan);
         tokens_.insert(tokens_.end(), tokens + done, tokens + done + step);
         const bool last = done + step == n;
-        if (all_logits || last) {
-            float * out = logits.data() + (all_logits ? (size_t) done * n_vocab : 0);
-            compute(tokens + done, step, plan, all_logits, out);
-        } else {
-            compute(tokens + done, step, plan, false, nullptr);
-        }
+        float * out = logits && (all_logits || last) ? logits + (all_logits ? (size_t) done * n_vocab : 0) : nullptr;
+        compute(tokens + done, step, plan, all_logits, out, last ? greedy : nullptr);
         seal_chunks(start + done, step);
         done += step;
     }
-    return logits;
 }
 
 Session::KeyOrder Session::key_order() const {
@@ -171,7 +179,8 @@ Session::KeyOrder Session::key_order() const {
     return o;
 }
 
-void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out) {
+void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
+                      int32_t * greedy_out) {
     const auto t0 = std::chrono::steady_clock::now();
     const KeyOrder order = key_order();
     const int64_t n_outputs = all_logits ? n : 1;
@@ -183,6 +192,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
         throw std::runtime_error("ggml graph compute failed");
     }
     if (logits_out) read_logits(logits_out);
+    if (greedy_out) ggml_backend_tensor_get(greedy_, greedy_out, 0, sizeof(int32_t));
     timings_.t_compute_ms += ms_since(t0);
     timings_.n_computes++;
 }
@@ -229,10 +239,12 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.slots = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_tokens);
+    const KvLayout & L = kv_->layout();
+    g.in.v_slots = L.v_trans ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
     g.in.mask = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F16, n_kv, n_tokens);
     g.in.out_ids = n_outputs < n_tokens ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_outputs) : nullptr;
     g.in.kv_order = gathered ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, kv_->layout().pool_tokens) : nullptr;
-    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.mask, g.in.out_ids, g.in.kv_order}) {
+    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.v_slots, g.in.mask, g.in.out_ids, g.in.kv_order}) {
         if (t) ggml_set_input(t);
     }
 
@@ -243,6 +255,12 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     ggml_set_name(logits_, "logits");
     ggml_set_output(logits_);
     ggml_build_forward_expand(g.gf, logits_);
+    greedy_ = nullptr;
+    if (n_outputs == 1) {   // one small kernel; prefill graphs with every row's logits skip it
+        greedy_ = ggml_argmax(g.ctx, logits_);
+        ggml_set_output(greedy_);
+        ggml_build_forward_expand(g.gf, greedy_);
+    }
 
     ggml_backend_sched_reset(sched_);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
@@ -269,6 +287,14 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
     ggml_backend_tensor_set(in.tokens, tokens, 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+    if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
+        const int64_t W = kv_->layout().n_embd_v, P = kv_->layout().pool_tokens;
+        std::vector<int64_t> v_slots((size_t) (W * n));
+        for (int64_t i = 0; i < n; ++i) {
+            for (int64_t c = 0; c < W; ++c) v_slots[i * W + c] = c * P + slots[i];
+        }
+        ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
+    }
 
     const int64_t n_kv = order.n_kv;
     input_scratch_.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));

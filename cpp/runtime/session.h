@@ -32,10 +32,10 @@ struct SessionConfig {
     int64_t tail_chunks  = 4;
     bool allow_beyond_train_ctx = false;
     // Attend in position order once the mapping leaves identity (f16/f32 KV), so results do not depend
-    // on which blocks chunks landed in. Costs one pool copy per layer per step; off = slot order.
-    // 1 = on, 0 = off, -1 = auto: on for the CPU backend, off on a GPU, where the copy (a gather of
-    // the whole pool per layer) took 1.5 of 5.3 ms per decode step of the 8B shape on an H100
-    // (docs/RESULTS.md); slot order changes results only by float summation order.
+    // on which blocks chunks landed in (slot order changes results only by float summation order, which
+    // flips ~2% of SmolLM2's argmaxes). Costs a copy of the pool per layer per step (1.5 of 5.3 ms of
+    // an 8B decode step on an H100) and, on the mul_mat path, keeps V in slot rows, which costs a
+    // transposed copy per step on top. 1 = on; 0 or -1 (auto) = off: slot order.
     int ordered_attention = -1;
     // Summarise each chunk when it is sealed (mean key, min/max) for the qk and quest scorers.
     bool track_summaries = false;
@@ -59,6 +59,9 @@ public:
     // Run tokens at positions [start, start+n); start must equal n_tokens(). Returns the logits of the
     // last token ([n_vocab]) or of every token ([n, n_vocab], row-major) when all_logits.
     std::vector<float> forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits);
+    // The same step, returning only the greedy token after the last one: the argmax runs on the backend,
+    // so a GPU sends back 4 bytes instead of the logits (0.5 MB for a 128K vocabulary).
+    int32_t forward_greedy(const int32_t * tokens, int64_t n, int64_t start);
 
     void truncate(int64_t n);                        // forget positions >= n
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
@@ -96,7 +99,10 @@ public:
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
-    void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out);
+    // Allocate, compute and read back in steps of at most n_batch tokens; either output may be null.
+    void run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy);
+    void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
+                 int32_t * greedy_out);
     // The key order of this step: per slot, the position it holds, as attention sees the keys.
     struct KeyOrder {
         bool gathered = false;             // keys copied into position order (kv_order input)
@@ -123,6 +129,7 @@ private:
     ggml_context * graph_ctx_ = nullptr;
     GraphCtx graph_;
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
+    ggml_tensor * greedy_ = nullptr;   // I32 [1]  argmax of the logits (graphs with one output only)
     int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()

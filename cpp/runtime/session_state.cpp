@@ -19,7 +19,7 @@ void Session::save_state(ByteWriter & w, int64_t n_tokens) const {
     w.str(cfg_.kv_type);
     w.str(cfg_.attention);
     w.put<uint8_t>(cfg_.allow_beyond_train_ctx);
-    w.put<uint8_t>(cfg_.ordered_attention);
+    w.put<uint8_t>(cfg_.ordered_attention > 0);   // the effective flag (auto = -1 = off)
     w.put<uint8_t>(cfg_.track_summaries);
     w.put<int64_t>(n_tokens);
 }

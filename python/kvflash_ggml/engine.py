@@ -125,12 +125,22 @@ class Engine:
 
     # -- decode ----------------------------------------------------------------------------------
     def decode_one(self, token: int) -> np.ndarray:
+        """Feed one token; the logits after it."""
         logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
+        self._after_decode(token)
+        return logits
+
+    def decode_one_greedy(self, token: int) -> int:
+        """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
+        next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), len(self.history))
+        self._after_decode(token)
+        return next_token
+
+    def _after_decode(self, token: int) -> None:
         self.history.append(int(token))
         self._since_reselect += 1
         if self._since_reselect >= max(self.tau, len(self.history) // 45):   # adaptive tau
             self.reselect()
-        return logits
 
     # -- reselect --------------------------------------------------------------------------------
     def _can_reselect(self) -> bool:
@@ -158,8 +168,8 @@ class Engine:
         sampler = Sampler(params)
         stream = TextStream(params.stop)
         finish = "length"
+        token = sampler(logits)
         for i in range(params.max_tokens):
-            token = sampler(logits)
             if self.tokenizer.is_eog(token):
                 finish = "stop"
                 break
@@ -171,7 +181,7 @@ class Engine:
             yield GenerationRecord(token, text, None)
             if i + 1 == params.max_tokens or len(self.history) >= self.pool.n_ctx:
                 break
-            logits = self.decode_one(token)
+            token = self.decode_one_greedy(token) if sampler.greedy else sampler(self.decode_one(token))
         if self.prefix_cache is not None:   # before the last yield: a consumer may stop after it
             self.prefix_cache.store(self._cache_key, self.session)
         yield GenerationRecord(None, stream.flush(), finish)

@@ -11,6 +11,11 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """The choice is the argmax, so the backend may take it (Engine.decode_one_greedy)."""
+        return self.params.temperature <= 0.0
+
     def __call__(self, logits: np.ndarray) -> int:
         p = self.params
         if p.temperature <= 0.0:

@@ -61,16 +61,16 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32)
     t0 = time.perf_counter()
-    logits = engine.prefill(prompt.tolist())   # depth tokens of context + the first decode input
+    token = int(engine.prefill(prompt.tolist()).argmax())   # depth tokens of context + the first decode input
     t_prefill = time.perf_counter() - t0
     for _ in range(WARMUP):
-        logits = engine.decode_one(int(logits.argmax()))
+        token = engine.decode_one_greedy(token)
     before = engine.stats()
     rates, t_decode = [], 0.0
     for _ in range(REPS):   # like llama-bench -r: REPS windows of n_gen tokens; the median of their rates
         t0 = time.perf_counter()
-        for _ in range(n_gen):
-            logits = engine.decode_one(int(logits.argmax()))
+        for _ in range(n_gen):   # greedy, as generate() decodes at temperature 0
+            token = engine.decode_one_greedy(token)
         dt = time.perf_counter() - t0
         rates.append(n_gen / dt)
         t_decode += dt
