@@ -10,6 +10,10 @@ namespace kvf {
 namespace {
 
 constexpr int64_t k_kv_pad = 256;   // CUDA FA prefers n_kv % 256 == 0; also bounds graph rebuilds
+// mul_mat attention on the CPU pays for every attended slot, masked or not (flash attention skips
+// masked ones): attend in chunk steps there, one graph rebuild per 64 tokens while the context grows.
+// Masked slots add exact zeros to its sums, so this padding changes no result.
+constexpr int64_t k_kv_pad_cpu_matmul = 64;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -65,6 +69,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
     flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
     ordered_ = cfg_.ordered_attention > 0;
+    kv_pad_ = model_->on_gpu() || flash_attn_ ? k_kv_pad : k_kv_pad_cpu_matmul;
     // The position-ordered copy gathers slot rows, so an ordered session keeps V in slot rows.
     layout.v_trans = !flash_attn_ && !ordered_;
 
@@ -156,7 +161,7 @@ Session::KeyOrder Session::key_order() const {
     if (!o.gathered) {
         int64_t last = -1;
         for (int64_t s = n_slots - 1; s >= 0 && last < 0; --s) if (slot_pos[s] >= 0) last = s;
-        o.n_kv = std::min(round_up(last + 1, k_kv_pad), n_slots);
+        o.n_kv = std::min(round_up(last + 1, kv_pad_), n_slots);
         o.key_pos = slot_pos;
         return o;
     }
@@ -175,7 +180,7 @@ Session::KeyOrder Session::key_order() const {
         o.key_pos[j] = slot_pos[slots[j]];
         n_occupied += o.key_pos[j] >= 0;
     }
-    o.n_kv = std::min(round_up(n_occupied, k_kv_pad), n_slots);
+    o.n_kv = std::min(round_up(n_occupied, kv_pad_), n_slots);
     return o;
 }
 

@@ -119,7 +119,8 @@ private:
     SessionConfig cfg_;
     bool full_cache_ = false;
     bool flash_attn_ = false;
-    bool ordered_ = true;   // cfg_.ordered_attention resolved for this backend
+    bool ordered_ = false;  // cfg_.ordered_attention resolved
+    int64_t kv_pad_ = 256;  // n_kv is a multiple of this (or the whole pool)
     std::unique_ptr<KvPager> pager_;
     std::unique_ptr<PooledKV> kv_;
     std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
