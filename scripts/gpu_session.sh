@@ -12,7 +12,7 @@
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
 # pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
-# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, POOL.
+# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, REPS, POOL.
 # KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
 # only get a new mtime, so a kept build folder recompiles only what changed), then run from KVF_DIR.
 set -uo pipefail
@@ -42,6 +42,7 @@ CARRY=${CARRY:-$PWD/.devcarry}
 MODEL=${MODEL:-/tmp/l8b.gguf}
 DEPTHS=${DEPTHS:-0,4096,32768,65536,131072}
 N_GEN=${N_GEN:-64}
+REPS=${REPS:-5}
 POOL=${POOL:-4096}
 mkdir -p "$OUT"
 t0=$(date +%s)
@@ -81,7 +82,7 @@ for phase in "$@"; do
     bench)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --pool "$POOL" --n-gen "$N_GEN" \
-            --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+            --reps "$REPS" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     order)
         need_model
         python3 scripts/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;

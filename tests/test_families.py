@@ -51,6 +51,7 @@ VARIANTS = {
     "llama-q4_0": ("tiny-llama", dict(weight_type="q4_0")),
     "llama-tied": ("tiny-llama", dict(tied_embeddings=True)),
     "qwen2-tied": ("tiny-qwen2", dict(tied_embeddings=True)),
+    "llama-vocab-1009": ("tiny-llama", dict(n_vocab=1009)),   # a prime: the greedy argmax runs as one row
 }
 EXACT_VARIANTS = ["llama-f32", "qwen2-f32", "qwen3-f32", "llama-f16", "llama-q8_0"]
 
@@ -394,3 +395,19 @@ def test_bad_tensor_type_raises(model_path, tmp_path, tensor, message):
     del r
     out = _load_in_subprocess(dst)
     assert out.startswith("RAISED") and message in out, out
+
+
+@pytest.mark.parametrize("variant", ["llama-f32", "qwen3-f32", "llama-vocab-1009"])
+def test_greedy_on_the_backend_equals_argmax_of_the_logits(model_path, variant):
+    # forward_greedy splits the vocabulary into rows (1000 = 1000 x 1; 1009 prime = 1 x 1009) and takes the
+    # argmax in the graph; it must match NumPy's argmax of the same step's logits.
+    model = _core.Model(model_path(variant), backend="cpu", n_threads=N_THREADS)
+    cfg = _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=448)
+    a, b = _core.Session(model, cfg), _core.Session(model, cfg)
+    prompt = random_prompt(model.hparams.n_vocab)
+    tok_a, tok_b = int(a.forward(prompt, 0).argmax()), b.forward_greedy(prompt, 0)
+    for _ in range(N_DECODE):
+        assert tok_a == tok_b
+        tok_a = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax())
+        tok_b = b.forward_greedy(np.array([tok_b], np.int32), b.n_tokens)
+    assert tok_a == tok_b

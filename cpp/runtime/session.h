@@ -114,6 +114,8 @@ private:
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
     void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KeyOrder & order);
     void read_logits(float * out);
+    void build_greedy(GraphCtx & g);   // the argmax of the logits, in two parallel stages
+    int32_t read_greedy();
 
     std::shared_ptr<Model> model_;
     SessionConfig cfg_;
@@ -130,7 +132,12 @@ private:
     ggml_context * graph_ctx_ = nullptr;
     GraphCtx graph_;
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
-    ggml_tensor * greedy_ = nullptr;   // I32 [1]  argmax of the logits (graphs with one output only)
+    struct GreedyOutputs {                 // graphs with one output row only
+        ggml_tensor * col = nullptr;       // I32 [R]     argmax within each of R rows of row_len logits
+        ggml_tensor * max = nullptr;       // F32 [1, R]  the maximum of each row
+        int64_t row_len = 0;
+    } greedy_;
+    std::vector<int32_t> greedy_scratch_;
     int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()

@@ -2,7 +2,7 @@
 
 All figures come from one run on one machine: for each depth, our full-cache session, our pooled
 session and llama-bench (`-d depth`, same GGUF, same threads) decode --n-gen tokens after a depth-token
-prefill (and WARMUP untimed steps, as llama-bench warms up too), REPS times, every repetition starting
+prefill (and WARMUP untimed steps, as llama-bench warms up too), --reps times, every repetition starting
 back at the same depth as llama-bench's do; tok/s is the median over the repetitions for both (llama-bench's per-repetition rates come from its JSON). llama-bench runs with
 flash attention on and off on the CPU, and on a GPU with what that backend prefers (flash attention on,
 every layer offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the
@@ -24,7 +24,7 @@ import numpy as np
 
 CHUNK = 64
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
-REPS = 5     # timed windows of --n-gen tokens per measurement, and llama-bench -r 5; tok/s = their median
+REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
 
 
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
@@ -47,8 +47,8 @@ def gpu_free_bytes() -> Optional[int]:
 
 
 def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[int], kv_type: str,
-                attention: str, policy: str, tau: int, seed: int) -> dict:
-    """Prefill `depth` random tokens, then WARMUP untimed steps, then REPS timed windows of n_gen decode
+                attention: str, policy: str, tau: int, seed: int, reps: int = REPS) -> dict:
+    """Prefill `depth` random tokens, then WARMUP untimed steps, then `reps` timed windows of n_gen decode
     steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
     reruns its last token, untimed); tok/s is the median of the windows' rates."""
@@ -67,7 +67,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
     for _ in range(WARMUP):
         token = engine.decode_one_greedy(token)
     rates, reselect_ms = [], []
-    for _ in range(REPS):   # like llama-bench -r: REPS windows of n_gen tokens; the median of their rates
+    for _ in range(reps):   # like llama-bench -r: `reps` windows of n_gen tokens; the median of their rates
         token = int(engine.prefill(prompt).argmax())
         before = engine.stats()
         t0 = time.perf_counter()
@@ -94,10 +94,10 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
 
 
 def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
-                    on_gpu: bool) -> dict:
+                    on_gpu: bool, reps: int = REPS) -> dict:
     """{(depth, fa): tok/s} from one llama-bench call."""
     cmd = [binary, "-m", model_path, "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
-           "-t", str(threads), "-r", str(REPS), "-o", "json"]
+           "-t", str(threads), "-r", str(reps), "-o", "json"]
     # CPU: both attention paths (the faster one differs with depth). GPU: all layers offloaded and flash
     # attention on, what the CUDA backend prefers and what our backend="auto" runs.
     cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
@@ -116,7 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model", default="smollm2", help="GGUF path or known short name")
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
     ap.add_argument("--pool", type=int, default=512, help="KVFlash pool in tokens (default 512)")
-    ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per depth")
+    ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
+    ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
     ap.add_argument("--policy", default="lru", help="residency policy of the pooled run (lru, qk, quest)")
@@ -132,8 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
         ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
-    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0:
-        ap.error("depths must be >= 0, --n-gen and --pool positive")
+    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0 or args.reps <= 0:
+        ap.error("depths must be >= 0, --n-gen, --reps and --pool positive")
 
     from .. import _core
     from ..model import resolve_model_path
@@ -162,17 +163,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row = {"depth": d}
         for name, pool, policy in (("full", None, "lru"), ("pooled", args.pool, args.policy)):
             row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, args.kv_type, args.attention, policy,
-                                    args.tau, seed=d)
+                                    args.tau, seed=d, reps=args.reps)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
     if binary:
-        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu)
+        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps)
         for row in rows:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
     gpus = _core.gpu_devices() if model.on_gpu else []
     report = {"model": path, "pool": args.pool, "policy": args.policy, "tau": args.tau, "kv_type": args.kv_type,
+              "reps": args.reps,
               "threads": args.threads, "n_gen": args.n_gen,
               "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
@@ -196,7 +198,7 @@ def print_table(report: dict) -> None:
               f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
               f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
-    print(f"tok/s: median of {REPS} timed windows of n_gen tokens (llama-bench: of -r {REPS}); ratios are against "
+    print(f"tok/s: median of {report['reps']} timed windows of n_gen tokens (llama-bench: of -r {report['reps']}); ratios are against "
           "llama-bench's best (flash attention on or off) at the same depth; reselect % is one reselect (scoring "
           "and paging) over the pooled decode time between two, at the cadence max(tau, context / 45)")
 
