@@ -131,7 +131,7 @@ void bind_kv_pager(py::module_ & m) {
         .def("n_chunks", &KvPager::n_chunks)
         .def("epoch", &KvPager::epoch)
         .def("plan_alloc", &KvPager::plan_alloc, py::arg("start"), py::arg("n"))
-        .def("max_span_tokens", &KvPager::max_span_tokens)
+        .def("max_span_tokens", &KvPager::max_span_tokens, py::arg("limit") = INT64_MAX)
         .def("plan_reselect", [](const KvPager & p, const FloatArray & s) { return p.plan_reselect(to_vector(s)); },
              py::arg("scores"))
         .def("plan_truncate", &KvPager::plan_truncate, py::arg("n"))

@@ -165,6 +165,7 @@ std::vector<int64_t> KvPager::victims_in_order(const std::vector<uint8_t> & keep
 
 void KvPager::plan_residency(Plan & plan, const std::vector<int64_t> & need, const std::vector<uint8_t> & keep,
                              const std::vector<int64_t> & release) const {
+    if (need.empty()) return;   // most decode steps: nothing to place, so no victims to rank
     std::vector<uint8_t> is_free(n_blocks_, 0);
     for (int64_t b : free_blocks_) is_free[b] = 1;
     for (int64_t b : release) is_free[b] = 1;
@@ -239,8 +240,9 @@ Plan KvPager::plan_alloc(int64_t start, int64_t n) const {
     return plan;
 }
 
-int64_t KvPager::max_span_tokens() const {
-    const int64_t room = cfg_.max_tokens - n_tokens_;
+int64_t KvPager::max_span_tokens(int64_t limit) const {
+    // Each probe is O(chunks): a decode step asks with limit 1, so it pays for one probe, not ~17.
+    const int64_t room = std::min(cfg_.max_tokens - n_tokens_, std::max<int64_t>(limit, 1));
     auto fits = [&](int64_t n) { return count_set(alloc_keep(n_tokens_, n)) <= n_blocks_; };
     if (room == 0 || !fits(1)) {
         return 0;   // fits(1) holds whenever room > 0, by I5

@@ -116,7 +116,7 @@ public:
     // invalidates its host image.
     Plan plan_alloc(int64_t start, int64_t n) const;
     // The largest span (tokens) that plan_alloc can take in one call starting at n_tokens().
-    int64_t max_span_tokens() const;
+    int64_t max_span_tokens(int64_t limit = INT64_MAX) const;   // limit: the caller wants no more (cheaper)
 
     // Resident set := protected chunks + the highest-scored other chunks that fit. scores.size() must be
     // n_chunks(); NaN means "no score" and ranks below every real score. Ties keep a resident chunk over a

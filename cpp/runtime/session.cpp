@@ -139,7 +139,8 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
     }
     for (int64_t done = 0; done < n;) {
         // Each step must fit the pool at once: the pager says how much it can place.
-        const int64_t step = std::min({n - done, cfg_.n_batch, pager_->max_span_tokens()});
+        const int64_t want = std::min(n - done, cfg_.n_batch);
+        const int64_t step = std::min(want, pager_->max_span_tokens(want));
         if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
         const Plan plan = pager_->plan_alloc(start + done, step);
         execute(plan);
