@@ -23,6 +23,8 @@ from .tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger(__name__)
 
+REFRESH_TOKENS = 8   # prompt tokens recomputed after the post-prompt reselect pages evidence in
+
 
 @dataclass
 class GenerationRecord:
@@ -112,8 +114,22 @@ class Engine:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
             self.history.extend(tokens[lo:hi])
+        page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
+        if self.session.pager.stats().page_ins > page_ins:
+            logits = self._recompute_tail(tokens)
         self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
+        return logits
+
+    def _recompute_tail(self, tokens: list[int]) -> np.ndarray:
+        """The logits of the last prompt token were computed before the reselect brought the evidence in:
+        run the last REFRESH_TOKENS prompt tokens again, so the first generated token (and the K/V of the
+        question, which later tokens attend to) sees the chunks the reselect paged in."""
+        lo = max(len(tokens) - REFRESH_TOKENS, 1)
+        self.session.truncate(lo)
+        del self.history[lo:]
+        logits = self.session.forward(np.asarray(tokens[lo:], dtype=np.int32), lo)
+        self.history.extend(tokens[lo:])
         return logits
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
