@@ -257,3 +257,17 @@ def test_bad_input_raises(target, tok, paths):
         policy.scores(SessionView(session, history))
     with pytest.raises(FileNotFoundError):
         make_policy("drafter", drafter_model="/nonexistent.gguf")
+
+
+def test_command_lines(paths, capsys):
+    from kvflash_ggml import generate
+    from kvflash_ggml.bench.retrieval import cli
+    rc = generate.main(["--model", paths["target"], "--n-ctx", "2048", "--kvflash", "448", "--policy", "drafter",
+                        "--drafter-model", paths["same"], "--threads", "1", "--backend", "cpu", "--max-tokens", "4",
+                        "--prompt", TEXT * 8, "--stats"])
+    assert rc == 0 and '"policy": "drafter"' in capsys.readouterr().err
+    rc = generate.main(["--model", paths["target"], "--kvflash", "448", "--policy", "drafter", "--prompt", "x"])
+    assert rc == 2 and "drafter_model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main("niah", ["--model", paths["target"], "--policies", "lru,drafter"])
+    assert "--drafter-model" in capsys.readouterr().err
