@@ -77,6 +77,14 @@ void register_model(py::module_ & m) {
              py::arg("unparse_special") = false)
         .def("token_to_piece", [](const Vocab & v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
              py::arg("token"), py::kw_only(), py::arg("special") = false)
+        .def("pieces", [](const Vocab & v, const std::vector<int32_t> & tokens, bool special) {
+                 std::vector<int64_t> offsets;
+                 std::string text = v.pieces(tokens, special, offsets);
+                 py::array_t<int64_t> off((py::ssize_t) offsets.size());
+                 std::copy(offsets.begin(), offsets.end(), off.mutable_data());
+                 return py::make_tuple(py::bytes(text), off);
+             }, py::arg("tokens"), py::kw_only(), py::arg("special") = true,
+             "(bytes of the pieces laid end to end, int64 [n + 1] byte offset where each starts, then the total)")
         .def_property_readonly("n_vocab", &Vocab::n_vocab)
         .def_property_readonly("bos", &Vocab::bos)
         .def_property_readonly("eos", &Vocab::eos)

@@ -15,14 +15,15 @@ void register_session(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
                          int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
-                         std::optional<bool> ordered, bool summaries) {
+                         std::optional<bool> ordered, bool summaries, bool capture) {
                  return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
-                                      tail_chunks, allow, ordered ? (int) *ordered : -1, summaries};
+                                      tail_chunks, allow, ordered ? (int) *ordered : -1, summaries, capture};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
              py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
-             py::arg("ordered_attention") = py::none(), py::arg("track_summaries") = false)
+             py::arg("ordered_attention") = py::none(), py::arg("track_summaries") = false,
+             py::arg("capture_attention") = false)
         .def_readonly("max_tokens", &SessionConfig::max_tokens)
         .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
         .def_readonly("kv_type", &SessionConfig::kv_type)
@@ -32,7 +33,8 @@ void register_session(py::module_ & m) {
             if (c.ordered_attention < 0) return std::nullopt;   // auto: off (slot order)
             return c.ordered_attention != 0;
         })
-        .def_readonly("track_summaries", &SessionConfig::track_summaries);
+        .def_readonly("track_summaries", &SessionConfig::track_summaries)
+        .def_readonly("capture_attention", &SessionConfig::capture_attention);
 
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
@@ -80,6 +82,19 @@ void register_session(py::module_ & m) {
                  std::copy(v.begin(), v.end(), out.mutable_data());
                  return out;
              }, py::arg("kind"), "per-chunk relevance for the latest step's queries: 'qk' or 'quest' (NaN: no summary)")
+        .def("attention_capture", [](const Session & s) {
+                 AttentionCapture c = s.attention_capture();
+                 py::array_t<float> out({c.n_q, c.n_positions});
+                 std::copy(c.data.begin(), c.data.end(), out.mutable_data());
+                 return out;
+             }, "softmaxed attention of the last (up to 8) tokens of the latest step to every position held, max "
+                "over heads and layers: [n_q, n_tokens] (0 where not resident; needs capture_attention=True)")
+        .def("attention_to_positions", [](const Session & s) {
+                 std::vector<float> v = s.attention_capture().max_over_queries();
+                 py::array_t<float> out((py::ssize_t) v.size());
+                 std::copy(v.begin(), v.end(), out.mutable_data());
+                 return out;
+             }, "attention_capture() with the max over its query tokens too: [n_tokens]")
         .def("mean_keys", [](const Session & s) {
                  const ChunkSummaries * cs = s.summaries();
                  if (!cs) throw std::logic_error("mean_keys needs a session made with track_summaries=True");

@@ -27,6 +27,27 @@ ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x) {
                          hp.rope_freq_base, hp.rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
 }
 
+namespace {
+
+// Softmaxed attention of the last n_attn_tokens queries, max over heads, for the drafter scorer.
+// kq: F32 [n_kv, n_tokens, n_head]; returns F32 [n_kv, n_attn_tokens], marked as an output.
+ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_q = g.n_attn_tokens, n_kv = kq->ne[0], n_head = kq->ne[2];
+    ggml_tensor * last = ggml_view_3d(ctx, kq, n_kv, n_q, n_head, kq->nb[1], kq->nb[2], (kq->ne[1] - n_q) * kq->nb[1]);
+    // Heads into ne0, then a max pool as wide as the heads: ggml has no max-reduction op, and pool_2d
+    // runs on CPU and CUDA alike (the greedy argmax uses it the same way).
+    ggml_tensor * heads = ggml_cont(ctx, ggml_permute(ctx, last, 1, 2, 0, 3));   // [n_head, n_kv, n_q]
+    ggml_tensor * rows = ggml_reshape_2d(ctx, heads, n_head, n_kv * n_q);
+    ggml_tensor * best = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) n_head, 1, (int) n_head, 1, 0, 0);   // [1, n_kv * n_q]
+    best = ggml_reshape_2d(ctx, best, n_kv, n_q);
+    ggml_set_output(best);
+    ggml_build_forward_expand(g.gf, best);
+    return best;
+}
+
+}  // namespace
+
 ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
                                ggml_tensor * v, float kq_scale) {
     ggml_context * ctx = g.ctx;
@@ -80,6 +101,7 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n_tokens, n_head]
         ggml_prec_set_acc(kq, GGML_PREC_F32);
         kq = ggml_soft_max_ext(ctx, kq, g.in.mask, kq_scale, 0.0f);
+        if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, kq));
         ggml_tensor * vt;   // [n_kv, head_dim_v, n_head_kv]: mul_mat wants the slots in ne0
         if (v_trans) {
             vt = ggml_view_3d(ctx, v_pool, g.n_kv, head_dim_v, n_head_kv, v_pool->nb[1], v_pool->nb[1] * head_dim_v, 0);

@@ -31,6 +31,8 @@ struct GraphCtx {
     bool flash_attn = false;
     int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
+    int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)
+    std::vector<ggml_tensor *> attn;        // per layer: F32 [n_kv, n_attn_tokens], max over heads (outputs)
 };
 
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);

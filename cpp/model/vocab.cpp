@@ -62,6 +62,17 @@ std::string Vocab::token_to_piece(int32_t token, bool special) const {
     return std::string(buf, n);
 }
 
+std::string Vocab::pieces(const std::vector<int32_t> & tokens, bool special, std::vector<int64_t> & offsets) const {
+    std::string out;
+    offsets.assign(1, 0);
+    offsets.reserve(tokens.size() + 1);
+    for (int32_t t : tokens) {
+        out += token_to_piece(t, special);
+        offsets.push_back((int64_t) out.size());
+    }
+    return out;
+}
+
 int32_t Vocab::n_vocab() const { return llama_vocab_n_tokens(vocab_); }
 int32_t Vocab::bos() const { return llama_vocab_bos(vocab_); }
 int32_t Vocab::eos() const { return llama_vocab_eos(vocab_); }

@@ -21,6 +21,9 @@ public:
     std::vector<int32_t> tokenize(const std::string & text, bool add_special, bool parse_special) const;
     std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special) const;
     std::string token_to_piece(int32_t token, bool special) const;   // raw bytes of one token
+    // The pieces of `tokens` laid end to end; offsets gets n + 1 entries: where each piece starts, then
+    // the total. Maps tokens of one vocabulary to byte ranges another vocabulary can be aligned to.
+    std::string pieces(const std::vector<int32_t> & tokens, bool special, std::vector<int64_t> & offsets) const;
     int32_t n_vocab() const;
     int32_t bos() const;
     int32_t eos() const;

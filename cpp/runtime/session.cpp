@@ -38,6 +38,15 @@ bool choose_flash_attn(const std::string & attention, bool on_gpu, ggml_type typ
     return on_gpu || v_quantized;
 }
 
+// Attention capture reads the softmaxed probabilities, which only the mul_mat path materialises.
+bool capture_attention_path(const std::string & attention, bool flash_attn, ggml_type type_v) {
+    if (ggml_is_quantized(type_v) || (flash_attn && attention != "auto")) {
+        throw std::invalid_argument("capture_attention needs the mul_mat attention path: use attention='matmul' or "
+                                    "'auto' (and an unquantized V cache), not '" + attention + "'");
+    }
+    return false;
+}
+
 }  // namespace
 
 Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : model_(std::move(model)), cfg_(cfg) {
@@ -68,6 +77,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.pool_tokens = pc.pool_tokens;
     layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
     flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
+    if (cfg_.capture_attention) flash_attn_ = capture_attention_path(cfg_.attention, flash_attn_, layout.type_v);
     ordered_ = cfg_.ordered_attention > 0;
     kv_pad_ = model_->on_gpu() || flash_attn_ ? k_kv_pad : k_kv_pad_cpu_matmul;
     // The position-ordered copy gathers slot rows, so an ordered session keeps V in slot rows.
@@ -194,6 +204,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
         build_graph(n, order.n_kv, n_outputs, order.gathered);
     }
     set_inputs(tokens, n, alloc, n_outputs, order);
+    if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
     }
@@ -241,6 +252,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     // Queries are captured only for sessions whose scorers read them: on CUDA the capture is 32 more
     // kernels and outputs per 8B decode step (~2% of it), for nothing under lru.
     g.n_query_tokens = cfg_.track_summaries ? std::min<int64_t>(n_tokens, 8) : 0;
+    g.n_attn_tokens = cfg_.capture_attention ? std::min<int64_t>(n_tokens, 8) : 0;
 
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);

@@ -39,6 +39,16 @@ struct SessionConfig {
     int ordered_attention = -1;
     // Summarise each chunk when it is sealed (mean key, min/max) for the qk and quest scorers.
     bool track_summaries = false;
+    // Keep the attention probabilities of the last (up to 8) tokens of every step, max over heads, for
+    // attention_capture() (the drafter scorer). Needs the mul_mat attention path: "auto" picks it.
+    bool capture_attention = false;
+};
+
+// Attention of the last n_q tokens of the latest step to every position held, max over heads and layers.
+struct AttentionCapture {
+    int64_t n_q = 0, n_positions = 0;
+    std::vector<float> data;   // [n_q, n_positions] row-major; 0 where a position is not resident
+    std::vector<float> max_over_queries() const;   // [n_positions]
 };
 
 struct SessionTimings {
@@ -72,6 +82,8 @@ public:
     // Per-chunk relevance for the latest step's queries ("qk" or "quest"); NaN where no summary exists.
     std::vector<float> chunk_scores(const std::string & kind);
     const ChunkSummaries * summaries() const { return summaries_.get(); }
+    // The latest step's captured attention (session_capture.cpp); needs cfg.capture_attention.
+    AttentionCapture attention_capture() const;
 
     int64_t n_tokens() const { return pager_->n_tokens(); }
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
@@ -114,6 +126,7 @@ private:
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
     void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KeyOrder & order);
     void read_logits(float * out);
+    void keep_capture_order(const KeyOrder & order);   // session_capture.cpp
     void build_greedy(GraphCtx & g);   // the argmax of the logits, in two parallel stages
     int32_t read_greedy();
 
@@ -140,6 +153,8 @@ private:
     std::vector<int32_t> greedy_scratch_;
     int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
 
+    std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step
+    int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
     std::vector<uint8_t> input_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read

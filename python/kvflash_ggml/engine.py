@@ -44,18 +44,21 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 
 class Engine:
     """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
-    least recently used out first) and start a prompt from the longest cached prefix of it."""
+    least recently used out first) and start a prompt from the longest cached prefix of it.
+    drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model."""
 
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
                  policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 drafter_model: Union[None, str, os.PathLike, _core.Model] = None) -> None:
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, drafter_model=drafter_model, tokenizer=tokenizer, n_ctx=pool.n_ctx,
+                                  backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
         self.tau = tau
         self.prefill_reselect = prefill_reselect
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)

@@ -20,6 +20,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--min-p", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--policy", default="lru", choices=["lru", "qk", "quest", "drafter"],
+                    help="residency policy when --kvflash pools the KV (default lru)")
+    ap.add_argument("--drafter-model", default=None,
+                    help="GGUF path or short name of the smaller model that --policy drafter runs beside the model")
+    ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (default 64)")
     ap.add_argument("--stats", action="store_true", help="print KV figures as JSON to stderr at the end")
     args = ap.parse_args(argv)
 
@@ -28,7 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         llm = Model(args.model, n_ctx=args.n_ctx, pool_tokens=args.kvflash, kv_type=args.kv_type,
-                    attention=args.attention, backend=args.backend, n_threads=args.threads)
+                    attention=args.attention, backend=args.backend, n_threads=args.threads, policy=args.policy,
+                    drafter_model=args.drafter_model, tau=args.tau)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvflash generate: {e}", file=sys.stderr)
         return 2

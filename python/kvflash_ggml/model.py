@@ -47,17 +47,21 @@ class Model:
                  backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
                  n_batch: int = 512, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 drafter_model: Union[None, str, os.PathLike] = None) -> None:
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
         self.pool.resolved_pool_tokens()   # validate before loading anything
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=n_threads or 0)
         self.tokenizer = Tokenizer(self.model_path)
+        if drafter_model is not None and not isinstance(drafter_model, _core.Model) \
+                and resolve_model_path(drafter_model) == self.model_path:
+            drafter_model = self._core_model   # its own drafter: one copy of the weights
         self.chat_template = chat_template
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
                              prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
-                             prefix_cache_bytes=prefix_cache_bytes)
+                             prefix_cache_bytes=prefix_cache_bytes, drafter_model=drafter_model)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------

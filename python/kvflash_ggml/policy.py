@@ -4,16 +4,21 @@ what moves (protected chunks always stay; the rest by score) and the engine deci
   lru     never reselects: the pager evicts the oldest-written chunk (a StreamingLLM-like baseline)
   qk      cos(query, mean key of the chunk), max over query heads, mean over layers (C++)
   quest   Quest's upper bound sum_i max(q_i*min_i, q_i*max_i), max over heads, mean over layers (C++)
+  drafter a second, smaller model's attention from its last tokens to the history (drafter.py)
   callable(view) -> one score per chunk (higher = keep), for your own ideas
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+import os
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -83,10 +88,21 @@ class CallablePolicy(Policy):
         return s
 
 
-POLICY_NAMES = ("lru", "qk", "quest")
+POLICY_NAMES = ("lru", "qk", "quest", "drafter")
 
 
-def make_policy(spec: Union[str, Policy, Callable]) -> Policy:
+def make_policy(spec: Union[str, Policy, Callable], *,
+                drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
+                tokenizer: Optional["Tokenizer"] = None, n_ctx: int = 4096, backend: str = "auto",
+                n_threads: Optional[int] = None) -> Policy:
+    """drafter_model (a GGUF path, short name or loaded _core.Model) is for spec="drafter" and unused by
+    the others; tokenizer is the target's (the drafter maps by text when their vocabularies differ)."""
+    if spec == "drafter":
+        if drafter_model is None:
+            raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
+                             "with the same tokenizer, or the model itself)")
+        from .drafter import DrafterPolicy   # it imports the engine, which imports this module
+        return DrafterPolicy(drafter_model, tokenizer, n_ctx=n_ctx, backend=backend, n_threads=n_threads)
     if isinstance(spec, Policy):
         return spec
     if callable(spec):

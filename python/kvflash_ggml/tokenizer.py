@@ -12,6 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.sandbox
+import numpy as np
 
 from . import _core
 
@@ -35,6 +36,11 @@ class Tokenizer:
 
     def piece(self, token: int) -> bytes:
         return self._vocab.token_to_piece(int(token))
+
+    def pieces(self, tokens: Iterable[int], *, special: bool = True) -> tuple[bytes, np.ndarray]:
+        """The tokens' pieces laid end to end, and int64 [n + 1]: the byte offset where each starts, then
+        the total (special tokens written out as text unless special=False)."""
+        return self._vocab.pieces([int(t) for t in tokens], special=special)
 
     def is_eog(self, token: int) -> bool:
         return self._vocab.is_eog(int(token))

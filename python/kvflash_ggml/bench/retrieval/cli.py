@@ -29,8 +29,11 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default="8192", help="comma-separated context lengths in tokens (default 8192)")
     ap.add_argument("--pools", default="512,1024", help="comma-separated pool sizes in tokens (default 512,1024)")
     ap.add_argument("--policies", default="lru",
-                    help="comma-separated policies passed to Model(policy=...): names (lru, qk, quest, ...) or "
-                         "module:function for a Python callable; 'full' adds the control (default lru)")
+                    help="comma-separated policies passed to Model(policy=...): names (lru, qk, quest, drafter, ...) "
+                         "or module:function for a Python callable; 'full' adds the control (default lru)")
+    ap.add_argument("--drafter-model", default=None,
+                    help="GGUF path or short name of the drafter for the 'drafter' policy (the model itself: "
+                         "--drafter-model smollm2 with --model smollm2)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-cache control")
     ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
                     help="query-aware prefill (reselect before each prefill batch) for policies that reselect: "
@@ -115,6 +118,8 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     lengths = parse_ints(ap, "--lengths", args.lengths)
     pools = parse_ints(ap, "--pools", args.pools) if args.pools.strip() else []
     policies, full_named = parse_policies(ap, args.policies)
+    if "drafter" in policies and not args.drafter_model:
+        ap.error("--policies drafter needs --drafter-model PATH")
     if args.cases <= 0:
         ap.error("--cases must be positive")
     include_full = full_named or not args.no_full
@@ -134,7 +139,7 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--tau must be positive")
     variants = {"default": (None,), "on": (True,), "off": (False,), "both": (False, True)}[args.prefill_reselect]
     cfgs = make_configs(pools if policies else [], policies, include_full=include_full,
-                        prefill_reselect=variants, tau=args.tau)
+                        prefill_reselect=variants, tau=args.tau, drafter_model=args.drafter_model)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     given = list(argv) if argv is not None else sys.argv[1:]
     meta = {"bench": bench, "command": " ".join(["kvflash", "bench", bench, *given]), "seed": args.seed}

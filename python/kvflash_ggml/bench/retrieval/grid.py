@@ -27,6 +27,7 @@ class Config:
     pool: Optional[int]                       # None = full cache (the control)
     prefill_reselect: Optional[bool] = None   # None = the engine's default; True adds "+pf" to the label
     tau: Optional[int] = None                 # None = the engine's default
+    drafter_model: Optional[str] = None       # the drafter policy's model (unused by other policies)
 
     @property
     def label(self) -> str:
@@ -36,7 +37,8 @@ class Config:
 
     def model_options(self) -> dict:
         """Keywords for Model beyond pool and policy: only those chosen, so engine defaults rule."""
-        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau}
+        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau,
+                "drafter_model": self.drafter_model if self.policy == "drafter" else None}
         return {k: v for k, v in opts.items() if v is not None and self.pool is not None}
 
 
@@ -55,14 +57,15 @@ def reselects(policy: Policy) -> bool:
 
 
 def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_full: bool = True,
-                 prefill_reselect: Sequence[Optional[bool]] = (None,), tau: Optional[int] = None) -> list[Config]:
+                 prefill_reselect: Sequence[Optional[bool]] = (None,), tau: Optional[int] = None,
+                 drafter_model: Optional[str] = None) -> list[Config]:
     """The full-cache control first (its recall B is what every pooled cell is judged against), then
     every pool x policy x prefill-reselect variant; a policy that never reselects gets one variant."""
     out = [Config("lru", None)] if include_full else []
     for pool in pools:
         for p in policies:
             variants = prefill_reselect if reselects(p) else (None,)
-            out += [Config(p, pool, pf, tau) for pf in variants]
+            out += [Config(p, pool, pf, tau, drafter_model) for pf in variants]
     return out
 
 
