@@ -229,9 +229,6 @@ def test_cli_jsonl_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 4 is open: qk/quest recall 0 of these needles today (even an oracle "
-                   "that keeps the needle chunks resident fails at pool 448-512 on SmolLM2); strict, so the day a "
-                   "policy meets the bar this test fails and must be un-marked")
 def test_query_aware_policy_beats_lru_on_needles_outside_the_tail(smollm2_path, tokenizer):
     # Issue 4's CI bar: the best query-aware policy recalls needles that LRU has paged out for good.
     # Needles at 20% and 40% of a 1K context; pool 448 keeps the sink, the tail window and one more
