@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 from kvflash_ggml import _core
+from greedy_check import assert_greedy_matches_argmax
 from kvflash_ggml.bench import random_gguf as rg
 
 pytestmark = pytest.mark.skipif(not _core.gpu_devices(), reason="no GPU backend compiled in or no GPU present")
@@ -116,13 +117,7 @@ def assert_close(name: str, ours: np.ndarray, ref: np.ndarray, tol: float) -> No
 def test_greedy_on_the_gpu_equals_argmax_of_the_logits(model_path):
     model = _core.Model(model_path("llama-f32"), backend="cuda")
     cfg = _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=512)
-    a, b = _core.Session(model, cfg), _core.Session(model, cfg)
-    prompt = prompt_for(model.hparams.n_vocab)
-    tok_a, tok_b = int(a.forward(prompt, 0).argmax()), b.forward_greedy(prompt, 0)
-    for _ in range(N_DECODE):
-        assert tok_a == tok_b
-        tok_a = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax())
-        tok_b = b.forward_greedy(np.array([tok_b], np.int32), b.n_tokens)
+    assert_greedy_matches_argmax(model, cfg, prompt_for(model.hparams.n_vocab), N_DECODE)
 
 
 def test_auto_backend_picks_the_gpu(model_path):

@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 from kvflash_ggml import _core
+from greedy_check import assert_greedy_matches_argmax
 from kvflash_ggml.bench import random_gguf as rg
 
 N_PROMPT = 300
@@ -403,11 +404,4 @@ def test_greedy_on_the_backend_equals_argmax_of_the_logits(model_path, variant):
     # argmax in the graph; it must match NumPy's argmax of the same step's logits.
     model = _core.Model(model_path(variant), backend="cpu", n_threads=N_THREADS)
     cfg = _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=448)
-    a, b = _core.Session(model, cfg), _core.Session(model, cfg)
-    prompt = random_prompt(model.hparams.n_vocab)
-    tok_a, tok_b = int(a.forward(prompt, 0).argmax()), b.forward_greedy(prompt, 0)
-    for _ in range(N_DECODE):
-        assert tok_a == tok_b
-        tok_a = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax())
-        tok_b = b.forward_greedy(np.array([tok_b], np.int32), b.n_tokens)
-    assert tok_a == tok_b
+    assert_greedy_matches_argmax(model, cfg, random_prompt(model.hparams.n_vocab), N_DECODE)

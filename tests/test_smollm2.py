@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from kvflash_ggml import _core
+from greedy_check import assert_greedy_matches_argmax
 from corpus import prose
 
 pytestmark = pytest.mark.slow
@@ -122,11 +123,5 @@ def test_greedy_on_the_backend_equals_argmax_of_the_logits(smollm2, smollm2_voca
     # NumPy picks from the logits of the same step, through prefill, decode and a pool that evicts.
     tokens = np.array(smollm2_vocab.tokenize(prose(80, seed=5), add_special=True)[:520], np.int32)
     cfg = _core.SessionConfig(max_tokens=640, pool_tokens=448)
-    a, b = _core.Session(smollm2, cfg), _core.Session(smollm2, cfg)
-    tok_a = int(a.forward(tokens, 0).argmax())
-    tok_b = b.forward_greedy(tokens, 0)
-    for _ in range(40):
-        assert tok_a == tok_b
-        tok_a, tok_b = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax()), b.forward_greedy(
-            np.array([tok_b], np.int32), b.n_tokens)
-    assert a.pager.stats().page_outs > 0 and tok_a == tok_b
+    a = assert_greedy_matches_argmax(smollm2, cfg, tokens, 40)
+    assert a.pager.stats().page_outs > 0

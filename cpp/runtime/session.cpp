@@ -38,13 +38,13 @@ bool choose_flash_attn(const std::string & attention, bool on_gpu, ggml_type typ
     return on_gpu || v_quantized;
 }
 
-// Attention capture reads the softmaxed probabilities, which only the mul_mat path materialises.
-bool capture_attention_path(const std::string & attention, bool flash_attn, ggml_type type_v) {
-    if (ggml_is_quantized(type_v) || (flash_attn && attention != "auto")) {
+// Attention capture reads the softmaxed probabilities, which only the mul_mat path materialises:
+// "auto" may pick it, "flash" or a quantized V cannot.
+void check_capture_path(const std::string & attention, ggml_type type_v) {
+    if (ggml_is_quantized(type_v) || attention == "flash") {
         throw std::invalid_argument("capture_attention needs the mul_mat attention path: use attention='matmul' or "
                                     "'auto' (and an unquantized V cache), not '" + attention + "'");
     }
-    return false;
 }
 
 }  // namespace
@@ -77,7 +77,10 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.pool_tokens = pc.pool_tokens;
     layout.type_k = layout.type_v = kv_type_from_name(cfg_.kv_type);
     flash_attn_ = choose_flash_attn(cfg_.attention, model_->on_gpu(), layout.type_v);
-    if (cfg_.capture_attention) flash_attn_ = capture_attention_path(cfg_.attention, flash_attn_, layout.type_v);
+    if (cfg_.capture_attention) {
+        check_capture_path(cfg_.attention, layout.type_v);
+        flash_attn_ = false;
+    }
     ordered_ = cfg_.ordered_attention > 0;
     kv_pad_ = model_->on_gpu() || flash_attn_ ? k_kv_pad : k_kv_pad_cpu_matmul;
     // The position-ordered copy gathers slot rows, so an ordered session keeps V in slot rows.

@@ -1,0 +1,17 @@
+"""Shared check for Session.forward_greedy (used by the CPU, SmolLM2 and CUDA tests)."""
+import numpy as np
+
+from kvflash_ggml import _core
+
+
+def assert_greedy_matches_argmax(model, cfg, prompt: np.ndarray, n_steps: int) -> _core.Session:
+    """Two sessions fed their own greedy choices: one takes NumPy's argmax of the logits, the other
+    forward_greedy (argmax in the graph). Every choice must agree. Returns the logits session."""
+    a, b = _core.Session(model, cfg), _core.Session(model, cfg)
+    tok_a, tok_b = int(a.forward(prompt, 0).argmax()), b.forward_greedy(prompt, 0)
+    for _ in range(n_steps):
+        assert tok_a == tok_b
+        tok_a = int(a.forward(np.array([tok_a], np.int32), a.n_tokens).argmax())
+        tok_b = b.forward_greedy(np.array([tok_b], np.int32), b.n_tokens)
+    assert tok_a == tok_b
+    return a
