@@ -7,6 +7,8 @@
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the grid (DEPTHS, N_GEN)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
+#     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
+#                  NIAH_POLICIES, RULER_POLICIES, PREFILL_RESELECT); plots are drawn afterwards from the JSON
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -98,6 +100,17 @@ for phase in "$@"; do
         lb=$(python3 -c 'from kvflash_ggml.bench.decode import find_llama_bench; print(find_llama_bench(None))')
         ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
             "$lb" -m "$MODEL" -p 0 -n 2 -r 1 -ngl 99 -fa 1 > "$OUT/ncu-llama.log" 2>&1; tail -3 "$OUT/ncu-llama.log" ;;
+    niah)
+        SMOL=${SMOL:-/tmp/smollm2.gguf}
+        python3 -m kvflash_ggml bench niah --model "$SMOL" --lengths 8192 --pools 512,1024 \
+            --policies "${NIAH_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${NIAH_CASES:-20}" \
+            --prefill-reselect "${PREFILL_RESELECT:-default}" --threads 16 \
+            --json "$OUT/niah.json" --plot "" 2>"$OUT/niah.err" | tee -a "$OUT/retrieval.log" ;;
+    ruler)
+        SMOL=${SMOL:-/tmp/smollm2.gguf}
+        python3 -m kvflash_ggml bench ruler --model "$SMOL" --lengths 8192 --pools 1024 \
+            --policies "${RULER_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${RULER_CASES:-10}" \
+            --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;
     *) log "unknown phase $phase"; exit 2 ;;
     esac
 done

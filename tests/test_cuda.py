@@ -234,3 +234,20 @@ def test_device_kv_is_the_pool(model_path):
     assert sess.pager.host_bytes() > 0
     used = free0 - _core.gpu_devices()[0]["memory_free"]
     report(f"CUDA-MEM pool {pool_bytes} B, device memory taken by the session {used} B")
+
+
+def test_attention_capture_on_cuda_matches_cpu(model_path):
+    # The drafter policy reads this capture; on the GPU it runs through ggml-cuda's soft_max and pool_2d.
+    path = model_path("llama-f32")
+    prompt = prompt_for(_core.Model(path, backend="cpu").hparams.n_vocab)
+    captures = []
+    for backend in ("cuda", "cpu"):
+        sess = _core.Session(_core.Model(path, backend=backend),
+                             _core.SessionConfig(max_tokens=MAX_TOKENS, capture_attention=True))
+        sess.forward(prompt, 0)
+        captures.append(sess.attention_capture())
+    gpu, cpu = captures
+    assert gpu.shape == cpu.shape == (8, N_PROMPT)
+    diff = float(np.abs(gpu - cpu).max())
+    report(f"CUDA-DIFF attention capture cuda vs cpu: max|diff| {diff:.3g} (capture max {cpu.max():.3g})")
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-2, atol=1e-4)

@@ -85,6 +85,32 @@ def test_callable_policy_pulls_its_favourite_chunk_back(smollm2, smollm2_path):
     eng.session.pager.check_invariants()
 
 
+@pytest.mark.parametrize("refresh", [64, 0])
+def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2, smollm2_path, refresh):
+    # Reference: after prefill, run the last prompt token again; it attends to the residency the reselect
+    # left. With the refresh, prefill's logits already are those (the batched recompute and this one-token
+    # step run different CPU kernels: tolerance); without it they were computed before the page-in.
+    tok = kvf.Tokenizer(smollm2_path)
+
+    def prefer_chunk_2(view):
+        scores = np.zeros(view.n_chunks, np.float32)
+        scores[2] = 1.0
+        return scores
+
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy=prefer_chunk_2,
+                     refresh_tokens=refresh)
+    prompt = tok.encode(prose(200, seed=6))[:1500]
+    logits = eng.prefill(prompt)
+    assert eng.stats()["page_ins"] >= 1
+    eng.session.truncate(len(prompt) - 1)
+    again = eng.session.forward(np.asarray(prompt[-1:], np.int32), len(prompt) - 1)
+    diff = float(np.abs(logits - again).max())
+    if refresh:
+        assert diff < 2e-2 and logits.argmax() == again.argmax()
+    else:
+        assert diff > 0.1
+
+
 def test_callable_with_wrong_length_raises(smollm2, smollm2_path):
     tok = kvf.Tokenizer(smollm2_path)
     eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy=lambda view: [1.0, 2.0])
@@ -111,3 +137,5 @@ def test_unknown_policy_and_bad_tau_raise(smollm2, smollm2_path):
         kvf.Engine(smollm2, tok, PoolConfig(), policy="psychic")
     with pytest.raises(ValueError, match="tau"):
         kvf.Engine(smollm2, tok, PoolConfig(), tau=0)
+    with pytest.raises(ValueError, match="refresh_tokens"):
+        kvf.Engine(smollm2, tok, PoolConfig(), refresh_tokens=-1)

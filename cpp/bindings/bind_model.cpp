@@ -103,6 +103,7 @@ void register_model(py::module_ & m) {
                  return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
              }, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false)
         .def("clear", &LlamaReference::clear)
+        .def("remove", &LlamaReference::remove, py::arg("p0"), py::arg("p1"))
         .def_property_readonly("n_past", &LlamaReference::n_past);
 }
 

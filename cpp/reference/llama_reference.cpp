@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace kvf {
 
@@ -36,6 +37,16 @@ int32_t LlamaReference::n_vocab() const { return llama_vocab_n_tokens(llama_mode
 void LlamaReference::clear() {
     llama_memory_clear(llama_get_memory(ctx_), true);
     n_past_ = 0;
+}
+
+void LlamaReference::remove(int64_t p0, int64_t p1) {
+    if (p0 < 0 || p1 < p0 || p1 > n_past_) {
+        throw std::invalid_argument("remove: need 0 <= p0 <= p1 <= n_past (" + std::to_string(n_past_) + ")");
+    }
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_), 0, (llama_pos) p0, (llama_pos) p1)) {
+        throw std::runtime_error("llama_memory_seq_rm refused the range");
+    }
+    if (p1 == n_past_) n_past_ = p0;
 }
 
 std::vector<float> LlamaReference::decode(const std::vector<int32_t> & tokens, bool all_logits) {

@@ -22,6 +22,9 @@ public:
     // Appends tokens to the sequence; returns logits [n, n_vocab] (all) or [n_vocab] (last).
     std::vector<float> decode(const std::vector<int32_t> & tokens, bool all_logits);
     void clear();
+    // Forgets positions [p0, p1) (llama_memory_seq_rm); a range that reaches the end moves n_past back to p0.
+    // Used to ask libllama what the last tokens see when only some chunks of a full-context cache remain.
+    void remove(int64_t p0, int64_t p1);
     int32_t n_vocab() const;
     int64_t n_past() const { return n_past_; }
 

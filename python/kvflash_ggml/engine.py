@@ -23,7 +23,11 @@ from .tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger(__name__)
 
-REFRESH_TOKENS = 8   # prompt tokens recomputed after the post-prompt reselect pages evidence in
+# Prompt tokens recomputed after the post-prompt reselect pages evidence in: one chunk. Measured on SmolLM2
+# passkeys at 8K (scripts/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
+# 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
+# the evidence it should read back out).
+REFRESH_TOKENS = 64
 
 
 @dataclass
@@ -45,15 +49,19 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 class Engine:
     """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it.
-    drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model."""
+    drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model.
+    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none)."""
 
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
                  policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike, _core.Model] = None) -> None:
+                 drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
+                 refresh_tokens: int = REFRESH_TOKENS) -> None:
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
+        if refresh_tokens < 0:
+            raise ValueError(f"refresh_tokens must be >= 0, got {refresh_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -61,6 +69,7 @@ class Engine:
                                   backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
         self.tau = tau
         self.prefill_reselect = prefill_reselect
+        self.refresh_tokens = refresh_tokens
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.history: list[int] = []   # the tokens whose K/V the session holds, in order
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
@@ -119,16 +128,18 @@ class Engine:
             self.history.extend(tokens[lo:hi])
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
-        if self.session.pager.stats().page_ins > page_ins:
+        if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
             logits = self._recompute_tail(tokens)
         self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
 
     def _recompute_tail(self, tokens: list[int]) -> np.ndarray:
         """The logits of the last prompt token were computed before the reselect brought the evidence in:
-        run the last REFRESH_TOKENS prompt tokens again, so the first generated token (and the K/V of the
-        question, which later tokens attend to) sees the chunks the reselect paged in."""
-        lo = max(len(tokens) - REFRESH_TOKENS, 1)
+        run the last refresh_tokens prompt tokens again (the question, at the end of a long document), so the
+        first generated token and the K/V of the question, which later tokens attend to, see the chunks the
+        reselect paged in. At most the protected tail, so the recompute cannot push the evidence out."""
+        tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
+        lo = max(len(tokens) - min(self.refresh_tokens, tail), 1)
         self.session.truncate(lo)
         del self.history[lo:]
         logits = self.session.forward(np.asarray(tokens[lo:], dtype=np.int32), lo)

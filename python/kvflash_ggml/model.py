@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import Engine, GenerationRecord
+from .engine import REFRESH_TOKENS, Engine, GenerationRecord
 from .options import PoolConfig, SamplingParams
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer
@@ -48,7 +48,8 @@ class Model:
                  n_batch: int = 512, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike] = None) -> None:
+                 drafter_model: Union[None, str, os.PathLike] = None,
+                 refresh_tokens: int = REFRESH_TOKENS) -> None:
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
@@ -61,7 +62,8 @@ class Model:
         self.chat_template = chat_template
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
                              prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
-                             prefix_cache_bytes=prefix_cache_bytes, drafter_model=drafter_model)
+                             prefix_cache_bytes=prefix_cache_bytes, drafter_model=drafter_model,
+                             refresh_tokens=refresh_tokens)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------

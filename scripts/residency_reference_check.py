@@ -1,0 +1,69 @@
+"""Which part of the pooled state loses a passkey? libllama computes the whole prompt with a full cache (every
+K/V sees its full context, original positions), then forgets every chunk but the ones a pool would hold
+(sink + the key's chunk + the tail + `extra` recent chunks) and generates. If libllama then finds the key
+where our pooled run with an oracle policy does not, the loss comes from K/V computed under the streaming
+window of pooled prefill, not from the sparse positions or the choice of chunks.
+
+  python scripts/residency_reference_check.py --cases 0,6 [--extra 11] [--format chat]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import kvflash_ggml as kvf
+from kvflash_ggml import _core
+from kvflash_ggml.bench.retrieval import tasks
+from kvflash_ggml.bench.retrieval.cases import Renderer
+from kvflash_ggml.model import resolve_model_path
+
+C = 64
+TAIL_CHUNKS = 5   # the engine's 4 protected tail chunks plus the partial last one
+
+
+def greedy(ref, first: int, n: int) -> list[int]:
+    out, tok = [], first
+    for _ in range(n):
+        tok = int(np.asarray(ref.decode([tok])).argmax())
+        out.append(tok)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--n", type=int, default=18, help="cases generated (as retrieval_sweep.py --cases)")
+    ap.add_argument("--cases", default="0,6")
+    ap.add_argument("--extra", type=int, default=11, help="recent chunks kept besides sink, key and tail")
+    ap.add_argument("--format", default="chat", choices=["chat", "plain"])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    path = resolve_model_path(args.model)
+    tok = kvf.Tokenizer(path)
+    r = Renderer(tok, args.format)
+    cases = tasks.generate("passkey", r, args.length, args.n, seed=0)
+    ref = _core.LlamaReference(path, n_ctx=args.length, n_threads=args.threads)
+    for i in (int(x) for x in args.cases.split(",")):
+        case, prompt, key = cases[i], r.tokens(cases[i]), cases[i].answers[0]
+        n = len(prompt)
+        ref.clear()
+        ref.decode(prompt[:-1])
+        first = int(np.asarray(ref.decode(prompt[-1:])).argmax())
+        full = tok.decode([first] + greedy(ref, first, 7))
+        ref.remove(n - 1, ref.n_past)   # back to the prompt without its last token
+        n_chunks = -(-n // C)
+        needle = [k for k in range(n_chunks) if key in tok.decode(prompt[k * C:(k + 1) * C + 8])]
+        keep = {0, *needle, *range(n_chunks - TAIL_CHUNKS - args.extra, n_chunks)}
+        for k in range(n_chunks - TAIL_CHUNKS):
+            if k not in keep:
+                ref.remove(k * C, (k + 1) * C)
+        first = int(np.asarray(ref.decode(prompt[-1:])).argmax())
+        pooled = tok.decode([first] + greedy(ref, first, 7))
+        print(f"case {i} depth {case.meta['depth']} {case.meta['filler']:<6} key {key} chunks kept {len(keep)} "
+              f"key chunk {needle}: full {key in full} {full!r}; resident only {key in pooled} {pooled!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
