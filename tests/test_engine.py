@@ -51,6 +51,10 @@ def test_pool_config_resolution_and_errors():
     assert PoolConfig(pool_tokens=None).resolved_pool_tokens() == 0
     assert PoolConfig(n_ctx=8192, pool_tokens="auto").resolved_pool_tokens() == 4096
     assert PoolConfig(n_ctx=100, pool_tokens="auto").resolved_pool_tokens() == 448   # the minimum
+    # prefill steps: n_batch for the full cache, 1/8 of a pool (whole chunks, >= 1) capped at n_batch
+    assert [PoolConfig(n_ctx=8192, pool_tokens=p).prefill_batch() for p in (None, 448, 1024, 4096, 8192)] == \
+        [512, 64, 128, 512, 512]
+    assert PoolConfig(pool_tokens=1024, n_batch=32).prefill_batch() == 32
     with pytest.raises(ValueError, match="pool_tokens"):
         PoolConfig(pool_tokens=-3).resolved_pool_tokens()
 

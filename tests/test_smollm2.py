@@ -125,3 +125,26 @@ def test_greedy_on_the_backend_equals_argmax_of_the_logits(smollm2, smollm2_voca
     cfg = _core.SessionConfig(max_tokens=640, pool_tokens=448)
     a = assert_greedy_matches_argmax(smollm2, cfg, tokens, 40)
     assert a.pager.stats().page_outs > 0
+
+
+def test_pooled_prefill_equals_libllama_with_the_evicted_chunks_removed(smollm2, smollm2_vocab, smollm2_path):
+    # The reference for what a pooled prefill computes: libllama on the same prompt, with every chunk our
+    # pager evicted removed from its cache (llama_memory_seq_rm) before the next step. One chunk per step
+    # keeps the summation order of both caches alike, so the matmul path must agree as in the full cache.
+    prompt = np.array(smollm2_vocab.tokenize(prose(300, seed=3), add_special=True)[:1280], np.int32)
+    assert len(prompt) == 1280
+    sess = _core.Session(smollm2, _core.SessionConfig(max_tokens=2048, pool_tokens=512, n_batch=64,
+                                                      attention="matmul"))
+    ref = _core.LlamaReference(smollm2_path, n_ctx=2048, n_threads=2)
+    removed, worst = set(), 0.0
+    for lo in range(0, len(prompt), 64):
+        ours = sess.forward(prompt[lo:lo + 64], lo, all_logits=True)
+        for c in range(sess.pager.n_chunks()):
+            if not sess.pager.is_resident(c) and c not in removed:
+                ref.remove(c * 64, c * 64 + 64)
+                removed.add(c)
+        theirs = ref.decode(prompt[lo:lo + 64].tolist(), all_logits=True)
+        worst = max(worst, float(np.abs(np.asarray(ours) - np.asarray(theirs)).max()))
+    assert len(removed) == 1280 // 64 - 512 // 64   # the pool really evicted: 12 chunks, the oldest first
+    assert removed == set(range(1, 13))             # chunk 0 is the protected sink
+    assert worst <= TOL_SAME_PATH, f"max |logit diff| {worst} > {TOL_SAME_PATH}"

@@ -40,7 +40,7 @@ class GenerationRecord:
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
-        attention=pool.attention, n_batch=pool.n_batch, sink_chunks=pool.sink_chunks,
+        attention=pool.attention, n_batch=pool.prefill_batch(), sink_chunks=pool.sink_chunks,
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries)
     return _core.Session(model, config)
@@ -150,7 +150,7 @@ class Engine:
         """One forward call (the session splits it) unless reselecting between pool-sized batches."""
         if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
             return [(start, end)]
-        step = max(64, min(self.pool.n_batch, self.session.pager.max_span_tokens()) // 64 * 64)
+        step = max(64, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // 64 * 64)
         return chunk_aligned_batches(start, end, step)
 
     # -- decode ----------------------------------------------------------------------------------
