@@ -4,7 +4,10 @@ K/V sees its full context, original positions), then forgets every chunk but the
 where our pooled run with an oracle policy does not, the loss comes from K/V computed under the streaming
 window of pooled prefill, not from the sparse positions or the choice of chunks.
 
-  python scripts/residency_reference_check.py --cases 0,6 [--extra 11] [--format chat]
+  python scripts/residency_reference_check.py --cases 0,6 [--extra 9,1] [--format chat]
+
+--extra lists, largest first, how many recent chunks besides sink, key and tail stay (9 fills a pool of 1024
+tokens, 1 a pool of 512); each smaller set is cut from the previous one, so one full prefill serves all.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--n", type=int, default=18, help="cases generated (as retrieval_sweep.py --cases)")
-    ap.add_argument("--cases", default="0,6")
-    ap.add_argument("--extra", type=int, default=11, help="recent chunks kept besides sink, key and tail")
+    ap.add_argument("--cases", default="all")
+    ap.add_argument("--extra", default="9,1", help="recent chunks kept besides sink, key and tail, largest first")
     ap.add_argument("--format", default="chat", choices=["chat", "plain"])
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -45,24 +48,32 @@ def main() -> None:
     r = Renderer(tok, args.format)
     cases = tasks.generate("passkey", r, args.length, args.n, seed=0)
     ref = _core.LlamaReference(path, n_ctx=args.length, n_threads=args.threads)
-    for i in (int(x) for x in args.cases.split(",")):
+    extras = sorted((int(x) for x in args.extra.split(",")), reverse=True)
+    picked = range(args.n) if args.cases == "all" else [int(x) for x in args.cases.split(",")]
+    hits = {"full": 0, **{e: 0 for e in extras}}
+    for i in picked:
         case, prompt, key = cases[i], r.tokens(cases[i]), cases[i].answers[0]
         n = len(prompt)
         ref.clear()
         ref.decode(prompt[:-1])
         first = int(np.asarray(ref.decode(prompt[-1:])).argmax())
         full = tok.decode([first] + greedy(ref, first, 7))
-        ref.remove(n - 1, ref.n_past)   # back to the prompt without its last token
+        hits["full"] += key in full
+        line = f"case {i} depth {case.meta['depth']} {case.meta['filler']:<6} key {key}: full {key in full} {full!r}"
         n_chunks = -(-n // C)
         needle = [k for k in range(n_chunks) if key in tok.decode(prompt[k * C:(k + 1) * C + 8])]
-        keep = {0, *needle, *range(n_chunks - TAIL_CHUNKS - args.extra, n_chunks)}
-        for k in range(n_chunks - TAIL_CHUNKS):
-            if k not in keep:
-                ref.remove(k * C, (k + 1) * C)
-        first = int(np.asarray(ref.decode(prompt[-1:])).argmax())
-        pooled = tok.decode([first] + greedy(ref, first, 7))
-        print(f"case {i} depth {case.meta['depth']} {case.meta['filler']:<6} key {key} chunks kept {len(keep)} "
-              f"key chunk {needle}: full {key in full} {full!r}; resident only {key in pooled} {pooled!r}", flush=True)
+        for extra in extras:
+            ref.remove(n - 1, ref.n_past)   # back to the prompt without its last token
+            keep = {0, *needle, *range(n_chunks - TAIL_CHUNKS - extra, n_chunks)}
+            for k in range(n_chunks - TAIL_CHUNKS):
+                if k not in keep:
+                    ref.remove(k * C, (k + 1) * C)
+            first = int(np.asarray(ref.decode(prompt[-1:])).argmax())
+            pooled = tok.decode([first] + greedy(ref, first, 7))
+            hits[extra] += key in pooled
+            line += f"; {len(keep)} chunks {key in pooled} {pooled!r}"
+        print(line, flush=True)
+    print("recall", {k: round(v / len(picked), 3) for k, v in hits.items()})
 
 
 if __name__ == "__main__":

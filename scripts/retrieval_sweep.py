@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--policies", default="oracle,qk,quest,drafter")
     ap.add_argument("--pools", default="512,1024")
     ap.add_argument("--refresh", default="8,64,256")
+    ap.add_argument("--prefill", default="pooled", help="comma-separated Engine prefill modes (pooled, exact)")
+    ap.add_argument("--only", default="", help="comma-separated case indices to run (default: all --cases)")
     ap.add_argument("--n-batch", default="512", help="comma-separated prefill batch sizes (PoolConfig.n_batch)")
     ap.add_argument("--prefill-reselect", default="off", help="off, on or both")
     ap.add_argument("--format", default="chat", choices=["chat", "plain"])
@@ -37,6 +39,8 @@ def main() -> None:
     cases = tasks.generate(args.task, r, args.length, args.cases, seed=0)
     prepared = [(c, r.tokens(c)) for c in cases]
     prepared = [(c, p, r.answer_tokens(c, p)) for c, p in prepared]
+    if args.only:
+        prepared = [prepared[int(i)] for i in args.only.split(",")]
     current = {"answers": []}
 
     def oracle(view):
@@ -52,8 +56,9 @@ def main() -> None:
     rows = []
     for pool in [int(x) for x in args.pools.split(",")]:
         for pol in args.policies.split(","):
-            for pf, n_batch in [(pf, nb) for pf in pf_variants for nb in map(int, args.n_batch.split(","))]:
-                llm = kvf.Model(args.model, n_ctx=args.length, pool_tokens=pool, n_batch=n_batch,
+            for pf, n_batch, mode in [(pf, nb, m) for pf in pf_variants for nb in map(int, args.n_batch.split(","))
+                                      for m in args.prefill.split(",")]:
+                llm = kvf.Model(args.model, n_ctx=args.length, pool_tokens=pool, n_batch=n_batch, prefill=mode,
                                 policy=oracle if pol == "oracle" else pol, n_threads=args.threads,
                                 prefill_reselect=pf, drafter_model=args.model if pol == "drafter" else None)
                 for refresh in [int(x) for x in args.refresh.split(",")]:
@@ -63,11 +68,11 @@ def main() -> None:
                     for c, p, a in prepared:
                         current["answers"] = c.answers
                         res.append(run_case(llm.engine, p, a, c))
-                    row = {"format": args.format, "policy": pol, "pool": pool, "n_batch": n_batch, "prefill_reselect": pf, "refresh": refresh,
+                    row = {"format": args.format, "policy": pol, "pool": pool, "n_batch": n_batch, "prefill": mode, "prefill_reselect": pf, "refresh": refresh,
                            "recall": float(np.mean([x.score for x in res])), "tf": float(np.mean([x.tf for x in res])),
                            "by_case": [x.score for x in res], "seconds": round(time.perf_counter() - t0, 1)}
                     rows.append(row)
-                    print(f"{args.format:>5} {pol:>8} pool {pool:>5} n_batch {n_batch:>4} pf {int(pf)} refresh {refresh:>4}: recall {row['recall']:.3f} "
+                    print(f"{args.format:>5} {pol:>8} pool {pool:>5} n_batch {n_batch:>4} {mode:>6} pf {int(pf)} refresh {refresh:>4}: recall {row['recall']:.3f} "
                           f"tf {row['tf']:.3f}  {''.join(str(int(s)) for s in row['by_case'])}  {row['seconds']}s",
                           flush=True)
                     if args.json:

@@ -103,6 +103,28 @@ def test_extending_prompt_prefills_only_the_suffix(llm):
 
 
 @pytest.mark.slow
+def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm):
+    # prefill="exact": every whole chunk of the prompt, resident or paged out, holds the bytes a full-cache
+    # session computes for it, also when a second turn extends the first from a mid-chunk point (the
+    # transient full cache then takes the history back from the pool and the host store).
+    pool = PoolConfig(n_ctx=2048, pool_tokens=448, attention="matmul")
+    exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, prefill="exact")
+    full = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, attention="matmul"))
+    text = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(150))
+    first = llm.tokenize(text)[:700]
+    second = first + llm.tokenize(" The last item was", add_bos=False) + llm.tokenize(text, add_bos=False)[:500]
+    for prompt in (first, second):
+        exact.prefill(prompt)
+        full.prefill(prompt)
+        s, f = exact.session, full.session
+        assert s.pager.stats().page_outs > 0 and s.n_tokens == len(prompt)
+        whole = (len(prompt) - 1) // 64   # the last chunk runs in the pool, as in pooled prefill
+        for c in range(whole):
+            mine = s.kv.read_block(s.pager.slot_of(c * 64) // 64) if s.pager.is_resident(c) else s.kv.host_image(c)
+            assert mine == f.kv.read_block(c), f"chunk {c} of a {len(prompt)}-token prompt"
+
+
+@pytest.mark.slow
 def test_stop_strings_end_generation(llm):
     out = llm.create_completion("1, 2, 3, 4,", max_tokens=20, temperature=0.0, stop=[" 7"])
     text = out["choices"][0]["text"]
@@ -117,6 +139,8 @@ def test_bad_requests_raise_clear_errors(llm):
         kvf.Model("smollm2", n_ctx=2048, pool_tokens=256)
     with pytest.raises(ValueError, match="policy"):
         kvf.Model("smollm2", policy="nonsense")
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        kvf.Model("smollm2", pool_tokens=448, prefill="fast")
     with pytest.raises(ValueError, match="trained context"):
         kvf.Model("smollm2", n_ctx=1 << 20)
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -65,6 +65,7 @@ void register_session(py::module_ & m) {
              }, py::arg("tokens"), py::arg("start"),
              "forward(), returning only the argmax after the last token (computed on the backend)")
         .def("truncate", &Session::truncate, py::arg("n_tokens"))
+        .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"))
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
                  s.reselect(std::vector<float>(scores.data(), scores.data() + scores.size()));

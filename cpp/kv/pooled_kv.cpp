@@ -240,6 +240,23 @@ std::vector<uint8_t> PooledKV::host_image(int64_t chunk) const {
     return std::vector<uint8_t>(it->second, it->second + chunk_bytes());
 }
 
+std::vector<uint8_t> PooledKV::chunk_rows(int64_t chunk, int64_t block) const {
+    const std::vector<uint8_t> native = block >= 0 ? read_block(block) : host_image(chunk);
+    std::vector<uint8_t> rows(native.size());
+    image_to_rows(native.data(), rows.data());
+    return rows;
+}
+
+void PooledKV::write_block_rows(int64_t block, const std::vector<uint8_t> & rows) {
+    if ((int64_t) rows.size() != chunk_bytes()) {
+        throw std::invalid_argument("PooledKV: chunk rows have " + std::to_string(rows.size()) + " bytes, expected " +
+                                    std::to_string(chunk_bytes()));
+    }
+    std::vector<uint8_t> native(rows.size());
+    image_from_rows(rows.data(), native.data());
+    write_block(block, native);
+}
+
 void PooledKV::clear_host() {
     synchronize();
     for (auto & [c, p] : host_) free_slots_.push_back(p);

@@ -73,6 +73,11 @@ public:
     bool has_host_image(int64_t chunk) const { return host_.count(chunk) != 0; }
     std::vector<uint8_t> host_image(int64_t chunk) const;
     void clear_host();
+    // One chunk in slot rows (the snapshot form, whatever v_trans), from `block` if >= 0, else from its
+    // host image; write_block_rows is the inverse. Two pools of the same row layout exchange exact K/V
+    // through these (Session::adopt) even when one transposes V and the other does not.
+    std::vector<uint8_t> chunk_rows(int64_t chunk, int64_t block) const;
+    void write_block_rows(int64_t block, const std::vector<uint8_t> & rows);
     bool pinned_host() const { return !slabs_.empty() ? pinned_ : can_pin_; }   // images in page-locked memory
     void synchronize() const;   // wait for every queued page-out/page-in
 

@@ -371,6 +371,38 @@ void Session::truncate(int64_t n) {
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
 }
 
+void Session::adopt(const Session & src, int64_t n) {
+    const int64_t C = cfg_.chunk_tokens, start = n_tokens();
+    const KvLayout & a = kv_->layout(), & b = src.kv().layout();
+    if (model_->fingerprint() != src.model().fingerprint()) {
+        throw std::invalid_argument("adopt: the source session runs another model");
+    }
+    if (a.n_layer != b.n_layer || a.n_embd_k != b.n_embd_k || a.n_embd_v != b.n_embd_v || a.type_k != b.type_k ||
+        a.type_v != b.type_v || a.chunk_tokens != b.chunk_tokens) {
+        throw std::invalid_argument("adopt: the source session lays K/V out differently (kv_type or chunk_tokens)");
+    }
+    if (start % C != 0) {
+        throw std::invalid_argument("adopt: this session holds " + std::to_string(start) +
+                                    " tokens, not a chunk boundary (truncate to a multiple of " + std::to_string(C) + ")");
+    }
+    if (n < start || n > src.n_tokens() || n > cfg_.max_tokens) {
+        throw std::invalid_argument("adopt: cannot take positions [" + std::to_string(start) + ", " + std::to_string(n) +
+                                    ") from a session holding " + std::to_string(src.n_tokens()) + " tokens into max_tokens=" +
+                                    std::to_string(cfg_.max_tokens));
+    }
+    if (!std::equal(tokens_.begin(), tokens_.end(), src.tokens().begin())) {
+        throw std::invalid_argument("adopt: the source session holds other tokens before position " + std::to_string(start));
+    }
+    for (int64_t p = start; p < n; p += C) {
+        const int64_t c = p / C, step = std::min(C, n - p);
+        execute(pager_->plan_alloc(p, step));
+        const int64_t src_block = src.pager().is_resident(c) ? src.pager().slot_of(p) / C : -1;
+        kv_->write_block_rows(pager_->slot_of(p) / C, src.kv().chunk_rows(c, src_block));
+        tokens_.insert(tokens_.end(), src.tokens().begin() + p, src.tokens().begin() + p + step);
+        seal_chunks(p, step);
+    }
+}
+
 void Session::seal_chunks(int64_t start, int64_t n) {
     if (!summaries_) return;
     const auto t0 = std::chrono::steady_clock::now();

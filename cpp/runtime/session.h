@@ -74,6 +74,13 @@ public:
     int32_t forward_greedy(const int32_t * tokens, int64_t n, int64_t start);
 
     void truncate(int64_t n);                        // forget positions >= n
+    // Append positions [n_tokens(), n) with the K/V that `src` holds for them instead of computing them.
+    // src ran the same tokens on the same model, so the bytes are what forward would have written had
+    // every earlier position been resident: exact prefill (Engine prefill="exact") computes a long prompt
+    // in a transient full-cache session and adopts it. Allocation and paging run as in forward, so the
+    // pool ends as a pooled prefill would leave it. n_tokens() must be a chunk boundary (blocks are
+    // written whole); src may hold the chunks in its pool or its host store.
+    void adopt(const Session & src, int64_t n);
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     void reset();
 

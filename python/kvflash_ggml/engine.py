@@ -6,6 +6,7 @@ and when to save or restore a snapshot (the prefix cache).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 # 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
 # the evidence it should read back out).
 REFRESH_TOKENS = 64
+PREFILL_MODES = ("pooled", "exact")
 
 
 @dataclass
@@ -50,14 +52,20 @@ class Engine:
     """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it.
     drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model.
-    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none)."""
+    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
+    prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
+    saw it; "exact" computes the new part of a prompt in a transient full-cache session and adopts its K/V
+    (see _exact_prefill): the K/V equal a full-cache run's, at the price of context-sized KV memory while
+    the prompt runs."""
 
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
                  policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
-                 refresh_tokens: int = REFRESH_TOKENS) -> None:
+                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
         if refresh_tokens < 0:
@@ -70,6 +78,7 @@ class Engine:
         self.tau = tau
         self.prefill_reselect = prefill_reselect
         self.refresh_tokens = refresh_tokens
+        self.prefill_mode = prefill
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.history: list[int] = []   # the tokens whose K/V the session holds, in order
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
@@ -120,26 +129,47 @@ class Engine:
         if n_keep < len(self.history):
             self.session.truncate(n_keep)
             del self.history[n_keep:]
+        start = self._exact_prefill(tokens, n_keep) if self.prefill_mode == "exact" else n_keep
         logits = None
-        for lo, hi in self._prefill_batches(n_keep, len(tokens)):
-            if lo > n_keep and self.prefill_reselect:
+        for lo, hi in self._prefill_batches(start, len(tokens)):
+            if lo > start and self.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
             self.history.extend(tokens[lo:hi])
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
-            logits = self._recompute_tail(tokens)
+            logits = self._recompute_tail(tokens, start)
         self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
 
-    def _recompute_tail(self, tokens: list[int]) -> np.ndarray:
+    def _exact_prefill(self, tokens: list[int], n_keep: int) -> int:
+        """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
+        forward goes on: the last prompt token runs in the pool, so the post-prompt reselect has this
+        session's queries, and after it that token alone is recomputed (refresh stops at the adopted K/V).
+        The full-cache session lives only for this call; it first adopts the history from the pool and the
+        host store, bit-exact. A prompt the pool holds whole gains nothing: it is prefilled as usual."""
+        C = self.session.pager.config().chunk_tokens
+        done, last = n_keep // C * C, len(tokens) - 1
+        if self.session.full_cache or last <= done or len(tokens) <= self.pool.resolved_pool_tokens():
+            return n_keep
+        self.session.truncate(done)
+        del self.history[done:]
+        scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
+        scratch.adopt(self.session, done)
+        scratch.forward(np.asarray(tokens[done:last], dtype=np.int32), done)
+        self.session.adopt(scratch, last)
+        self.history.extend(tokens[done:last])
+        return last
+
+    def _recompute_tail(self, tokens: list[int], floor: int) -> np.ndarray:
         """The logits of the last prompt token were computed before the reselect brought the evidence in:
         run the last refresh_tokens prompt tokens again (the question, at the end of a long document), so the
         first generated token and the K/V of the question, which later tokens attend to, see the chunks the
-        reselect paged in. At most the protected tail, so the recompute cannot push the evidence out."""
+        reselect paged in. At most the protected tail, so the recompute cannot push the evidence out, and
+        nothing before `floor` (K/V adopted from an exact prefill are better than any recompute)."""
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
-        lo = max(len(tokens) - min(self.refresh_tokens, tail), 1)
+        lo = max(len(tokens) - min(self.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
         del self.history[lo:]
         logits = self.session.forward(np.asarray(tokens[lo:], dtype=np.int32), lo)

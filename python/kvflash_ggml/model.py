@@ -49,7 +49,7 @@ class Model:
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike] = None,
-                 refresh_tokens: int = REFRESH_TOKENS) -> None:
+                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
@@ -63,7 +63,7 @@ class Model:
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
                              prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
                              prefix_cache_bytes=prefix_cache_bytes, drafter_model=drafter_model,
-                             refresh_tokens=refresh_tokens)
+                             refresh_tokens=refresh_tokens, prefill=prefill)
         self.model_name = Path(self.model_path).stem
 
     # -- tokens ----------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
                     help="query-aware prefill (reselect before each prefill batch) for policies that reselect: "
                          "the engine's default, on, off, or both variants side by side (labelled +pf)")
+    ap.add_argument("--prefill", default="default", choices=["default", "pooled", "exact", "both"],
+                    help="prompt computation: in the pool (pooled), in a transient full cache whose K/V the pool "
+                         "adopts (exact), the engine's default, or both side by side (labelled +exact)")
     ap.add_argument("--tau", type=int, default=None, help="decode tokens between reselects (engine default)")
     ap.add_argument("--tasks", default=",".join(default_tasks),
                     help=f"comma-separated tasks from {', '.join(tasks.TASKS)} (default {','.join(default_tasks)})")
@@ -139,7 +142,9 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--tau must be positive")
     variants = {"default": (None,), "on": (True,), "off": (False,), "both": (False, True)}[args.prefill_reselect]
     cfgs = make_configs(pools if policies else [], policies, include_full=include_full,
-                        prefill_reselect=variants, tau=args.tau, drafter_model=args.drafter_model)
+                        prefill_reselect=variants, tau=args.tau, drafter_model=args.drafter_model,
+                        prefill={"default": (None,), "pooled": ("pooled",), "exact": ("exact",),
+                                 "both": ("pooled", "exact")}[args.prefill])
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     given = list(argv) if argv is not None else sys.argv[1:]
     meta = {"bench": bench, "command": " ".join(["kvflash", "bench", bench, *given]), "seed": args.seed}

@@ -28,16 +28,18 @@ class Config:
     prefill_reselect: Optional[bool] = None   # None = the engine's default; True adds "+pf" to the label
     tau: Optional[int] = None                 # None = the engine's default
     drafter_model: Optional[str] = None       # the drafter policy's model (unused by other policies)
+    prefill: Optional[str] = None             # None = the engine's default; "exact" adds "+exact"
 
     @property
     def label(self) -> str:
         if self.pool is None:
             return "full"
-        return policy_label(self.policy) + ("+pf" if self.prefill_reselect else "")
+        return policy_label(self.policy) + ("+pf" if self.prefill_reselect else "") + \
+            ("+exact" if self.prefill == "exact" else "")
 
     def model_options(self) -> dict:
         """Keywords for Model beyond pool and policy: only those chosen, so engine defaults rule."""
-        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau,
+        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau, "prefill": self.prefill,
                 "drafter_model": self.drafter_model if self.policy == "drafter" else None}
         return {k: v for k, v in opts.items() if v is not None and self.pool is not None}
 
@@ -58,14 +60,15 @@ def reselects(policy: Policy) -> bool:
 
 def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_full: bool = True,
                  prefill_reselect: Sequence[Optional[bool]] = (None,), tau: Optional[int] = None,
-                 drafter_model: Optional[str] = None) -> list[Config]:
+                 drafter_model: Optional[str] = None, prefill: Sequence[Optional[str]] = (None,)) -> list[Config]:
     """The full-cache control first (its recall B is what every pooled cell is judged against), then
-    every pool x policy x prefill-reselect variant; a policy that never reselects gets one variant."""
+    every pool x policy x prefill-reselect variant x prefill mode; a policy that never reselects gets one
+    prefill-reselect variant."""
     out = [Config("lru", None)] if include_full else []
     for pool in pools:
         for p in policies:
             variants = prefill_reselect if reselects(p) else (None,)
-            out += [Config(p, pool, pf, tau, drafter_model) for pf in variants]
+            out += [Config(p, pool, pf, tau, drafter_model, mode) for mode in prefill for pf in variants]
     return out
 
 
