@@ -105,6 +105,7 @@ def test_capture_errors(target):
 def spec_scores(attention: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
     """The issue's words, one loop each: centred window of 13 (cut at the ends), z-norm, chunk mean."""
     n = len(attention)
+    attention = np.asarray(attention, dtype=np.float64)   # the reference in float64: float32 means drift ~1e-5
     smooth = np.array([attention[max(0, i - 6):i + 7].mean() for i in range(n)])
     z = (smooth - smooth.mean()) / smooth.std()
     return np.array([z[chunk_of == c].mean() for c in range(n_chunks)])

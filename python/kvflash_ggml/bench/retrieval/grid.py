@@ -232,10 +232,14 @@ def write_plot(report: dict, path: str) -> bool:
                     ax.axhline(c[key], color=color, ls="--", lw=1)
                     ax.plot([100], [c[key]], marker="*", ms=11, color=color, ls="", label=f"full cache, {length}")
             policies = sorted({c["policy"] for c in cells if c["length"] == length and c["pool"] is not None})
-            for j, pol in enumerate(policies):
+            bases = sorted({p.split("+")[0] for p in policies})
+            for pol in policies:
+                # one marker per policy; its variants (+pf, +exact) dotted with hollow markers
+                base, variant = pol.split("+")[0], "+" in pol
                 pts = sorted((100 * c["residency"], c[key]) for c in cells
                              if c["length"] == length and c["policy"] == pol and c["pool"] is not None)
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="os^vD*"[j % 6], color=color,
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="os^vD*"[bases.index(base) % 6],
+                        color=color, ls=":" if variant else "-", mfc="none" if variant else color,
                         label=f"{pol}, {length}")
         ax.set_xscale("log")
         lo = min(100 * c["residency"] for c in cells)
