@@ -25,6 +25,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--drafter-model", default=None,
                     help="GGUF path or short name of the smaller model that --policy drafter runs beside the model")
     ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (default 64)")
+    ap.add_argument("--prefill", default="pooled", choices=["pooled", "exact"],
+                    help="compute a prompt larger than the pool in the pool (pooled, bounded memory) or in a "
+                         "transient full cache whose K/V the pool adopts (exact: better recall, context-sized "
+                         "KV memory while the prompt runs)")
     ap.add_argument("--stats", action="store_true", help="print KV figures as JSON to stderr at the end")
     args = ap.parse_args(argv)
 
@@ -34,7 +38,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         llm = Model(args.model, n_ctx=args.n_ctx, pool_tokens=args.kvflash, kv_type=args.kv_type,
                     attention=args.attention, backend=args.backend, n_threads=args.threads, policy=args.policy,
-                    drafter_model=args.drafter_model, tau=args.tau)
+                    drafter_model=args.drafter_model, tau=args.tau,
+                    prefill=args.prefill)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvflash generate: {e}", file=sys.stderr)
         return 2
