@@ -103,17 +103,24 @@ def test_extending_prompt_prefills_only_the_suffix(llm):
 
 
 @pytest.mark.slow
-def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm):
+@pytest.mark.parametrize("policy", ["lru", "drafter"])
+def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monkeypatch):
     # prefill="exact": every whole chunk of the prompt, resident or paged out, holds the bytes a full-cache
     # session computes for it, also when a second turn extends the first from a mid-chunk point (the
-    # transient full cache then takes the history back from the pool and the host store).
+    # transient full cache then takes the history back from the pool and the host store). A model that is
+    # its own drafter lends the drafter's full cache instead: no transient session, each token run once.
     pool = PoolConfig(n_ctx=2048, pool_tokens=448, attention="matmul")
-    exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, prefill="exact")
+    exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, prefill="exact", policy=policy,
+                       drafter_model=llm._core_model if policy == "drafter" else None)
     full = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, attention="matmul"))
+    transient = []
+    real_make_session = kvf.engine.make_session
+    monkeypatch.setattr(kvf.engine, "make_session", lambda *a, **k: transient.append(1) or real_make_session(*a, **k))
     text = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(150))
     first = llm.tokenize(text)[:700]
     second = first + llm.tokenize(" The last item was", add_bos=False) + llm.tokenize(text, add_bos=False)[:500]
     for prompt in (first, second):
+        held, ran = len(exact.history), getattr(exact.policy, "n_forwarded", 0)
         exact.prefill(prompt)
         full.prefill(prompt)
         s, f = exact.session, full.session
@@ -122,6 +129,10 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm):
         for c in range(whole):
             mine = s.kv.read_block(s.pager.slot_of(c * 64) // 64) if s.pager.is_resident(c) else s.kv.host_image(c)
             assert mine == f.kv.read_block(c), f"chunk {c} of a {len(prompt)}-token prompt"
+        if policy == "drafter":   # the drafter's last 8 tokens run again, for the post-prompt rescore's capture
+            assert not transient and exact.policy.n_forwarded - ran <= len(prompt) - held + 8
+        else:
+            assert len(transient) == (prompt is second) + 1
 
 
 @pytest.mark.slow

@@ -112,6 +112,20 @@ class DrafterPolicy(Policy):
         out[empty] = s[token_at_byte(d_off, t_off[np.minimum(empty * C, len(history) - 1)])]
         return out
 
+    def full_cache_for(self, model: _core.Model, tokens) -> Optional[_core.Session]:
+        """A model that is its own drafter already computes the whole history in a full cache: lend it."""
+        if model is not self.model or not self.same_vocab or len(tokens) > self.n_ctx:
+            return None
+        tokens = np.asarray(tokens, dtype=np.int32)
+        keep = common_prefix(self.session.tokens, tokens)
+        if keep < self.session.n_tokens:
+            self.session.truncate(keep)
+        if keep < len(tokens):
+            self.session.forward(tokens[keep:], keep)
+            self.n_forwarded += len(tokens) - keep
+        self._attention = None   # the capture is of this forward, not of a rescore's last tokens
+        return self.session
+
     def retokenise(self, history: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Drafter tokens for the target history's text, the target's piece offsets [n + 1] and the
         drafter's [m + 1], both in bytes of that text. Special tokens are written out and parsed back, so

@@ -155,10 +155,15 @@ class Engine:
             return n_keep
         self.session.truncate(done)
         del self.history[done:]
-        scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
-        scratch.adopt(self.session, done)
-        scratch.forward(np.asarray(tokens[done:last], dtype=np.int32), done)
-        self.session.adopt(scratch, last)
+        shared = self.policy.full_cache_for(self.model, tokens[:last])
+        if shared is not None and (shared.config.kv_type, shared.pager.config().chunk_tokens) == \
+                (self.session.config.kv_type, C):
+            self.session.adopt(shared, last)   # a model that is its own drafter: no second full-cache run
+        else:
+            scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
+            scratch.adopt(self.session, done)
+            scratch.forward(np.asarray(tokens[done:last], dtype=np.int32), done)
+            self.session.adopt(scratch, last)
         self.history.extend(tokens[done:last])
         return last
 

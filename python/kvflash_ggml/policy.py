@@ -56,6 +56,11 @@ class Policy:
     def scores(self, view: SessionView) -> Optional[np.ndarray]:
         return None
 
+    def full_cache_for(self, model: _core.Model, tokens: Sequence[int]) -> Optional[_core.Session]:
+        """A full-cache session of `model` that this policy keeps anyway, brought to hold exactly `tokens`;
+        exact prefill adopts from it instead of computing the prompt a second time. None: it keeps none."""
+        return None
+
 
 class LRU(Policy):
     name = "lru"
