@@ -11,29 +11,15 @@ import argparse
 
 import numpy as np
 
-import kvflash_ggml as kvf
-from kvflash_ggml import _core
-from kvflash_ggml.bench.retrieval import tasks
-from kvflash_ggml.bench.retrieval.cases import Renderer
-from kvflash_ggml.model import resolve_model_path
+import reference_cases
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--task", default="multikey")
-    ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--n", type=int, default=10, help="cases generated (as kvflash bench --cases)")
-    ap.add_argument("--cases", required=True, help="comma-separated case indices")
-    ap.add_argument("--format", default="chat", choices=["chat", "plain"])
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    path = resolve_model_path(args.model)
-    tok = kvf.Tokenizer(path)
-    r = Renderer(tok, args.format)
-    cases = tasks.generate(args.task, r, args.length, args.n, seed=0)
-    ref = _core.LlamaReference(path, n_ctx=args.length, n_threads=args.threads)
-    for i in (int(x) for x in args.cases.split(",")):
+    reference_cases.add_arguments(ap, task="multikey", n=10)
+    rc = reference_cases.load(ap.parse_args())
+    tok, r, cases, ref = rc.tokenizer, rc.renderer, rc.cases, rc.llama
+    for i in rc.picked:
         prompt = r.tokens(cases[i])
         answer = r.answer_tokens(cases[i], prompt)
         ref.clear()

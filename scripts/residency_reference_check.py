@@ -15,11 +15,7 @@ import argparse
 
 import numpy as np
 
-import kvflash_ggml as kvf
-from kvflash_ggml import _core
-from kvflash_ggml.bench.retrieval import tasks
-from kvflash_ggml.bench.retrieval.cases import Renderer
-from kvflash_ggml.model import resolve_model_path
+import reference_cases
 
 C = 64
 TAIL_CHUNKS = 5   # the engine's 4 protected tail chunks plus the partial last one
@@ -35,21 +31,12 @@ def greedy(ref, first: int, n: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--n", type=int, default=18, help="cases generated (as retrieval_sweep.py --cases)")
-    ap.add_argument("--cases", default="all")
+    reference_cases.add_arguments(ap, task="passkey", n=18)
     ap.add_argument("--extra", default="9,1", help="recent chunks kept besides sink, key and tail, largest first")
-    ap.add_argument("--format", default="chat", choices=["chat", "plain"])
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    path = resolve_model_path(args.model)
-    tok = kvf.Tokenizer(path)
-    r = Renderer(tok, args.format)
-    cases = tasks.generate("passkey", r, args.length, args.n, seed=0)
-    ref = _core.LlamaReference(path, n_ctx=args.length, n_threads=args.threads)
+    rc = reference_cases.load(args)
+    tok, r, cases, ref, picked = rc.tokenizer, rc.renderer, rc.cases, rc.llama, rc.picked
     extras = sorted((int(x) for x in args.extra.split(",")), reverse=True)
-    picked = range(args.n) if args.cases == "all" else [int(x) for x in args.cases.split(",")]
     hits = {"full": 0, **{e: 0 for e in extras}}
     for i in picked:
         case, prompt, key = cases[i], r.tokens(cases[i]), cases[i].answers[0]

@@ -117,13 +117,7 @@ class DrafterPolicy(Policy):
         if model is not self.model or not self.same_vocab or len(tokens) > self.n_ctx:
             return None
         tokens = np.asarray(tokens, dtype=np.int32)
-        keep = common_prefix(self.session.tokens, tokens)
-        if keep < self.session.n_tokens:
-            self.session.truncate(keep)
-        if keep < len(tokens):
-            self.session.forward(tokens[keep:], keep)
-            self.n_forwarded += len(tokens) - keep
-        self._attention = None   # the capture is of this forward, not of a rescore's last tokens
+        self._run_from(tokens, common_prefix(self.session.tokens, tokens))
         return self.session
 
     def retokenise(self, history: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,18 +149,22 @@ class DrafterPolicy(Policy):
         if keep == n == len(held) and self._attention is not None:
             return self._attention
         # The capture covers the last step only: all of the last N_QUERY tokens must run in it.
-        keep = min(keep, n - min(N_QUERY, n))
-        if keep < len(held):
+        tail = min(N_QUERY, n)
+        self._run_from(tokens, min(keep, n - tail), tail)
+        self._attention = self.session.attention_to_positions()
+        return self._attention
+
+    def _run_from(self, tokens: np.ndarray, keep: int, tail: int = 0) -> None:
+        """Make the session hold `tokens`, keeping the K/V of its first `keep` and running the rest, with at
+        least the last `tail` of them in the session's last step (the one the capture covers)."""
+        if keep < self.session.n_tokens:
             self.session.truncate(keep)
         self._attention = None
         new = tokens[keep:]
-        tail = min(N_QUERY, n)
         if 0 < len(new) % self.session.config.n_batch < tail:   # the session's last step would be short
             self.session.forward(new[:len(new) - tail], keep)
-            self.session.forward(new[len(new) - tail:], n - tail)
-        else:
+            self.session.forward(new[len(new) - tail:], len(tokens) - tail)
+        elif len(new):
             self.session.forward(new, keep)
         self.n_forwarded += len(new)
-        self._attention = self.session.attention_to_positions()
-        return self._attention
 

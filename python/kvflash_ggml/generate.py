@@ -38,8 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         llm = Model(args.model, n_ctx=args.n_ctx, pool_tokens=args.kvflash, kv_type=args.kv_type,
                     attention=args.attention, backend=args.backend, n_threads=args.threads, policy=args.policy,
-                    drafter_model=args.drafter_model, tau=args.tau,
-                    prefill=args.prefill)
+                    drafter_model=args.drafter_model, tau=args.tau, prefill=args.prefill)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvflash generate: {e}", file=sys.stderr)
         return 2
