@@ -8,7 +8,8 @@
 #     bench        kvflash bench decode on the 8B shape, the grid (DEPTHS, N_GEN)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
-#                  NIAH_POLICIES, RULER_POLICIES, PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
+#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS,
+#                  PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -110,7 +111,8 @@ for phase in "$@"; do
         SMOL=${SMOL:-/tmp/smollm2.gguf}
         python3 -m kvflash_ggml bench ruler --model "$SMOL" --lengths 8192 --pools 1024 \
             --policies "${RULER_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${RULER_CASES:-10}" \
-            --prefill "${PREFILL:-default}" --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;
+            --tasks "${RULER_TASKS:-niah,multikey,multivalue,multiquery,vt,cwe}" --prefill "${PREFILL:-default}" \
+            --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;
     *) log "unknown phase $phase"; exit 2 ;;
     esac
 done
