@@ -3,12 +3,13 @@
 #
 #   scripts/gpu_session.sh PHASE...     phases run in the order given:
 #     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
-#     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA)
+#     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_ARGS:
+#                  more pytest arguments, e.g. -k paging)
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
-#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS,
+#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS,
 #                  PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
@@ -77,7 +78,7 @@ for phase in "$@"; do
           nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"
           so=$(python3 -c 'import kvflash_ggml._core as c; print(c.__file__)')
           echo "libstdc++ symbols exported by _core: $(nm -D --defined-only "$so" | grep -c 'St6locale\|codecvt')"; } 2>&1 | tee -a "$OUT/session.log"
-        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py ${CHECK_ARGS:-} 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
     bench-small)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --pool "$POOL" --n-gen 32 \
@@ -112,7 +113,7 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench ruler --model "$SMOL" --lengths 8192 --pools 1024 \
             --policies "${RULER_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${RULER_CASES:-10}" \
             --tasks "${RULER_TASKS:-niah,multikey,multivalue,multiquery,vt,cwe}" --prefill "${PREFILL:-default}" \
-            --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;
+            ${RULER_ARGS:-} --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;
     *) log "unknown phase $phase"; exit 2 ;;
     esac
 done

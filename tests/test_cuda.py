@@ -197,23 +197,24 @@ def test_pooled_identity_equals_full_cache_on_cuda(model_path, kv_type):
     assert_close(f"llama-f32 kv {kv_type} cuda pooled(identity) vs cuda full", pooled, full, TOL_SAME)
 
 
-@pytest.mark.parametrize("ordered", [True, False])
-def test_paging_on_cuda_matches_cpu(model_path, ordered):
+@pytest.mark.parametrize("ordered,gpu_attention", [(True, "auto"), (False, "auto"), (False, "matmul")])
+def test_paging_on_cuda_matches_cpu(model_path, ordered, gpu_attention):
     """A pool (512) far smaller than the context (932): page-outs during prefill and decode, page-ins from a reselect.
     The pager is deterministic, so CPU and CUDA evict the same chunks; logits must agree within the
-    float tolerance, and every resident chunk that has a host image must hold exactly its bytes."""
+    float tolerance, and every resident chunk that has a host image must hold exactly its bytes.
+    gpu_attention="matmul" pages a transposed V (2D copies of one run per channel)."""
     path = model_path("llama-f32")
     cpu = _core.Model(path, backend="cpu", n_threads=4)
     gpu = _core.Model(path, backend="cuda")
     prompt = prompt_for(cpu.hparams.n_vocab, n=900)
     fed = greedy_tokens(cpu, _core.SessionConfig(max_tokens=1024, attention="matmul"), prompt)
     kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128, ordered_attention=ordered)
-    ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
+    ours_gpu, sess = run_session(gpu, _core.SessionConfig(attention=gpu_attention, **kw), prompt, fed, reselect_at=8)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
     stats = sess.pager.stats()
     assert stats.page_outs > 0 and stats.page_ins > 0, stats
     assert sess.kv.pinned_host   # images in page-locked memory, copies queued asynchronously
-    assert_close(f"llama-f32 pool 512 ordered={ordered} cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
+    assert_close(f"llama-f32 pool 512 ordered={ordered} {gpu_attention} cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
     valid = sess.pager.chunk_host_valid()
     checked = 0
     for c, b in enumerate(sess.pager.chunk_blocks()):
@@ -221,6 +222,38 @@ def test_paging_on_cuda_matches_cpu(model_path, ordered):
             assert sess.kv.read_block(int(b)) == sess.kv.host_image(c), f"chunk {c} in block {b}"
             checked += 1
     assert checked > 0
+
+
+def slot_rows(image: bytes, hp, v_trans: bool, chunk: int = 64) -> bytes:
+    """A chunk image (f16, every layer pooled) with V in slot rows, whatever layout it came from."""
+    k_bytes, v_bytes = 2 * chunk * hp.head_dim_k * hp.n_head_kv, 2 * chunk * hp.head_dim_v * hp.n_head_kv
+    out, off = [], 0
+    for _ in range(hp.n_layer):
+        out.append(image[off:off + k_bytes])
+        v = np.frombuffer(image[off + k_bytes:off + k_bytes + v_bytes], np.uint16)
+        out.append((v.reshape(-1, chunk).T if v_trans else v).tobytes())
+        off += k_bytes + v_bytes
+    assert off == len(image)
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("src_attention,dst_attention", [("matmul", "flash"), ("flash", "matmul")])
+def test_adopt_on_cuda_moves_exact_bytes_between_v_layouts(model_path, src_attention, dst_attention):
+    """Exact prefill on the GPU: a pool adopts a full cache's K/V across the transposed-V (matmul) and
+    slot-row (flash) layouts, paging out as it goes; every chunk, resident or on the host, holds the
+    source's bytes."""
+    gpu = _core.Model(model_path("llama-f32"), backend="cuda")
+    hp = gpu.hparams
+    prompt = prompt_for(hp.n_vocab, n=896)
+    src = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, attention=src_attention))
+    src.forward(prompt, 0)
+    dst = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, pool_tokens=512, attention=dst_attention))
+    dst.adopt(src, len(prompt))
+    assert dst.pager.stats().page_outs == (896 - 512) // 64
+    for c in range(896 // 64):
+        mine = dst.kv.read_block(dst.pager.slot_of(c * 64) // 64) if dst.pager.is_resident(c) else dst.kv.host_image(c)
+        assert slot_rows(mine, hp, dst_attention == "matmul") == \
+            slot_rows(src.kv.read_block(c), hp, src_attention == "matmul"), f"chunk {c}"
 
 
 def test_device_kv_is_the_pool(model_path):

@@ -95,7 +95,8 @@ public:
                     const std::vector<uint8_t> & host_valid);
 
 private:
-    // Visit every contiguous region of one block: fn(tensor, byte offset, byte size, offset in image).
+    // Visit every region of one block, as ggml's 2D copies take them: fn(tensor, byte offset, run size, runs,
+    // run stride in the tensor, offset in image); in the image the runs lie back to back.
     template <typename Fn> void for_each_region(int64_t block, Fn && fn) const;
     uint8_t * image_for(int64_t chunk);   // the chunk's image slot, taken from the free slots if new
     void release_image(int64_t chunk);
