@@ -166,6 +166,32 @@ def test_configs_put_the_control_first_and_pass_policies_through():
     assert Config("lru", None, True, 32).model_options() == {}   # the control takes no pool options
 
 
+def fake_cell(policy, pool, scored):
+    """A cell of made-up results: scored = [(task, score)]."""
+    from kvflash_ggml.bench.retrieval.grid import make_cell
+    results = [{"task": t, "depth": 0.5, "answers": [f"{t}{i}"], "score": s, "tf": s, "output": "", "n_prompt": 9,
+                "seconds": 1.0} for i, (t, s) in enumerate(scored)]
+    return make_cell(1024, policy, pool, results, {"page_outs": 2})
+
+
+def test_merged_reports_add_up_and_compare_case_by_case():
+    # A grid split in two runs (as on a lent GPU): the merge must equal one run over all the cases.
+    from kvflash_ggml.bench.retrieval.grid import format_paired, merge_reports
+    a = [("niah", 1.0), ("niah", 0.0), ("vt", 1.0)]
+    b = [("niah", 0.0), ("niah", 1.0), ("vt", 1.0)]
+    a2, b2 = [("vt", 0.0), ("vt", 0.5)], [("vt", 1.0), ("vt", 0.0)]
+    run = lambda full, pooled: {"bench": "ruler", "model": "m", "lengths": [1024], "cases": {},
+                                "cells": [fake_cell("full", None, full), fake_cell("qk", 448, pooled)]}
+    merged = merge_reports([run(a, b), run(a2, b2)])
+    full, qk = merged["cells"]
+    assert (full["n"], qk["n"]) == (5, 5)
+    assert full["recall"] == pytest.approx(2.5 / 5) and qk["recall"] == pytest.approx(3.0 / 5)
+    assert qk["by_task"] == {"niah": 0.5, "vt": pytest.approx(2 / 3)} and qk["stats"]["page_outs"] == 4
+    assert format_paired(merged) == "qk pool 448 len 1024 vs full: niah +1/-1, vt +1/-1"
+    mismatched = {"cells": [fake_cell("full", None, a), fake_cell("qk", 448, a[:2])]}
+    assert format_paired(mismatched) == ""   # cells over other cases are not compared
+
+
 def test_unknown_policy_fails_before_any_cell(smollm2_path, tokenizer):
     r = Renderer(tokenizer, "chat")
     cases = {1024: tasks.generate("passkey", r, 1024, 1)}

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from . import filler, tasks
 from .cases import FORMATS, Renderer, load_jsonl
-from .grid import Policy, format_table, make_configs, run_grid, write_json, write_plot
+from .grid import Policy, format_paired, format_table, make_configs, run_grid, write_json, write_plot
 
 SUITES = {
     # bench -> (default tasks, default cases per task and length, table grouping)
@@ -156,6 +156,9 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(f"{bench}: {os.path.basename(path)}, {args.format} prompts, {args.threads} threads")
     print(format_table(report, SUITES[bench][2]))
+    paired = format_paired(report, SUITES[bench][2].removeprefix("by_"))
+    if paired:
+        print(paired)
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from ...options import CHUNK_TOKENS
 from .cases import Case, Renderer
-from .scoring import CaseResult, run_case
+from .scoring import run_case
 
 Policy = Union[str, Callable]
 
@@ -146,35 +146,60 @@ STAT_KEYS = ("page_outs", "page_ins", "bytes_moved", "reselects", "time_paging_m
 
 def run_cell(llm, cfg: Config, length: int, batch: Sequence[Prepared], log: Callable[[str], None]) -> dict:
     before = llm.stats()
-    results: list[CaseResult] = []
+    results = []
     for i, p in enumerate(batch):
         r = run_case(llm.engine, p.prompt, p.answer, p.case)
-        results.append(r)
+        results.append({"task": p.case.task, "depth": p.case.meta.get("depth"), "answers": p.case.answers,
+                        **r.to_json()})
         log(f"{cfg.label:>6} pool {cfg.pool or '-':>5} len {length:>6} case {i + 1:>3}/{len(batch)} "
             f"{p.case.task:<10} depth {p.case.meta.get('depth')} score {r.score:.2f} tf {r.tf:.2f} "
             f"{r.seconds:6.1f}s  {r.output.strip()[:60]!r}")
     after = llm.stats()
+    stats = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in STAT_KEYS}
+    return make_cell(length, cfg.label, cfg.pool, results, stats)
+
+
+def make_cell(length: int, policy: str, pool: Optional[int], results: list[dict], stats: dict) -> dict:
+    """A cell of the report: its per-case results and what they add up to."""
     n = len(results)
     return {
-        "length": length, "policy": cfg.label, "pool": cfg.pool,
-        "residency": 1.0 if cfg.pool is None else cfg.pool / length,
-        "n": n, "recall": sum(r.score for r in results) / n, "tf": sum(r.tf for r in results) / n,
-        "by_task": group_mean(batch, results, lambda c: c.task),
-        "by_depth": group_mean(batch, results, lambda c: c.meta.get("depth")),
-        "seconds": round(sum(r.seconds for r in results), 1),
-        "stats": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in STAT_KEYS},
-        "results": [{"task": p.case.task, "depth": p.case.meta.get("depth"), "answers": p.case.answers,
-                     **r.to_json()} for p, r in zip(batch, results)],
+        "length": length, "policy": policy, "pool": pool,
+        "residency": 1.0 if pool is None else pool / length,
+        "n": n, "recall": sum(r["score"] for r in results) / n, "tf": sum(r["tf"] for r in results) / n,
+        "by_task": group_mean(results, "task"), "by_depth": group_mean(results, "depth"),
+        "seconds": round(sum(r["seconds"] for r in results), 1), "stats": stats, "results": results,
     }
 
 
-def group_mean(batch: Sequence[Prepared], results: Sequence[CaseResult], key: Callable[[Case], object]) -> dict:
+def group_mean(results: Sequence[dict], key: str) -> dict:
     groups: dict[str, list[float]] = {}
-    for p, r in zip(batch, results):
-        k = key(p.case)
-        if k is not None:
-            groups.setdefault(str(k), []).append(r.score)
+    for r in results:
+        if r.get(key) is not None:
+            groups.setdefault(str(r[key]), []).append(r["score"])
     return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+
+
+def merge_reports(reports: Sequence[dict]) -> dict:
+    """One report from runs over disjoint cases (a grid split across machines or time limits): cells of
+    the same (length, policy, pool) are concatenated in the order given, so a pooled cell stays case by
+    case beside the full cell when every run held both or the runs pair up in order."""
+    cells: dict[tuple, dict] = {}
+    cases: dict[str, list] = {}
+    for rep in reports:
+        for length, cs in rep.get("cases", {}).items():
+            held = cases.setdefault(length, [])
+            held += [c for c in cs if c not in held]   # runs that repeat a cell's cases list them once
+        for c in rep["cells"]:
+            key = (c["length"], c["policy"], c["pool"])
+            into = cells.setdefault(key, {"results": [], "stats": {}})
+            into["results"] += c["results"]
+            for k, v in c["stats"].items():
+                into["stats"][k] = round(into["stats"].get(k, 0) + v, 3)
+    first = reports[0]
+    return {**{k: first[k] for k in ("bench", "model", "format", "n_ctx", "threads") if k in first},
+            "commands": [r.get("command") for r in reports], "dates": [r.get("date") for r in reports],
+            "lengths": sorted({l for r in reports for l in r["lengths"]}), "cases": cases,
+            "cells": [make_cell(l, p, pool, c["results"], c["stats"]) for (l, p, pool), c in cells.items()]}
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -195,6 +220,28 @@ def format_table(report: dict, group: str = "by_task") -> str:
                f"{c['recall']:.3f} | {xb} | {c['tf']:.3f} | {c['n']} |")
         row += "".join(f" {c[group][g]:.2f} |" if g in c[group] else " - |" for g in groups)
         lines.append(row)
+    return "\n".join(lines)
+
+
+def format_paired(report: dict, key: str = "task") -> str:
+    """Case by case against the full cache at the same length, per task (or depth): how many cases a
+    pooled cell scores higher (+) and lower (-). Recall differences of a few cases are mostly near ties
+    flipping both ways; this shows which. Cells that did not run the full cell's cases are left out."""
+    full = {c["length"]: c["results"] for c in report["cells"] if c["pool"] is None}
+    lines = []
+    for c in report["cells"]:
+        ref = full.get(c["length"])
+        if c["pool"] is None or ref is None or [(r["task"], r["answers"]) for r in ref] != \
+                [(r["task"], r["answers"]) for r in c["results"]]:
+            continue
+        counts: dict[str, list[int]] = {}
+        for a, b in zip(ref, c["results"]):
+            n = counts.setdefault(str(a.get(key)), [0, 0])
+            n[0] += b["score"] > a["score"]
+            n[1] += b["score"] < a["score"]
+        groups = sorted(counts, key=_group_order)
+        lines.append(f"{c['policy']} pool {c['pool']} len {c['length']} vs full: " +
+                     ", ".join(f"{g} +{counts[g][0]}/-{counts[g][1]}" for g in groups))
     return "\n".join(lines)
 
 
