@@ -3,13 +3,14 @@
 #
 #   scripts/gpu_session.sh PHASE...     phases run in the order given:
 #     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
-#     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_ARGS:
-#                  more pytest arguments, e.g. -k paging)
+#     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_K:
+#                  a pytest -k expression, e.g. "paging or adopt")
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
-#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS,
+#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS (more flags, split
+#                  at spaces, e.g. --no-full),
 #                  PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
@@ -78,7 +79,7 @@ for phase in "$@"; do
           nvcc --version | tail -1; lscpu | grep -E "Model name|^CPU\(s\)"
           so=$(python3 -c 'import kvflash_ggml._core as c; print(c.__file__)')
           echo "libstdc++ symbols exported by _core: $(nm -D --defined-only "$so" | grep -c 'St6locale\|codecvt')"; } 2>&1 | tee -a "$OUT/session.log"
-        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py ${CHECK_ARGS:-} 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py -k "${CHECK_K:-}" 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
     bench-small)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --pool "$POOL" --n-gen 32 \

@@ -227,12 +227,12 @@ def format_paired(report: dict, key: str = "task") -> str:
     """Case by case against the full cache at the same length, per task (or depth): how many cases a
     pooled cell scores higher (+) and lower (-). Recall differences of a few cases are mostly near ties
     flipping both ways; this shows which. Cells that did not run the full cell's cases are left out."""
-    full = {c["length"]: c["results"] for c in report["cells"] if c["pool"] is None}
+    cases_of = lambda results: [(r["task"], r["answers"]) for r in results]
+    full = {c["length"]: (c["results"], cases_of(c["results"])) for c in report["cells"] if c["pool"] is None}
     lines = []
     for c in report["cells"]:
-        ref = full.get(c["length"])
-        if c["pool"] is None or ref is None or [(r["task"], r["answers"]) for r in ref] != \
-                [(r["task"], r["answers"]) for r in c["results"]]:
+        ref, ref_cases = full.get(c["length"], (None, None))
+        if c["pool"] is None or ref is None or cases_of(c["results"]) != ref_cases:
             continue
         counts: dict[str, list[int]] = {}
         for a, b in zip(ref, c["results"]):
