@@ -1,6 +1,8 @@
 """Option dataclasses shared by the Python API, the CLI and the server (defined once here)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -21,6 +23,13 @@ class PoolConfig:
     sink_chunks: int = 1
     tail_chunks: int = 4
     allow_beyond_train_ctx: bool = False
+
+    def __post_init__(self) -> None:
+        # Checked here, by name: the core would report a bad n_ctx as its own max_tokens.
+        for name in ("n_ctx", "n_batch", "sink_chunks", "tail_chunks"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def resolved_pool_tokens(self) -> int:
         """0 for full cache, else the pool size in tokens (a multiple of 64)."""
@@ -51,9 +60,11 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature <= 0 is greedy (deterministic)."""
+    """How the next token is chosen, with llama-cpp-python's conventions: temperature 0 is greedy
+    (deterministic), seed None or -1 is a fresh random seed, max_tokens None generates until an
+    end-of-generation token or a full context."""
 
-    max_tokens: int = 128
+    max_tokens: Optional[int] = 128
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -62,13 +73,30 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0, or None (until the context is full), "
+                             f"got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < -1):
+            raise ValueError(f"seed must be an integer >= 0, or None / -1 (random), got {self.seed!r}")
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

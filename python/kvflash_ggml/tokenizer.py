@@ -52,11 +52,29 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
                             template: str | None = None) -> str:
         source = template or self.chat_template
+        messages = check_messages(messages)
         if not source:
             raise ValueError("this GGUF has no chat template (tokenizer.chat_template); pass chat_template=...")
         return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.token_text(self.bos) if self.bos >= 0 else "",
                                     eos_token=self.token_text(self.eos) if self.eos >= 0 else "")
+
+
+def check_messages(messages: object) -> list[Mapping[str, str]]:
+    """The messages as a list, each a mapping with a string role and string content; anything else is a
+    ValueError naming the message, where a template would fail somewhere inside jinja2 or render junk."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                         f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r} (keys: {sorted(map(str, m))})")
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {type(m[key]).__name__}")
+    return list(messages)
 
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
@@ -67,8 +85,11 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, str]], *, 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                          bos_token=bos_token, eos_token=eos_token)
+    try:
+        return env.from_string(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                              bos_token=bos_token, eos_token=eos_token)
+    except jinja2.TemplateError as e:   # raise_exception() in a template, or a template that does not parse
+        raise ValueError(f"chat template: {e}") from None
 
 
 class TextStream:
