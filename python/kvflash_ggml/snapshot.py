@@ -75,15 +75,31 @@ class PrefixCache:
         if max_bytes <= 0:
             raise ValueError(f"prefix_cache_bytes must be positive, got {max_bytes}")
         self.dir = Path(directory).expanduser()
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
+        self._warned: set = set()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._warn("create the folder", e)
+
+    def _warn(self, action: str, error: BaseException) -> None:
+        """A cache is an optimisation: a folder that cannot be read or written (read-only, full, a path
+        under a file) costs the reuse, never the generation. Each kind of failure is a warning once, then
+        a debug record, so a broken cache does not flood the log on every turn."""
+        kind = (action, getattr(error, "errno", None) or type(error).__name__)
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, "prefix cache %s: cannot %s (%s); going on without it", self.dir, action, error)
 
     def entries(self, key: Optional[str] = None) -> list[CacheEntry]:
         out = []
-        for p in self.dir.glob(f"{key or '*'}-*{SUFFIX}"):
-            parts = p.name[:-len(SUFFIX)].split("-")
-            if len(parts) == 3 and parts[1].isdigit():
-                out.append(CacheEntry(p, int(parts[1]), parts[2]))
+        try:
+            for p in self.dir.glob(f"{key or '*'}-*{SUFFIX}"):
+                parts = p.name[:-len(SUFFIX)].split("-")
+                if len(parts) == 3 and parts[1].isdigit():
+                    out.append(CacheEntry(p, int(parts[1]), parts[2]))
+        except OSError as e:
+            self._warn("list the folder", e)
         return out
 
     def lookup(self, key: str, tokens: Sequence[int], longer_than: int = 0) -> Optional[CacheEntry]:
@@ -100,7 +116,7 @@ class PrefixCache:
 
     def store(self, key: str, session: _core.Session) -> Optional[Path]:
         """Save the session's chunk-aligned prefix (if it has a whole chunk and fits the cap); returns
-        the file, or None when nothing was stored."""
+        the file, or None when nothing was stored (a failure to write is a logged warning, not an error)."""
         ct = session.pager.config().chunk_tokens
         n_chunks = session.n_tokens // ct
         if n_chunks == 0:
@@ -111,29 +127,40 @@ class PrefixCache:
             return None
         digest = _token_digests(session.tokens[:n], {n})[n]
         path = self.dir / f"{key}-{n}-{digest}{SUFFIX}"
-        if path.exists():
-            _touch(path)
-            return path
-        session.save(path, prefix_chunks=n_chunks)
+        try:
+            if path.exists():
+                _touch(path)
+                return path
+            session.save(path, prefix_chunks=n_chunks)
+        except (OSError, SnapshotError) as e:
+            self._warn("store a snapshot", e)
+            return None
         self.evict(keep=path)
         return path
 
     def discard(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            self._warn("delete a stale snapshot", e)
 
     def evict(self, keep: Optional[Path] = None) -> None:
         """Delete least recently used entries until the directory holds at most max_bytes."""
         now = time.time()
-        for tmp in self.dir.glob(f"*{SUFFIX}.tmp*"):
-            if now - _mtime(tmp) > STALE_TMP_SECONDS:
-                tmp.unlink(missing_ok=True)
+        try:
+            stale = [t for t in self.dir.glob(f"*{SUFFIX}.tmp*") if now - _mtime(t) > STALE_TMP_SECONDS]
+        except OSError as e:
+            self._warn("list the folder", e)
+            stale = []
+        for tmp in stale:
+            self.discard(tmp)
         sized = [(e.path, _mtime(e.path), _size(e.path)) for e in self.entries()]
         total = sum(s for _, _, s in sized)
         for path, _, size in sorted(sized, key=lambda x: x[1]):
             if total <= self.max_bytes:
                 break
             if path != keep:
-                path.unlink(missing_ok=True)
+                self.discard(path)
                 total -= size
 
     def total_bytes(self) -> int:
@@ -143,19 +170,19 @@ class PrefixCache:
 def _touch(path: Path) -> None:
     try:
         os.utime(path)
-    except FileNotFoundError:
-        pass   # evicted by another process meanwhile: the load will report the miss
+    except OSError:
+        pass   # evicted by another process meanwhile (the load reports the miss), or a read-only folder
 
 
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
-    except FileNotFoundError:
+    except OSError:
         return 0.0
 
 
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except OSError:
         return 0
