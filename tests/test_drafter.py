@@ -23,11 +23,12 @@ TEXT = ("The quick brown fox jumps over the lazy dog. A pooled key-value cache k
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """target (n_vocab 1000), a drafter of the same vocabulary, one whose vocabulary only adds unused
-    tokens (1009: same token ids for any text), one with fewer merges (300: other tokens), and one trained
-    for 1024 tokens only."""
+    tokens (1009: same token ids for any text), one with fewer merges (300: other tokens, about twice as
+    many), and one trained for 1024 tokens only, of each vocabulary."""
     root = tmp_path_factory.mktemp("drafter")
     specs = {"target": dict(seed=0), "same": dict(seed=1), "v1009": dict(seed=2, n_vocab=1009),
-             "v300": dict(seed=3, n_vocab=300), "short": dict(seed=4, n_ctx_train=1024)}
+             "v300": dict(seed=3, n_vocab=300), "short": dict(seed=4, n_ctx_train=1024),
+             "v300short": dict(seed=5, n_vocab=300, n_ctx_train=1024)}
     return {k: str(rg.write_preset(root / f"{k}.gguf", "tiny-llama", **kw)) for k, kw in specs.items()}
 
 
@@ -250,12 +251,6 @@ def test_bad_input_raises(target, tok, paths):
     with pytest.raises(ValueError, match="too small"):   # trained for 1024 tokens, asked for 2048
         kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy="drafter",
                    drafter_model=paths["short"])
-    policy = DrafterPolicy(paths["v300"], tok, n_ctx=128, backend="cpu", n_threads=N_THREADS)
-    history = tok.encode(TEXT * 3)[:120]                   # more than 128 tokens once the drafter retokenises
-    session = _core.Session(target, _core.SessionConfig(max_tokens=256))
-    session.forward(np.asarray(history, np.int32), 0)
-    with pytest.raises(ValueError, match="too small"):
-        policy.scores(SessionView(session, history))
     with pytest.raises(FileNotFoundError):
         make_policy("drafter", drafter_model="/nonexistent.gguf")
 
@@ -272,3 +267,52 @@ def test_command_lines(paths, capsys):
     with pytest.raises(SystemExit):
         cli.main("niah", ["--model", paths["target"], "--policies", "lru,drafter"])
     assert "--drafter-model" in capsys.readouterr().err
+
+
+# -- another vocabulary: the drafter's context follows its own token count (issue 18) ---------------------
+
+def test_other_vocab_context_grows_with_the_retokenised_history(target, tok, paths):
+    policy = DrafterPolicy(paths["v300"], tok, n_ctx=128, backend="cpu", n_threads=N_THREADS)
+    history = tok.encode(TEXT * 3)[:120]
+    n_drafter = len(policy.retokenise(np.asarray(history, np.int32))[0])
+    assert n_drafter > 128                                  # more than the model's n_ctx once retokenised
+    session = _core.Session(target, _core.SessionConfig(max_tokens=256))
+    session.forward(np.asarray(history, np.int32), 0)
+    scores = policy.scores(SessionView(session, history))
+    assert scores.shape == (2,) and np.isfinite(scores).all()
+    assert n_drafter <= policy.n_ctx <= 64 * -(-int(n_drafter * 1.25) // 64)
+
+
+def test_other_vocab_prompt_longer_for_the_drafter(paths):
+    # A prompt within the model's n_ctx that the drafter's vocabulary splits into about twice as many
+    # tokens: it runs (the drafter's context grows), and once it is more than the drafter was trained
+    # for, the call is refused before the model computes anything or the session changes.
+    text = TEXT * 14
+    with kvf.Model(paths["target"], n_ctx=1024, pool_tokens=448, policy="drafter", drafter_model=paths["v300"],
+                   backend="cpu", n_threads=N_THREADS) as llm:
+        prompt = llm.tokenize(text)[:1000]
+        assert len(llm.engine.policy.retokenise(np.asarray(prompt, np.int32))[0]) > 1024
+        out = llm.create_completion(prompt, max_tokens=4, temperature=0.0)
+        assert out["usage"]["kvflash"]["reselects"] >= 1 and llm.engine.policy.n_ctx > 1024
+    with kvf.Model(paths["target"], n_ctx=1024, pool_tokens=448, policy="drafter",
+                   drafter_model=paths["v300short"], backend="cpu", n_threads=N_THREADS) as llm:
+        eng = llm.engine
+        first = llm.tokenize(TEXT)
+        llm.create_completion(first, max_tokens=2, temperature=0.0)
+        held, computes = eng.session.tokens.tolist(), eng.session.timings.n_computes
+        with pytest.raises(ValueError, match=r"tokens for the drafter .* more than it was trained for \(1024\)"):
+            llm.create_completion(prompt, max_tokens=4, temperature=0.0)
+        assert eng.session.tokens.tolist() == held == eng.history
+        assert eng.session.timings.n_computes == computes
+
+
+def test_generation_outgrowing_the_drafter_goes_on_unscored(target, tok, paths, caplog):
+    policy = DrafterPolicy(paths["v300short"], tok, n_ctx=1024, backend="cpu", n_threads=N_THREADS)
+    history = tok.encode(TEXT * 14)[:1000]
+    session = _core.Session(target, _core.SessionConfig(max_tokens=1024))
+    session.forward(np.asarray(history, np.int32), 0)
+    with caplog.at_level("WARNING", logger="kvflash_ggml.drafter"):
+        assert policy.scores(SessionView(session, history)) is None
+        assert policy.scores(SessionView(session, history)) is None
+    warnings = [r for r in caplog.records if "more than it was trained for" in r.getMessage()]
+    assert len(warnings) == 1

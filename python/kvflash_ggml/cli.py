@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence, Union
 
+INTERRUPTED = "interrupted (Ctrl-C)"
 COMMANDS = {
     "generate": ("kvflash_ggml.generate", "generate text from a prompt"),
     "convert": ("kvflash_ggml.convert", "convert a Hugging Face checkpoint to GGUF"),
@@ -48,8 +50,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"\nkvflash: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    try:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        return module.main(argv[1:])
+    except KeyboardInterrupt:
+        print(f"\nkvflash {argv[0]}: {INTERRUPTED}", file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # `kvflash generate ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,21 +7,35 @@ the history; then averaged per target chunk. Same vocabulary: drafter position =
 Different vocabulary: the target history is detokenised, retokenised for the drafter, and every
 drafter token goes to the target chunk holding its first byte. The drafter keeps its K/V between
 rescores and runs only the tokens it has not seen (after the history diverged: from where it did).
+
+Context: with the same vocabulary the drafter's context is the model's n_ctx. Another vocabulary may
+split the same text into more tokens, so the drafter's context grows (a new session, by a quarter more
+than needed, up to the drafter's trained context) when a history needs more; a prompt that needs more
+than the drafter was trained for is refused before the engine computes anything (check_prompt), and
+a generation that outgrows it goes on without drafter rescoring (a logged warning).
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from .engine import common_prefix
+from .engine import common_prefix, forward_in_steps
 from .policy import Policy, SessionView
 from .tokenizer import Tokenizer
 
 SMOOTH_WINDOW = 13
 N_QUERY = 8   # the session captures the attention of the last 8 tokens of a step
+GROWTH = 1.25  # a grown drafter context holds this much more than the history that outgrew it
+
+log = logging.getLogger(__name__)
+
+
+class DrafterContextError(ValueError):
+    """The history, in the drafter's tokens, is longer than the drafter was trained for."""
 
 
 def smooth(x: np.ndarray, window: int = SMOOTH_WINDOW) -> np.ndarray:
@@ -90,13 +104,34 @@ class DrafterPolicy(Policy):
         self.tokenizer = Tokenizer(self.model.path)
         self.target_tokenizer = tokenizer
         self.same_vocab = tokenizer is None or same_vocabulary(tokenizer, self.tokenizer)
+        self.n_batch = n_batch
+        self._new_session(n_ctx)
+        self.n_forwarded = 0            # drafter tokens run so far (tests count what each rescore costs)
+        self._warned_full = False
+
+    def _new_session(self, n_ctx: int) -> None:
         self.n_ctx = n_ctx
         self.session = _core.Session(self.model, _core.SessionConfig(
-            max_tokens=n_ctx, pool_tokens=0, n_batch=n_batch, capture_attention=True))
-        self.n_forwarded = 0            # drafter tokens run so far (tests count what each rescore costs)
+            max_tokens=n_ctx, pool_tokens=0, n_batch=self.n_batch, capture_attention=True))
         self._attention: Optional[np.ndarray] = None   # per drafter position, for the tokens held
 
-    def scores(self, view: SessionView) -> np.ndarray:
+    def _fit(self, n: int) -> None:
+        """Make room for n drafter tokens (a larger session: the held K/V are recomputed on the next run)."""
+        if n <= self.n_ctx:
+            return
+        n_train = self.model.hparams.n_ctx_train
+        if n > n_train:
+            raise DrafterContextError(
+                f"the history is {n} tokens for the drafter {os.path.basename(self.model.path)} (its vocabulary "
+                f"splits the text differently), more than it was trained for ({n_train}): its context is too "
+                f"small for the history; use a shorter prompt or a drafter with a longer context")
+        self._new_session(min(n_train, -(-int(n * GROWTH) // 64) * 64))
+
+    def check_prompt(self, tokens: Sequence[int]) -> None:
+        if not self.same_vocab:
+            self._fit(len(self.retokenise(np.asarray(tokens, dtype=np.int32))[0]))
+
+    def scores(self, view: SessionView) -> Optional[np.ndarray]:
         C, n_chunks = view.chunk_tokens, view.n_chunks
         history = np.asarray(view.history, dtype=np.int32)
         if self.same_vocab:
@@ -104,6 +139,13 @@ class DrafterPolicy(Policy):
             out, _ = chunk_means(s, np.arange(len(s)) // C, n_chunks)
             return out
         tokens, t_off, d_off = self.retokenise(history)
+        try:
+            self._fit(len(tokens))
+        except DrafterContextError as e:   # the generation outgrew the drafter: keep generating, unscored
+            if not self._warned_full:
+                log.warning("%s; no more drafter rescoring for this history", e)
+            self._warned_full = True
+            return None
         s = position_scores(self.attention(tokens))
         chunk_of = np.minimum(token_at_byte(t_off, d_off[:-1]) // C, n_chunks - 1)
         out, counts = chunk_means(s, chunk_of, n_chunks)
@@ -161,10 +203,11 @@ class DrafterPolicy(Policy):
             self.session.truncate(keep)
         self._attention = None
         new = tokens[keep:]
+        # forward_in_steps: a long history is many short calls, so Ctrl-C is honoured between them
         if 0 < len(new) % self.session.config.n_batch < tail:   # the session's last step would be short
-            self.session.forward(new[:len(new) - tail], keep)
+            forward_in_steps(self.session, new[:len(new) - tail], keep)
             self.session.forward(new[len(new) - tail:], len(tokens) - tail)
         elif len(new):
-            self.session.forward(new, keep)
+            forward_in_steps(self.session, new, keep)
         self.n_forwarded += len(new)
 

@@ -3,12 +3,22 @@ generator of token records. The pager evicts by itself when the pool is full (ol
 score once a policy has scored); this module decides what to feed, when to ask the policy for scores
 (after the prompt, every tau generated tokens, optionally before each prefill batch), when to stop,
 and when to save or restore a snapshot (the prefix cache).
+
+Threads and streams: an Engine (and the Model around it) serialises its calls with one lock, held for
+a whole call and for each step of a stream, never across a yield. A stream owns the session only until
+the next call: every call that changes what the session holds (generate, prefill, decode_one, load_state)
+supersedes the unfinished streams before it, whose next step raises StreamSuperseded instead of going on
+from another prompt's context. Streams on one Engine therefore cannot interleave; use one per stream.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
+import numbers
 import os
+import threading
 from dataclasses import dataclass
 import time
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -20,7 +30,7 @@ from .options import PoolConfig, SamplingParams
 from .policy import Policy, SessionView, make_policy
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
-from .tokenizer import TextStream, Tokenizer
+from .tokenizer import TextStream, Tokenizer, check_messages
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +40,15 @@ log = logging.getLogger(__name__)
 # the evidence it should read back out).
 REFRESH_TOKENS = 64
 PREFILL_MODES = ("pooled", "exact")
+CLOSED = "Model is closed: close() was called on it (or on its Engine)"
+
+
+class StreamSuperseded(RuntimeError):
+    """The next step of a stream after a later call on the same Model / Engine took its session."""
+
+    def __init__(self) -> None:
+        super().__init__("this stream was superseded by a later call on the same Model; streams on one Model "
+                         "cannot interleave (finish a stream before the next call, or use one Model per stream)")
 
 
 @dataclass
@@ -37,6 +56,7 @@ class GenerationRecord:
     token: Optional[int]          # None on the closing record
     text: str                     # text this record makes visible ("" while bytes are incomplete)
     finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
+    stats: Optional[dict] = None  # the closing record: stats() as the stream left them
 
 
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
@@ -50,13 +70,14 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 
 class Engine:
     """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
-    least recently used out first) and start a prompt from the longest cached prefix of it.
+    least recently used out first) and start a prompt from the longest cached prefix of it; a folder that
+    cannot be read or written is a logged warning, never an error.
     drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model.
     refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
     prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
     saw it; "exact" computes the new part of a prompt in a transient full-cache session and adopts its K/V
     (see _exact_prefill): the K/V equal a full-cache run's, at the price of context-sized KV memory while
-    the prompt runs."""
+    the prompt runs. See the module docstring for threads and streams."""
 
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
                  policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
@@ -87,15 +108,51 @@ class Engine:
         self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
         self._t_policy_ms = 0.0
+        self._lock = threading.RLock()   # reentrant: a step calls stats() and reselect() under it
+        self._owner = 0                  # the call that owns the session; older streams are superseded
+        self._closed = False
+
+    # -- threads, streams, lifetime -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _turn(self, stream: Optional[int] = None) -> Iterator[None]:
+        """Hold the engine for one call, or one step of the stream that took it as `stream`."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(CLOSED)
+            if stream is not None and stream != self._owner:
+                raise StreamSuperseded()
+            yield
+
+    def _take(self) -> int:
+        """A new call takes the session: streams begun before it are superseded."""
+        self._owner += 1
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Free the session and the policy (a drafter's model and session); later calls raise ValueError.
+        Waits for a step running in another thread."""
+        with self._lock:
+            self._closed = True
+            self.session = self.policy = self.prefix_cache = self.model = None
 
     # -- snapshots -------------------------------------------------------------------------------
     def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
         """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
-        self.session.save(path, prefix_chunks=prefix_chunks)
+        with self._turn():
+            self.session.save(path, prefix_chunks=prefix_chunks)
 
     def load_state(self, path: Union[str, os.PathLike]) -> None:
         """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
         the new suffix. On error (SnapshotError, OSError) nothing changes."""
+        with self._turn():
+            self._take()
+            self._load_state(path)
+
+    def _load_state(self, path: Union[str, os.PathLike]) -> None:
         self.session.load(path)
         self.history = self.session.tokens.tolist()
         self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
@@ -106,7 +163,7 @@ class Engine:
         if hit is None:
             return n_keep
         try:
-            self.load_state(hit.path)
+            self._load_state(hit.path)
         except (SnapshotError, OSError) as e:
             log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
             self.prefix_cache.discard(hit.path)
@@ -116,12 +173,26 @@ class Engine:
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """Make the session hold exactly `tokens`, computing only the part that differs from what it
-        holds already; returns the logits after the last token."""
-        tokens = [int(t) for t in tokens]
+        holds already; returns the logits after the last token. The prompt runs as many forward steps
+        (see forward_in_steps), so Ctrl-C (KeyboardInterrupt) takes effect between steps. If anything
+        raises while the prompt runs, the session is rolled back to the prefix it shared with the previous
+        history (the K/V of tokens that prefix does not cover are gone: the shared part is kept)."""
+        with self._turn():
+            self._take()
+            return self._prefill(self.check_prompt(tokens))
+
+    def check_prompt(self, tokens: Sequence[int]) -> list[int]:
+        """The prompt as a list of ints, checked (non-empty, within n_ctx, every id in the vocabulary)
+        before anything changes."""
+        tokens = token_ids(tokens, self.tokenizer.n_vocab)
         if not tokens:
             raise ValueError("cannot generate from an empty prompt")
         if len(tokens) > self.pool.n_ctx:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self.pool.n_ctx}")
+        return tokens
+
+    def _prefill(self, tokens: list[int]) -> np.ndarray:
+        self.policy.check_prompt(tokens)   # a drafter that cannot hold the prompt: before any state changes
         n_keep = common_prefix(self.history, tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
@@ -129,19 +200,48 @@ class Engine:
         if n_keep < len(self.history):
             self.session.truncate(n_keep)
             del self.history[n_keep:]
+        try:
+            logits = self._run_prompt(tokens, n_keep)
+        except BaseException:
+            self._roll_back(n_keep)
+            raise
+        self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
+        return logits
+
+    def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
         start = self._exact_prefill(tokens, n_keep) if self.prefill_mode == "exact" else n_keep
         logits = None
         for lo, hi in self._prefill_batches(start, len(tokens)):
             if lo > start and self.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
-            logits = self.session.forward(np.asarray(tokens[lo:hi], dtype=np.int32), lo)
+            logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
             self.history.extend(tokens[lo:hi])
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
             logits = self._recompute_tail(tokens, start)
-        self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
+
+    def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
+        return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,
+                                between=self._between_prefill_steps)
+
+    def _between_prefill_steps(self) -> None:
+        """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
+        raise here to check the roll back)."""
+
+    def _roll_back(self, n_keep: int) -> None:
+        """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
+        any part it had to drop), so the history and the session agree and a retry starts clean."""
+        try:
+            n = min(n_keep, self.session.n_tokens, len(self.history))
+            if self.session.n_tokens > n:
+                self.session.truncate(n)
+            del self.history[n:]
+        except Exception:   # noqa: BLE001 - the core could not truncate: start over rather than disagree
+            log.exception("prefill roll back failed; resetting the session")
+            self.session.reset()
+            self.history.clear()
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> int:
         """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
@@ -162,7 +262,7 @@ class Engine:
         else:
             scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
             scratch.adopt(self.session, done)
-            scratch.forward(np.asarray(tokens[done:last], dtype=np.int32), done)
+            self._forward_prompt(scratch, tokens[done:last], done)
             self.session.adopt(scratch, last)
         self.history.extend(tokens[done:last])
         return last
@@ -177,12 +277,12 @@ class Engine:
         lo = max(len(tokens) - min(self.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
         del self.history[lo:]
-        logits = self.session.forward(np.asarray(tokens[lo:], dtype=np.int32), lo)
+        logits = self._forward_prompt(self.session, tokens[lo:], lo)
         self.history.extend(tokens[lo:])
         return logits
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
-        """One forward call (the session splits it) unless reselecting between pool-sized batches."""
+        """One batch (run in steps) unless reselecting between pool-sized batches."""
         if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
             return [(start, end)]
         step = max(64, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // 64 * 64)
@@ -191,12 +291,22 @@ class Engine:
     # -- decode ----------------------------------------------------------------------------------
     def decode_one(self, token: int) -> np.ndarray:
         """Feed one token; the logits after it."""
+        with self._turn():
+            self._take()
+            return self._decode_one(token)
+
+    def decode_one_greedy(self, token: int) -> int:
+        """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
+        with self._turn():
+            self._take()
+            return self._decode_one_greedy(token)
+
+    def _decode_one(self, token: int) -> np.ndarray:
         logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
         self._after_decode(token)
         return logits
 
-    def decode_one_greedy(self, token: int) -> int:
-        """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
+    def _decode_one_greedy(self, token: int) -> int:
         next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), len(self.history))
         self._after_decode(token)
         return next_token
@@ -214,54 +324,74 @@ class Engine:
 
     def reselect(self) -> None:
         """Resident set := protected chunks + the policy's top-scored chunks that fit."""
-        self._since_reselect = 0
-        if not self._can_reselect():
-            return
-        t0 = time.perf_counter()
-        scores = self.policy.scores(SessionView(self.session, self.history))
-        self._t_policy_ms += (time.perf_counter() - t0) * 1e3
-        if scores is not None:
-            self.session.reselect(scores)
+        with self._turn():
+            self._since_reselect = 0
+            if not self._can_reselect():
+                return
+            t0 = time.perf_counter()
+            scores = self.policy.scores(SessionView(self.session, self.history))
+            self._t_policy_ms += (time.perf_counter() - t0) * 1e3
+            if scores is not None:
+                self.session.reselect(scores)
 
-    def generate(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]],
+    # -- generate --------------------------------------------------------------------------------
+    def generate(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]],
                  params: Optional[SamplingParams] = None, **sampling) -> Iterator[GenerationRecord]:
-        """Stream records for a prompt given as text, token ids, or chat messages (rendered with the
-        GGUF's template). Sampling options come as a SamplingParams or as keywords (max_tokens,
-        temperature, top_k, top_p, min_p, seed, stop); temperature 0 is greedy and deterministic."""
+        """Stream records for a prompt given as text (str, or UTF-8 bytes), token ids, or chat messages
+        (rendered with the GGUF's template). Sampling options come as a SamplingParams or as keywords
+        (max_tokens, temperature, top_k, top_p, min_p, seed, stop); temperature 0 is greedy and
+        deterministic. The prompt and options are checked now; the call takes the session now (superseding
+        any unfinished stream) and computes the prompt at the first next()."""
         params = params or SamplingParams(**sampling)
-        logits = self.prefill(self.prompt_tokens(prompt))
-        sampler = Sampler(params)
-        stream = TextStream(params.stop)
+        tokens = self.check_prompt(self.prompt_tokens(prompt))
+        with self._turn():
+            owner = self._take()
+        return self._records(tokens, params, owner)
+
+    def _records(self, tokens: list[int], params: SamplingParams, owner: int) -> Iterator[GenerationRecord]:
+        sampler, stream = Sampler(params), TextStream(params.stop)
+        with self._turn(owner):
+            token = sampler(self._prefill(tokens))
         finish = "length"
-        token = sampler(logits)
-        for i in range(params.max_tokens):
-            if self.tokenizer.is_eog(token):
-                finish = "stop"
-                break
-            text = stream.push(self.tokenizer.piece(token))
-            if stream.stopped:
-                yield GenerationRecord(token, text, None)
+        for i in range(params.max_tokens) if params.max_tokens is not None else itertools.count():
+            with self._turn(owner):
+                if i and len(self.history) >= self.pool.n_ctx:
+                    break
+                if i:
+                    token = self._decode_one_greedy(token) if sampler.greedy else sampler(self._decode_one(token))
+                eog = self.tokenizer.is_eog(token)
+                text = "" if eog else stream.push(self.tokenizer.piece(token))
+            if eog:
                 finish = "stop"
                 break
             yield GenerationRecord(token, text, None)
-            if i + 1 == params.max_tokens or len(self.history) >= self.pool.n_ctx:
+            if stream.stopped:
+                finish = "stop"
                 break
-            token = self.decode_one_greedy(token) if sampler.greedy else sampler(self.decode_one(token))
-        if self.prefix_cache is not None:   # before the last yield: a consumer may stop after it
-            self.prefix_cache.store(self._cache_key, self.session)
-        yield GenerationRecord(None, stream.flush(), finish)
+        with self._turn(owner):
+            if self.prefix_cache is not None:   # before the last yield: a consumer may stop after it
+                self.prefix_cache.store(self._cache_key, self.session)
+            stats = self.stats()
+        yield GenerationRecord(None, stream.flush(), finish, stats)
 
-    def prompt_tokens(self, prompt: Union[str, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
+    def prompt_tokens(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
+        """Token ids for a prompt: text (str; bytes are UTF-8 text), chat messages, or token ids."""
+        if isinstance(prompt, (bytes, bytearray)):
+            prompt = utf8_text(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, parse_special=True)
         prompt = list(prompt)
-        if prompt and isinstance(prompt[0], Mapping):
-            text = self.tokenizer.apply_chat_template(prompt)
+        if any(isinstance(m, Mapping) for m in prompt):
+            text = self.tokenizer.apply_chat_template(check_messages(prompt))
             return self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
-        return [int(t) for t in prompt]
+        return token_ids(prompt, self.tokenizer.n_vocab)
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:
+        with self._turn():
+            return self._stats()
+
+    def _stats(self) -> dict:
         s = self.session
         pager, kv, t = s.pager, s.kv, s.timings
         ps = pager.stats()
@@ -284,6 +414,47 @@ class Engine:
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
             "policy": self.policy.name,
         }
+
+
+def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
+                     between: Callable[[], None] = lambda: None) -> np.ndarray:
+    """session.forward(tokens, start), one forward call per step the session would take anyway (n_batch
+    tokens, fewer where the pool cannot place more), with between() called between them: a long prompt is
+    then many short C calls, and Python runs its signal handlers (Ctrl-C) after each rather than after the
+    whole prompt. Same steps, so the same numbers as one call. The logits after the last token."""
+    n, done = len(tokens), 0
+    n_batch = session.config.n_batch
+    while True:
+        # 0 (no room) goes to forward whole, which raises the session's own error
+        step = session.pager.max_span_tokens(min(n - done, n_batch)) or n - done
+        if done + step >= n:
+            return session.forward(tokens[done:], start + done)
+        session.forward(tokens[done:done + step], start + done)
+        done += step
+        between()
+
+
+def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
+    """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
+    out = []
+    for i, t in enumerate(tokens):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"prompt[{i}] is {t!r}: a prompt is text (str or UTF-8 bytes), chat messages, "
+                             f"or token ids (ints)")
+        out.append(int(t))
+    bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < n_vocab]
+    if bad:
+        i, t = bad[0]
+        raise ValueError(f"token id {t} (prompt[{i}]) is outside the vocabulary [0, {n_vocab})"
+                         + (f" ({len(bad)} ids are)" if len(bad) > 1 else ""))
+    return out
+
+
+def utf8_text(data: Union[bytes, bytearray]) -> str:
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"a bytes prompt is UTF-8 text, but this one is not valid UTF-8 ({e})") from None
 
 
 def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:

@@ -6,10 +6,13 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from .cli import add_model_args
+from .cli import INTERRUPTED, add_model_args
+
+# What a user can get wrong (a path, an option, a prompt): one line on stderr and exit code 2, no traceback.
+USER_ERRORS = (ValueError, OSError, RuntimeError)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvflash generate", description=__doc__)
     add_model_args(ap)
     ap.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
@@ -30,8 +33,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "transient full cache whose K/V the pool adopts (exact: better recall, context-sized "
                          "KV memory while the prompt runs)")
     ap.add_argument("--stats", action="store_true", help="print KV figures as JSON to stderr at the end")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:   # Ctrl-C: the engine stops between forward steps, even inside a long prompt
+        print(f"\nkvflash generate: {INTERRUPTED}", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
     from .model import Model   # after parsing, so --help is instant
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -39,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         llm = Model(args.model, n_ctx=args.n_ctx, pool_tokens=args.kvflash, kv_type=args.kv_type,
                     attention=args.attention, backend=args.backend, n_threads=args.threads, policy=args.policy,
                     drafter_model=args.drafter_model, tau=args.tau, prefill=args.prefill)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except USER_ERRORS as e:
         print(f"kvflash generate: {e}", file=sys.stderr)
         return 2
     with llm:
@@ -50,13 +64,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 chunks = llm.create_chat_completion([{"role": "user", "content": prompt}], **opts)
                 texts = (c["choices"][0]["delta"].get("content", "") for c in chunks)
             else:
-                sys.stdout.write(prompt)
                 chunks = llm.create_completion(prompt, **opts)
+                sys.stdout.write(prompt)
+                sys.stdout.flush()   # the prompt shows while it is computed
                 texts = (c["choices"][0]["text"] for c in chunks)
             for text in texts:
                 sys.stdout.write(text)
                 sys.stdout.flush()
-        except ValueError as e:
+        except USER_ERRORS as e:
             print(f"\nkvflash generate: {e}", file=sys.stderr)
             return 2
         sys.stdout.write("\n")

