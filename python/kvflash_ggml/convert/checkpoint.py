@@ -63,15 +63,37 @@ def read_header(path: Path) -> List[TensorEntry]:
             header = json.loads(f.read(n_header))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConversionError(f"{path} has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path} has a corrupt safetensors header: a JSON {type(header).__name__}, "
+                              f"not an object")
     header.pop("__metadata__", None)
     base = 8 + n_header
-    entries = []
-    for name, info in header.items():
-        begin, end = (base + int(o) for o in info["data_offsets"])
-        if end > size:
-            raise ConversionError(f"{path} is truncated: tensor {name} ends at byte {end}, the file has {size}")
-        entries.append(TensorEntry(name, path, info["dtype"], tuple(int(d) for d in info["shape"]), begin, end))
-    return entries
+    return [_entry(path, name, info, base, size) for name, info in header.items()]
+
+
+def _entry(path: Path, name: str, info: Any, base: int, size: int) -> TensorEntry:
+    """One tensor of a safetensors header, every field checked (a header is untrusted input)."""
+    def bad(what: str) -> ConversionError:
+        return ConversionError(f"{path} has a corrupt safetensors header: tensor {name} {what}")
+
+    if not isinstance(info, dict):
+        raise bad(f"is described by a JSON {type(info).__name__}, not an object")
+    offsets, shape, dtype = info.get("data_offsets"), info.get("shape"), info.get("dtype")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise bad(f"has data_offsets {offsets!r} (expected [begin, end], 0 <= begin <= end)")
+    if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
+        raise bad(f"has shape {shape!r} (expected a list of sizes)")
+    if not isinstance(dtype, str):
+        raise bad(f"has dtype {dtype!r}")
+    begin, end = base + offsets[0], base + offsets[1]
+    if end > size:
+        raise ConversionError(f"{path} is truncated: tensor {name} ends at byte {end}, the file has {size}")
+    return TensorEntry(name, path, dtype, tuple(shape), begin, end)
+
+
+def _natural(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _shard_files(src: Path) -> List[Path]:

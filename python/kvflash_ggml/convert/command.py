@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .checkpoint import Checkpoint
-from .errors import ConversionError
+from .errors import ConversionError, require_gguf
 from .hparams import FAMILIES, HParams, check_tensor_set, read_hparams
 from .vocab import read_vocab
 from .writer import OUTTYPES, check_output, plan_tensors, write_gguf
@@ -27,17 +28,35 @@ def convert(src: os.PathLike | str, out: os.PathLike | str, *, outtype: str = "f
     if outtype not in OUTTYPES:
         raise ConversionError(f"unknown outtype {outtype!r} (supported: {', '.join(OUTTYPES)})")
     out = Path(out)
+    require_gguf()
     check_output(out, force)
-    ckpt = Checkpoint(src)
-    hp = read_hparams(ckpt, arch)
-    pairs = check_tensor_set(ckpt, hp)
-    vocab = read_vocab(ckpt, hp.n_vocab)
+    with reading("the checkpoint's files (config.json, safetensors headers)", src):
+        ckpt = Checkpoint(src)
+    with reading("config.json", src):
+        hp = read_hparams(ckpt, arch)
+        pairs = check_tensor_set(ckpt, hp)
+    with reading("the tokenizer (tokenizer.json, tokenizer_config.json)", src):
+        vocab = read_vocab(ckpt, hp.n_vocab)
     plans = plan_tensors(ckpt, hp, pairs, outtype)
     log.info("converting %s: %s, %d layers, n_embd %d, heads %d/%d x %d, n_ff %d, vocab %d (pre %s), %s",
              ckpt.src, hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab,
              vocab.pre, outtype)
     write_gguf(out, hp, vocab, plans, outtype, progress=progress)
     return hp
+
+
+@contextlib.contextmanager
+def reading(what: str, src: os.PathLike | str) -> Iterator[None]:
+    """Every field of a checkpoint is untrusted input: a value of the wrong JSON type or a file that cannot
+    be read ends as a ConversionError naming what was being read, not a traceback from deep inside."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except OSError as e:
+        raise ConversionError(f"cannot read {what} in {src}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ConversionError(f"malformed {what} in {src}: {type(e).__name__}: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConversionError as e:
         print(f"kvflash convert: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # the partial output is already removed
+        print("\nkvflash convert: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     if not args.quiet:
         size = Path(args.out).stat().st_size
         print(f"wrote {args.out} ({hp.arch}, {args.outtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)

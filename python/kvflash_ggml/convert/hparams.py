@@ -124,6 +124,12 @@ def _config_int(config: Dict[str, Any], key: str, default: Optional[int] = None)
     return value
 
 
+def _config_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConversionError(f"config.json {key} = {value!r} is not a positive number")
+    return float(value)
+
+
 def _check_layers(ckpt: Checkpoint, n_layer: int) -> None:
     present = layer_indices(list(ckpt.tensors))
     n_present = (present[-1] + 1) if present else 0
@@ -212,20 +218,24 @@ def read_hparams(ckpt: Checkpoint, requested_arch: str = "auto") -> HParams:
     return HParams(arch=arch, name=name, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff,
                    n_ctx_train=_config_int(config, "max_position_embeddings", 4096),
-                   rms_eps=float(config.get("rms_norm_eps", 1e-6)), tied=tied,
+                   rms_eps=_config_float(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"), tied=tied,
                    rope=read_rope(config, head_dim))
 
 
 def read_rope(config: Dict[str, Any], head_dim: int) -> RopeSettings:
     """theta and scaling from either transformers layout: rope_parameters (v5) or rope_theta + rope_scaling."""
     params = config.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or params
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConversionError(f"config.json {key} = {value!r} is not an object (expected e.g. "
+                                  f'{{"rope_type": "linear", "factor": 2.0}})')
+    theta = _config_float(params.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE:
         raise ConversionError(f"config.json rope scaling type {kind!r} is not supported "
                               f"(supported: {', '.join(SUPPORTED_ROPE)})")
-    rope = RopeSettings(theta=theta, kind=kind, factor=float(scaling.get("factor", 1.0)))
+    rope = RopeSettings(theta=theta, kind=kind, factor=_config_float(scaling.get("factor", 1.0), "rope factor"))
     if kind == "llama3":
         rope.freq_factors = llama3_freq_factors(scaling, theta, head_dim)
     return rope

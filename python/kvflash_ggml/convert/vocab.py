@@ -12,10 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-import gguf
-
 from .checkpoint import Checkpoint
-from .errors import ConversionError
+from .errors import ConversionError, require_gguf
 
 _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -47,7 +45,7 @@ class VocabSpec:
     add_eos: bool = False
     chat_template: Union[str, List[Dict[str, str]], None] = None
 
-    def write(self, w: gguf.GGUFWriter) -> None:
+    def write(self, w: "gguf.GGUFWriter") -> None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(self.pre)
         w.add_token_list(self.tokens)
@@ -113,7 +111,7 @@ def _check_model(tok_json: Dict[str, Any]) -> Dict[str, Any]:
 
 def _token_table(tok_json: Dict[str, Any], n_vocab: int) -> Tuple[List[str], List[int]]:
     """Token texts and types by id, padded with unused tokens up to the embedding's n_vocab rows."""
-    T = gguf.TokenType
+    T = require_gguf().TokenType
     by_id: Dict[int, Tuple[str, int]] = {i: (t, T.NORMAL) for t, i in tok_json["model"]["vocab"].items()}
     for added in tok_json.get("added_tokens") or []:
         by_id[added["id"]] = (added["content"], T.CONTROL if added.get("special") else T.USER_DEFINED)
@@ -206,7 +204,8 @@ def read_vocab(ckpt: Checkpoint, n_vocab: int) -> VocabSpec:
     pre = detect_pre(tok_json)
     tok_config = ckpt.optional_json("tokenizer_config.json") or {}
     tokens, types = _token_table(tok_json, n_vocab)
-    lookup = {t: i for i, t in enumerate(tokens) if types[i] != gguf.TokenType.UNUSED}
+    unused = require_gguf().TokenType.UNUSED
+    lookup = {t: i for i, t in enumerate(tokens) if types[i] != unused}
     special = _special_ids(ckpt, tok_config, lookup)
     first, last = _post_processor_specials(tok_json)
     add_bos, add_eos = first is not None, last is not None

@@ -12,18 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List
 
-import gguf
 import numpy as np
 from tqdm import tqdm
 
 from .checkpoint import Checkpoint
-from .errors import ConversionError
+from .errors import ConversionError, require_gguf
 from .hparams import HParams
 from .vocab import VocabSpec
 
-Q = gguf.GGMLQuantizationType
-OUTTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-            "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+# output type -> gguf.LlamaFileType member (gguf is imported only when a conversion runs)
+OUTTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
 
 @dataclass
@@ -35,7 +33,8 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        if self.qtype == Q.F32:
+        gguf = require_gguf()
+        if self.qtype == gguf.GGMLQuantizationType.F32:
             return int(np.prod(self.shape)) * 4
         return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)))
 
@@ -43,6 +42,8 @@ class TensorPlan:
 def tensor_type(outtype: str, shape: tuple) -> gguf.GGMLQuantizationType:
     """Norms, biases and rope factors (1-D) stay F32, as llama.cpp keeps them; matrices take the
     requested type, and for q8_0 a matrix whose rows are not whole 32-value blocks falls back to F16."""
+    gguf = require_gguf()
+    Q = gguf.GGMLQuantizationType
     if outtype == "f32" or len(shape) < 2:
         return Q.F32
     if outtype == "q8_0":
@@ -72,13 +73,15 @@ def plan_tensors(ckpt: Checkpoint, hp: HParams, pairs, outtype: str) -> List[Ten
         plans.append(TensorPlan(gguf_name, shape, tensor_type(outtype, shape), _loader(ckpt, hp, hf_name)))
     if hp.rope.freq_factors is not None:
         factors = hp.rope.freq_factors
-        plans.append(TensorPlan("rope_freqs.weight", factors.shape, Q.F32, lambda: factors))
+        plans.append(TensorPlan("rope_freqs.weight", factors.shape, require_gguf().GGMLQuantizationType.F32,
+                                lambda: factors))
     return plans
 
 
-def add_hparams(w: gguf.GGUFWriter, hp: HParams, outtype: str) -> None:
+def add_hparams(w: "gguf.GGUFWriter", hp: HParams, outtype: str) -> None:
+    gguf = require_gguf()
     w.add_name(hp.name)
-    w.add_file_type(OUTTYPES[outtype])
+    w.add_file_type(getattr(gguf.LlamaFileType, OUTTYPES[outtype]))
     if outtype == "q8_0":
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_vocab_size(hp.n_vocab)
@@ -102,15 +105,16 @@ def _encode(plan: TensorPlan) -> np.ndarray:
     data = plan.load()
     if data.shape != plan.shape:
         raise ConversionError(f"internal: {plan.gguf_name} produced shape {data.shape}, planned {plan.shape}")
-    if plan.qtype == Q.F32:
+    gguf = require_gguf()
+    if plan.qtype == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(data, dtype=np.float32)
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), plan.qtype)
 
 
 def write_gguf(out: Path, hp: HParams, vocab: VocabSpec, plans: List[TensorPlan], outtype: str,
                progress: bool = True) -> None:
-    tmp = out.with_name(out.name + ".partial")
-    w = gguf.GGUFWriter(tmp, hp.arch)
+    tmp = partial_path(out)
+    w = require_gguf().GGUFWriter(tmp, hp.arch)
     try:
         add_hparams(w, hp, outtype)
         vocab.write(w)
@@ -127,16 +131,33 @@ def write_gguf(out: Path, hp: HParams, vocab: VocabSpec, plans: List[TensorPlan]
                 bar.update(p.nbytes)
         w.close()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         w.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):   # the disk filled up, a file went away: say so, in one line
+            where = f" ({e.filename})" if e.filename else ""
+            raise ConversionError(f"writing {out} failed: {e.strerror or e}{where}") from None
         raise
 
 
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
 def check_output(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise ConversionError(f"output {out} is a directory")
     if out.exists() and not force:
         raise ConversionError(f"output {out} already exists (pass --force to overwrite it)")
-    if out.exists() and out.is_dir():
-        raise ConversionError(f"output {out} is a directory")
     if not out.parent.is_dir():
         raise ConversionError(f"missing file: output directory {out.parent} does not exist")
+    # Creating the temporary file is the one honest test of writability (permissions, a read-only mount,
+    # root's exemptions), and it is done before any weight is read.
+    tmp = partial_path(out)
+    existed = tmp.exists()   # left by a conversion that died: write_gguf replaces it
+    try:
+        tmp.open("ab").close()
+        if not existed:
+            tmp.unlink()
+    except OSError as e:
+        raise ConversionError(f"cannot write the output {out}: {e.strerror or e}") from None
