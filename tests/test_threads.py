@@ -65,7 +65,7 @@ def test_one_model_many_threads_equals_single_threaded(tiny, twins):
         def work(i: int) -> None:
             for j in range(N_CALLS):
                 p = PROMPTS[(i + j) % len(PROMPTS)]
-                outputs.append((p, text(llm(p, max_tokens=MAX_TOKENS, temperature=0.0))))
+                outputs.append((p, text(llm.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0))))
 
         assert run_threads(work) == []
     assert len(outputs) == N_THREADS * N_CALLS
@@ -96,7 +96,7 @@ def test_a_later_call_supersedes_an_unfinished_stream(tiny, twins):
         first = llm.create_completion(a, max_tokens=MAX_TOKENS, temperature=0.0, stream=True)
         got = text(next(first))
         assert twins[a].startswith(got)
-        assert text(llm.create_completion(b, max_tokens=MAX_TOKENS, temperature=0.0)) == twins[b]
+        assert text(llm(b, max_tokens=MAX_TOKENS, temperature=0.0)) == twins[b]   # __call__ = create_completion
         with pytest.raises(RuntimeError, match="superseded by a later call on the same Model"):
             next(first)
         with pytest.raises(StopIteration):   # and it stays finished
