@@ -2,6 +2,8 @@
 // (logger "kvflash_ggml.ggml"), so the library is quiet unless the user turns logging up.
 #include "bindings/bindings.h"
 
+#include "model/log_tap.h"
+
 #include "ggml.h"
 #include "llama.h"
 
@@ -13,6 +15,7 @@ namespace {
 int g_min_level = GGML_LOG_LEVEL_WARN;   // lines below this never cross into Python
 
 void forward_log(ggml_log_level level, const char * text, void *) {
+    log_tap_note(level, text);   // a loader waiting to name why it failed (model/log_tap.h)
     if (level == GGML_LOG_LEVEL_CONT || level < g_min_level || !Py_IsInitialized()) return;
     std::string line(text);
     while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();

@@ -1,5 +1,7 @@
 #include "model/model.h"
 
+#include "model/gguf_meta.h"
+
 #include "ggml-cpu.h"
 #include "gguf.h"
 
@@ -21,50 +23,6 @@ std::string shape_str(const int64_t * ne, int n) {
     for (int i = 0; i < n; ++i) s << (i ? ", " : "") << ne[i];
     s << "]";
     return s.str();
-}
-
-// Integer metadata may be stored as any integer type; llama.cpp accepts all of them, so do we.
-bool get_int(gguf_context * g, const std::string & key, int64_t & out) {
-    const int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0) return false;
-    switch (gguf_get_kv_type(g, id)) {
-        case GGUF_TYPE_UINT8:  out = gguf_get_val_u8(g, id);  return true;
-        case GGUF_TYPE_INT8:   out = gguf_get_val_i8(g, id);  return true;
-        case GGUF_TYPE_UINT16: out = gguf_get_val_u16(g, id); return true;
-        case GGUF_TYPE_INT16:  out = gguf_get_val_i16(g, id); return true;
-        case GGUF_TYPE_UINT32: out = gguf_get_val_u32(g, id); return true;
-        case GGUF_TYPE_INT32:  out = gguf_get_val_i32(g, id); return true;
-        case GGUF_TYPE_UINT64: out = (int64_t) gguf_get_val_u64(g, id); return true;
-        case GGUF_TYPE_INT64:  out = gguf_get_val_i64(g, id); return true;
-        case GGUF_TYPE_ARRAY:  // per-layer arrays (e.g. head_count_kv): take the first, all must agree
-            if (gguf_get_arr_type(g, id) == GGUF_TYPE_INT32 || gguf_get_arr_type(g, id) == GGUF_TYPE_UINT32) {
-                const auto * v = (const int32_t *) gguf_get_arr_data(g, id);
-                const size_t n = gguf_get_arr_n(g, id);
-                for (size_t i = 1; i < n; ++i) {
-                    if (v[i] != v[0]) throw std::runtime_error("GGUF key " + key + " varies per layer: unsupported");
-                }
-                if (n > 0) { out = v[0]; return true; }
-            }
-            break;
-        default: break;
-    }
-    throw std::runtime_error("GGUF key " + key + " is not an integer");
-}
-
-bool get_float(gguf_context * g, const std::string & key, float & out) {
-    const int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0) return false;
-    switch (gguf_get_kv_type(g, id)) {
-        case GGUF_TYPE_FLOAT32: out = gguf_get_val_f32(g, id); return true;
-        case GGUF_TYPE_FLOAT64: out = (float) gguf_get_val_f64(g, id); return true;
-        default: throw std::runtime_error("GGUF key " + key + " is not a float");
-    }
-}
-
-int64_t require_int(gguf_context * g, const std::string & key) {
-    int64_t v = 0;
-    if (!get_int(g, key, v)) throw std::runtime_error("GGUF is missing the required key " + key);
-    return v;
 }
 
 class GgufTensorSource : public TensorSource {
@@ -131,30 +89,23 @@ uint64_t hash_bytes(uint64_t h, const uint8_t * p, size_t n) {
 }  // namespace
 
 Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) {
-    std::FILE * f = std::fopen(path.c_str(), "rb");
-    if (!f) throw std::runtime_error("cannot open model file '" + path + "'");
-    std::fclose(f);
-
-    ggml_context * meta = nullptr;
-    gguf_init_params gp = {/*no_alloc =*/ true, /*ctx =*/ &meta};
-    gguf_context * gctx = gguf_init_from_file(path.c_str(), gp);
-    if (!gctx) throw std::runtime_error("'" + path + "' is not a valid GGUF file (bad magic, or truncated metadata)");
-    std::unique_ptr<gguf_context, decltype(&gguf_free)> gguard(gctx, gguf_free);
-    std::unique_ptr<ggml_context, decltype(&ggml_free)> mguard(meta, ggml_free);
+    const std::unique_ptr<GgufFile> file = open_gguf(path, /*with_tensors =*/ true);
+    gguf_context * gctx = file->gguf;
+    ggml_context * meta = file->tensors;
 
     read_hparams(gctx);
 
     cpu_backend_ = ggml_backend_cpu_init();
-    set_n_threads(opts.n_threads);
-    backend_ = pick_backend(opts.backend);
-    if (!backend_) backend_ = cpu_backend_;
-
+    if (!cpu_backend_) throw std::runtime_error("could not initialise the ggml CPU backend");
     try {
+        set_n_threads(opts.n_threads);
+        backend_ = pick_backend(opts.backend);
+        if (!backend_) backend_ = cpu_backend_;
         load_tensors(gctx, meta);
     } catch (...) {
         if (buf_w_) ggml_backend_buffer_free(buf_w_);
         if (ctx_w_) ggml_free(ctx_w_);
-        if (backend_ != cpu_backend_) ggml_backend_free(backend_);
+        if (backend_ && backend_ != cpu_backend_) ggml_backend_free(backend_);
         ggml_backend_free(cpu_backend_);
         throw;
     }
@@ -168,74 +119,93 @@ Model::~Model() {
 }
 
 void Model::set_n_threads(int n) {
+    const std::lock_guard<std::recursive_mutex> computing(compute_mutex_);   // the count a compute reads
     n_threads_ = n > 0 ? n : std::max(1u, std::thread::hardware_concurrency());
     ggml_backend_cpu_set_n_threads(cpu_backend_, n_threads_);
 }
 
+namespace {
+
+// Sizes read from the file: small enough that no product of two overflows int64 before the tensor shapes
+// (which must match them, and which gguf checked against the file) are compared.
+constexpr int64_t k_max_dim = INT32_MAX;
+
+}  // namespace
+
 void Model::read_hparams(gguf_context * g) {
-    const int64_t arch_id = gguf_find_key(g, "general.architecture");
-    if (arch_id < 0) throw std::runtime_error("GGUF has no general.architecture key");
-    hp_.arch = gguf_get_val_str(g, arch_id);
+    if (!meta_str(g, "general.architecture", hp_.arch)) throw std::runtime_error("GGUF has no general.architecture key");
     arch_ = find_arch(hp_.arch);
     if (!arch_) {
         throw std::runtime_error("unsupported architecture '" + hp_.arch + "' (supported: " + supported_archs() + ")");
     }
-    const int64_t name_id = gguf_find_key(g, "general.name");
-    if (name_id >= 0) hp_.name = gguf_get_val_str(g, name_id);
+    meta_str(g, "general.name", hp_.name);
 
     const std::string a = hp_.arch + ".";
-    hp_.n_layer     = require_int(g, a + "block_count");
-    hp_.n_embd      = require_int(g, a + "embedding_length");
-    hp_.n_ff        = require_int(g, a + "feed_forward_length");
-    hp_.n_head      = require_int(g, a + "attention.head_count");
-    hp_.n_head_kv   = hp_.n_head;
-    get_int(g, a + "attention.head_count_kv", hp_.n_head_kv);
-    hp_.n_ctx_train = require_int(g, a + "context_length");
-    hp_.head_dim_k  = hp_.n_embd / hp_.n_head;
-    get_int(g, a + "attention.key_length", hp_.head_dim_k);
-    hp_.head_dim_v  = hp_.head_dim_k;
-    get_int(g, a + "attention.value_length", hp_.head_dim_v);
-    hp_.n_rot       = hp_.head_dim_k;
-    get_int(g, a + "rope.dimension_count", hp_.n_rot);
-    get_float(g, a + "attention.layer_norm_rms_epsilon", hp_.rms_eps);
-    get_float(g, a + "rope.freq_base", hp_.rope_freq_base);
-    hp_.rope_type = arch_->rope_type;
-
-    const int64_t st = gguf_find_key(g, (a + "rope.scaling.type").c_str());
-    const std::string scaling = st >= 0 ? gguf_get_val_str(g, st) : "none";
-    float factor = 0.0f;
-    get_float(g, a + "rope.scaling.factor", factor);
-    if (scaling == "linear" && factor > 0.0f) {
-        hp_.rope_freq_scale = 1.0f / factor;
-    } else if (scaling != "none" && scaling != "linear" && !(scaling == "llama3")) {
-        throw std::runtime_error("unsupported rope scaling type '" + scaling + "' (supported: none, linear, llama3)");
-    }
-
-    if (!get_int(g, a + "vocab_size", hp_.n_vocab)) {
-        const int64_t tok = gguf_find_key(g, "tokenizer.ggml.tokens");
-        if (tok < 0) throw std::runtime_error("GGUF has neither " + a + "vocab_size nor tokenizer.ggml.tokens");
-        hp_.n_vocab = (int64_t) gguf_get_arr_n(g, tok);
-    }
-    if (hp_.n_layer <= 0 || hp_.n_embd <= 0 || hp_.n_head <= 0 || hp_.n_head_kv <= 0 || hp_.n_head % hp_.n_head_kv != 0) {
-        throw std::runtime_error("GGUF hyperparameters are inconsistent (n_layer, n_embd, n_head, n_head_kv)");
-    }
-    // ggml asserts (aborts the process) on what follows, so a bad file must be refused here.
+    hp_.n_layer = meta_require_int(g, a + "block_count", 1, k_max_dim);
+    // ggml asserts (aborts the process) on a graph over more layers than the file has tensors for.
     if (hp_.n_layer > gguf_get_n_tensors(g)) {
         throw std::runtime_error("GGUF " + a + "block_count=" + std::to_string(hp_.n_layer) + " but the file has only " +
                                  std::to_string(gguf_get_n_tensors(g)) + " tensors");
     }
-    if (hp_.head_dim_k <= 0 || hp_.head_dim_v <= 0) {
-        throw std::runtime_error("GGUF head sizes must be positive (key_length=" + std::to_string(hp_.head_dim_k) +
-                                 ", value_length=" + std::to_string(hp_.head_dim_v) + ")");
+    hp_.n_embd = meta_require_int(g, a + "embedding_length", 1, k_max_dim);
+    hp_.n_ff = meta_require_int(g, a + "feed_forward_length", 1, k_max_dim);
+    hp_.n_head = meta_require_int(g, a + "attention.head_count", 1, k_max_dim);
+    hp_.n_head_kv = hp_.n_head;
+    meta_int(g, a + "attention.head_count_kv", 1, hp_.n_head, hp_.n_head_kv);
+    if (hp_.n_head % hp_.n_head_kv != 0) {
+        throw std::runtime_error("GGUF " + a + "attention.head_count=" + std::to_string(hp_.n_head) +
+                                 " is not a multiple of head_count_kv=" + std::to_string(hp_.n_head_kv));
     }
+    hp_.n_ctx_train = meta_require_int(g, a + "context_length", 1, k_max_dim);
+    hp_.head_dim_k = hp_.n_embd / hp_.n_head;
+    meta_int(g, a + "attention.key_length", 1, k_max_dim, hp_.head_dim_k);
+    hp_.head_dim_v = hp_.head_dim_k;
+    meta_int(g, a + "attention.value_length", 1, k_max_dim, hp_.head_dim_v);
+    if (hp_.head_dim_k <= 0) {
+        throw std::runtime_error("GGUF head size " + a + "embedding_length / attention.head_count = " +
+                                 std::to_string(hp_.n_embd) + " / " + std::to_string(hp_.n_head) +
+                                 " is 0 (set attention.key_length)");
+    }
+    if (!meta_int(g, a + "vocab_size", 1, k_max_dim, hp_.n_vocab)) {
+        if (!meta_array_n(g, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, hp_.n_vocab)) {
+            throw std::runtime_error("GGUF has neither " + a + "vocab_size nor tokenizer.ggml.tokens");
+        }
+        if (hp_.n_vocab < 1 || hp_.n_vocab > k_max_dim) {
+            throw std::runtime_error("GGUF tokenizer.ggml.tokens has " + std::to_string(hp_.n_vocab) + " entries");
+        }
+    }
+    read_rope(g);
+}
+
+void Model::read_rope(gguf_context * g) {
+    const std::string a = hp_.arch + ".";
+    hp_.rope_type = arch_->rope_type;
+    hp_.n_rot = hp_.head_dim_k;
+    meta_int(g, a + "rope.dimension_count", INT64_MIN, INT64_MAX, hp_.n_rot);
     if (hp_.n_rot <= 0 || hp_.n_rot % 2 != 0 || hp_.n_rot > hp_.head_dim_k) {
         throw std::runtime_error("GGUF " + a + "rope.dimension_count=" + std::to_string(hp_.n_rot) +
                                  " must be even and in [2, head size " + std::to_string(hp_.head_dim_k) + "]");
     }
-    if (!(hp_.rms_eps >= 0.0f) || !std::isfinite(hp_.rms_eps)) {
+    // Non-finite values are refused by meta_float; these are the ranges in which the graph stays finite.
+    if (meta_float(g, a + "attention.layer_norm_rms_epsilon", hp_.rms_eps) && hp_.rms_eps < 0.0f) {
         throw std::runtime_error("GGUF " + a + "attention.layer_norm_rms_epsilon=" + std::to_string(hp_.rms_eps) +
                                  " must be finite and >= 0");
     }
+    // Below 1 the RoPE frequencies grow with the dimension and overflow to inf (NaN logits), so no model
+    // has such a base.
+    if (meta_float(g, a + "rope.freq_base", hp_.rope_freq_base) && !(hp_.rope_freq_base >= 1.0f)) {
+        throw std::runtime_error("GGUF " + a + "rope.freq_base=" + std::to_string(hp_.rope_freq_base) + " must be >= 1");
+    }
+    std::string scaling = "none";
+    meta_str(g, a + "rope.scaling.type", scaling);
+    if (scaling != "none" && scaling != "linear" && scaling != "llama3") {
+        throw std::runtime_error("unsupported rope scaling type '" + scaling + "' (supported: none, linear, llama3)");
+    }
+    float factor = 1.0f;
+    if (meta_float(g, a + "rope.scaling.factor", factor) && !(factor > 0.0f)) {
+        throw std::runtime_error("GGUF " + a + "rope.scaling.factor=" + std::to_string(factor) + " must be > 0");
+    }
+    if (scaling == "linear") hp_.rope_freq_scale = 1.0f / factor;
 }
 
 void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -96,9 +97,15 @@ public:
     ggml_backend_t cpu_backend() const { return cpu_backend_; } // always present (scheduler fallback)
     bool on_gpu() const { return backend_ != cpu_backend_; }
     int n_threads() const { return n_threads_; }
-    void set_n_threads(int n);
+    void set_n_threads(int n);   // waits for a compute in progress
     int64_t weight_bytes() const;
     std::string fingerprint() const;                             // changes when hparams or weights change
+
+    // Held while anything runs on this model's backends: ggml's CPU backend keeps one work buffer per
+    // backend object (a GPU backend one stream and memory pool), and every session of this model
+    // computes through the same ones, so sessions of one model never compute at once. Sessions take it
+    // after their own mutex (session.h), never the other way round. Recursive, so a holder may re-enter.
+    std::recursive_mutex & compute_mutex() const { return compute_mutex_; }
 
     ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
     ggml_tensor * output_norm = nullptr;  // [n_embd]
@@ -108,6 +115,7 @@ public:
 
 private:
     void read_hparams(gguf_context * gctx);
+    void read_rope(gguf_context * gctx);
     void load_tensors(gguf_context * gctx, ggml_context * meta);
 
     std::string path_;
@@ -119,6 +127,7 @@ private:
     ggml_context * ctx_w_ = nullptr;
     ggml_backend_buffer_t buf_w_ = nullptr;
     uint64_t weights_hash_ = 0;
+    mutable std::recursive_mutex compute_mutex_;
 };
 
 }  // namespace kvf

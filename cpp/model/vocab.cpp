@@ -1,17 +1,83 @@
 #include "model/vocab.h"
 
+#include "model/gguf_meta.h"
+#include "model/log_tap.h"
+
 #include "llama.h"
 
+#include <climits>
+#include <memory>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace kvf {
 
+namespace {
+
+std::string printable(const std::string & s) {
+    std::string out;
+    for (char c : s.substr(0, 40)) out += (c >= 32 && c < 127) ? c : '?';
+    return s.size() > 40 ? out + "..." : out;
+}
+
+// libllama's vocabulary loader throws on most bad tokenizer metadata, but GGML_ASSERTs (aborts the
+// process) on some: two tokens with the same text, a vocabulary type without a tokenizer ("none"), a
+// BOS/EOS/SEP token that add_*_token asks for but that is missing (at the first tokenize). The file is
+// checked for those here, before libllama sees it.
+void check_tokenizer_meta(const std::string & path) {
+    const std::unique_ptr<GgufFile> file = open_gguf(path, /*with_tensors =*/ false);
+    const gguf_context * g = file->gguf;
+    std::string model;
+    if (!meta_str(g, "tokenizer.ggml.model", model)) throw std::runtime_error("GGUF has no tokenizer.ggml.model key");
+    if (model != "gpt2" && model != "llama") {
+        throw std::runtime_error("tokenizer.ggml.model '" + printable(model) +
+                                 "' is not supported (supported: gpt2 (byte-level BPE), llama (SentencePiece))");
+    }
+    int64_t n = 0;
+    if (!meta_array_n(g, "tokenizer.ggml.tokens", GGUF_TYPE_STRING, n)) {
+        throw std::runtime_error("GGUF has no tokenizer.ggml.tokens key");
+    }
+    if (n < 1 || n > INT32_MAX) throw std::runtime_error("tokenizer.ggml.tokens has " + std::to_string(n) + " entries");
+    const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+    std::unordered_set<std::string> seen;
+    seen.reserve((size_t) n);
+    for (int64_t i = 0; i < n; ++i) {
+        std::string word = gguf_get_arr_str(g, id, (size_t) i);
+        if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";   // libllama's name for an empty token
+        if (!seen.insert(std::move(word)).second) {
+            throw std::runtime_error("tokenizer.ggml.tokens: token " + std::to_string(i) + " ('" +
+                                     printable(gguf_get_arr_str(g, id, (size_t) i)) + "') appears twice");
+        }
+    }
+}
+
+void check_special(const llama_vocab * v) {
+    const struct { bool add; llama_token tok; const char * what; } asks[] = {
+        {llama_vocab_get_add_bos(v), llama_vocab_bos(v), "add_bos_token is set but the vocabulary has no BOS token"},
+        {llama_vocab_get_add_eos(v), llama_vocab_eos(v), "add_eos_token is set but the vocabulary has no EOS token"},
+        {llama_vocab_get_add_sep(v), llama_vocab_sep(v), "add_sep_token is set but the vocabulary has no SEP token"},
+    };
+    for (const auto & a : asks) {
+        if (a.add && a.tok == LLAMA_TOKEN_NULL) throw std::runtime_error(std::string("tokenizer.ggml.") + a.what);
+    }
+}
+
+}  // namespace
+
 Vocab::Vocab(const std::string & path) {
+    check_tokenizer_meta(path);
     llama_model_params p = llama_model_default_params();
     p.vocab_only = true;
+    LogTap tap;
     model_ = llama_model_load_from_file(path.c_str(), p);
-    if (!model_) throw std::runtime_error("libllama could not load the vocabulary of '" + path + "'");
+    if (!model_) throw std::runtime_error(with_reason("libllama could not load the vocabulary of '" + path + "'", tap));
     vocab_ = llama_model_get_vocab(model_);
+    try {
+        check_special(vocab_);
+    } catch (...) {
+        llama_model_free(model_);
+        throw;
+    }
 }
 
 Vocab::~Vocab() {
@@ -19,6 +85,7 @@ Vocab::~Vocab() {
 }
 
 std::vector<int32_t> Vocab::tokenize(const std::string & text, bool add_special, bool parse_special) const {
+    if (text.size() > (size_t) INT32_MAX / 2) throw std::invalid_argument("text too long to tokenize (libllama counts in int32)");
     std::vector<int32_t> out(text.size() + 8);
     int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
                                add_special, parse_special);
@@ -36,6 +103,7 @@ std::string Vocab::detokenize(const std::vector<int32_t> & tokens, bool remove_s
     for (int32_t t : tokens) {
         if (t < 0 || t >= n_vocab()) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
     }
+    if (tokens.size() > (size_t) INT32_MAX / 16) throw std::invalid_argument("too many tokens to detokenize at once");
     std::string out(tokens.size() * 8 + 16, '\0');
     int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
                                  remove_special, unparse_special);
