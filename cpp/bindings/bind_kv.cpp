@@ -1,6 +1,7 @@
 #include "bindings/bindings.h"
 
 #include "kv/pooled_kv.h"
+#include "runtime/session.h"
 
 #include "ggml-cpu.h"
 
@@ -20,22 +21,50 @@ struct CpuPooledKV {
 
 py::bytes to_bytes(const std::vector<uint8_t> & v) { return py::bytes(reinterpret_cast<const char *>(v.data()), v.size()); }
 
+// Runs fn on a pool: a standalone one directly (the GIL serialises its calls), a session's under the
+// session's lock and its model's compute mutex (pool copies use the model's backend), GIL released.
+template <typename Fn> auto on_kv(PooledKV & kv, Fn && fn) { return fn(kv); }
+template <typename Fn> auto on_kv(SessionKV & h, Fn && fn) {
+    return without_gil([&] {
+        const SessionLock held = h.session->lock();
+        return fn(h.session->kv());
+    });
+}
+
+// The pool API, for PooledKV (H = PooledKV) and for a session's pool (H = SessionKV).
+template <typename H> void def_kv_api(py::class_<H> & c) {
+    c.def_property_readonly("chunk_bytes", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.chunk_bytes(); }); })
+        .def_property_readonly("device_bytes", [](H & h) {
+            return on_kv(h, [](PooledKV & kv) { return kv.device_bytes(); });
+        })
+        .def_property_readonly("host_bytes", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.host_bytes(); }); })
+        .def("execute", [](H & h, const Plan & plan) { on_kv(h, [&](PooledKV & kv) { kv.execute(plan); }); },
+             py::arg("plan"))
+        .def("read_block", [](H & h, int64_t b) {
+            return to_bytes(on_kv(h, [&](PooledKV & kv) { return kv.read_block(b); }));
+        }, py::arg("block"))
+        .def("write_block", [](H & h, int64_t b, const py::bytes & data) {
+            const std::string s = data;
+            const std::vector<uint8_t> bytes(s.begin(), s.end());
+            on_kv(h, [&](PooledKV & kv) { kv.write_block(b, bytes); });
+        }, py::arg("block"), py::arg("data"))
+        .def("has_host_image", [](H & h, int64_t c) {
+            return on_kv(h, [&](PooledKV & kv) { return kv.has_host_image(c); });
+        }, py::arg("chunk"))
+        .def_property_readonly("pinned_host", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.pinned_host(); }); })
+        .def("host_image", [](H & h, int64_t c) {
+            return to_bytes(on_kv(h, [&](PooledKV & kv) { return kv.host_image(c); }));
+        }, py::arg("chunk"));
+}
+
 }  // namespace
 
 void register_kv(py::module_ & m) {
-    py::class_<PooledKV>(m, "PooledKV")
-        .def_property_readonly("chunk_bytes", &PooledKV::chunk_bytes)
-        .def_property_readonly("device_bytes", &PooledKV::device_bytes)
-        .def_property_readonly("host_bytes", &PooledKV::host_bytes)
-        .def("execute", &PooledKV::execute, py::arg("plan"))
-        .def("read_block", [](const PooledKV & kv, int64_t b) { return to_bytes(kv.read_block(b)); }, py::arg("block"))
-        .def("write_block", [](PooledKV & kv, int64_t b, const py::bytes & data) {
-            std::string s = data;
-            kv.write_block(b, std::vector<uint8_t>(s.begin(), s.end()));
-        }, py::arg("block"), py::arg("data"))
-        .def("has_host_image", &PooledKV::has_host_image, py::arg("chunk"))
-        .def_property_readonly("pinned_host", &PooledKV::pinned_host)
-        .def("host_image", [](const PooledKV & kv, int64_t c) { return to_bytes(kv.host_image(c)); }, py::arg("chunk"));
+    py::class_<PooledKV> pooled(m, "PooledKV");
+    def_kv_api(pooled);
+    py::class_<SessionKV> session_kv(m, "SessionKV", "A session's PooledKV (Session.kv): every call holds the "
+                                                      "session's lock and its model's compute mutex.");
+    def_kv_api(session_kv);
 
     py::class_<CpuPooledKV>(m, "CpuPooledKV")
         .def(py::init([](int64_t n_layer, int64_t n_embd_k, int64_t n_embd_v, int64_t pool_tokens, int64_t chunk_tokens,

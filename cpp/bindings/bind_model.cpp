@@ -7,9 +7,22 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
+
 namespace kvf::bind {
 
 namespace {
+// A libllama context is not safe for two threads, and decode runs without the GIL: every LlamaReference
+// call holds this (one for all of them: the reference is for tests, never on a hot path).
+std::mutex g_reference_mutex;
+
+template <typename Fn> auto reference_call(Fn && fn) {
+    return without_gil([&] {
+        const std::lock_guard<std::mutex> held(g_reference_mutex);
+        return fn();
+    });
+}
+
 py::array_t<float> logits_array(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all) {
     auto * heap = new std::vector<float>(std::move(v));
     py::capsule owner(heap, [](void * p) { delete static_cast<std::vector<float> *>(p); });
@@ -47,7 +60,8 @@ void register_model(py::module_ & m) {
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("on_gpu", &Model::on_gpu)
         .def_property_readonly("backend_name", [](const Model & mo) { return std::string(ggml_backend_name(mo.backend())); })
-        .def_property("n_threads", &Model::n_threads, &Model::set_n_threads)
+        .def_property("n_threads", &Model::n_threads,
+                      py::cpp_function(&Model::set_n_threads, py::call_guard<py::gil_scoped_release>()))
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
         .def_property_readonly("fingerprint", &Model::fingerprint);
     m.def("supported_archs", &supported_archs);
@@ -98,13 +112,13 @@ void register_model(py::module_ & m) {
         .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
              py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
         .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
-                 std::vector<float> out;
-                 { py::gil_scoped_release nogil; out = r.decode(tokens, all); }
+                 std::vector<float> out = reference_call([&] { return r.decode(tokens, all); });
                  return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
              }, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false)
-        .def("clear", &LlamaReference::clear)
-        .def("remove", &LlamaReference::remove, py::arg("p0"), py::arg("p1"))
-        .def_property_readonly("n_past", &LlamaReference::n_past);
+        .def("clear", [](LlamaReference & r) { reference_call([&] { r.clear(); }); })
+        .def("remove", [](LlamaReference & r, int64_t p0, int64_t p1) { reference_call([&] { r.remove(p0, p1); }); },
+             py::arg("p0"), py::arg("p1"))
+        .def_property_readonly("n_past", [](const LlamaReference & r) { return reference_call([&] { return r.n_past(); }); });
 }
 
 }  // namespace kvf::bind

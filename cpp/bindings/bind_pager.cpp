@@ -3,12 +3,14 @@
 // runtime_error / logic_error (the invariant checks) -> RuntimeError.
 #include "bindings/bindings.h"
 #include "pager/kv_pager.h"
+#include "runtime/session.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 namespace kvf::bind {
 
@@ -122,42 +124,97 @@ void bind_plan(py::module_ & m) {
         });
 }
 
+// Runs fn on a pager: a standalone KvPager directly (only Python holds it; the GIL serialises its
+// calls), a session's under the session's lock with the GIL released. Results are copies, made under
+// the lock and converted to Python after it.
+template <typename Fn> auto on_pager(KvPager & p, Fn && fn) { return fn(p); }
+template <typename Fn> auto on_pager(SessionPager & h, Fn && fn) {
+    return without_gil([&] {
+        const SessionLock held = h.session->lock(/*device =*/ false);
+        return fn(h.session->pager());
+    });
+}
+
+// A session's ledger moves with its tokens and K/V: only Session.forward / truncate / reset may move its
+// head, or the session's token list would fall out of step with it.
+void check_session_plan(const KvPager & p, const Plan & plan) {
+    if (plan.n_tokens_after != p.n_tokens() || plan.span_n != 0 || !plan.dropped.empty()) {
+        throw py::value_error("Session.pager.apply: a plan that changes the tokens held (alloc, truncate) must go "
+                              "through Session.forward / Session.truncate");
+    }
+}
+void apply_plan(KvPager & p, const Plan & plan) { p.apply(plan); }
+void apply_plan(SessionPager & h, const Plan & plan) {
+    on_pager(h, [&](KvPager & p) {
+        check_session_plan(p, plan);
+        p.apply(plan);
+    });
+}
+void reset_pager(KvPager & p) { p.reset(); }
+void reset_pager(SessionPager &) {
+    throw py::value_error("Session.pager.reset: reset the session (Session.reset), which forgets its tokens too");
+}
+
+std::string repr(const KvPager & p) {
+    return "KvPager(n_tokens=" + std::to_string(p.n_tokens()) + ", n_blocks=" + std::to_string(p.n_blocks()) +
+           ", n_resident=" + std::to_string(p.n_resident()) + ", epoch=" + std::to_string(p.epoch()) + ")";
+}
+
+// A KvPager member as a method of H, through on_pager: the result is copied out under the lock.
+template <typename H, typename R, typename... A> auto pcall(R (KvPager::*f)(A...) const) {
+    return [f](H & h, A... a) -> std::decay_t<R> {
+        return on_pager(h, [&](KvPager & p) -> std::decay_t<R> { return (p.*f)(a...); });
+    };
+}
+template <typename H, typename R, typename... A> auto pcall(R (KvPager::*f)(A...)) {
+    return [f](H & h, A... a) -> std::decay_t<R> {
+        return on_pager(h, [&](KvPager & p) -> std::decay_t<R> { return (p.*f)(a...); });
+    };
+}
+
+// The pager API, for KvPager (H = KvPager) and for a session's pager (H = SessionPager).
+template <typename H> void def_pager_api(py::class_<H> & c) {
+    c.def("config", pcall<H>(&KvPager::config))
+        .def("n_blocks", pcall<H>(&KvPager::n_blocks))
+        .def("n_tokens", pcall<H>(&KvPager::n_tokens))
+        .def("n_chunks", pcall<H>(&KvPager::n_chunks))
+        .def("epoch", pcall<H>(&KvPager::epoch))
+        .def("plan_alloc", pcall<H>(&KvPager::plan_alloc), py::arg("start"), py::arg("n"))
+        .def("max_span_tokens", pcall<H>(&KvPager::max_span_tokens), py::arg("limit") = INT64_MAX)
+        .def("plan_reselect", [](H & h, const FloatArray & s) {
+            const std::vector<float> scores = to_vector(s);
+            return on_pager(h, [&](KvPager & p) { return p.plan_reselect(scores); });
+        }, py::arg("scores"))
+        .def("plan_truncate", pcall<H>(&KvPager::plan_truncate), py::arg("n"))
+        .def("plan_pin", pcall<H>(&KvPager::plan_pin), py::arg("lo"), py::arg("hi"))
+        .def("apply", [](H & h, const Plan & plan) { apply_plan(h, plan); }, py::arg("plan"))
+        .def("unpin_all", pcall<H>(&KvPager::unpin_all))
+        .def("reset", [](H & h) { reset_pager(h); })
+        .def("set_block_order", pcall<H>(&KvPager::set_block_order), py::arg("order"))
+        .def("slot_of", pcall<H>(&KvPager::slot_of), py::arg("pos"))
+        .def("slot_positions", [](H & h) { return to_numpy(pcall<H>(&KvPager::slot_positions)(h)); })
+        .def("chunk_blocks", [](H & h) { return to_numpy(pcall<H>(&KvPager::chunk_blocks)(h)); })
+        .def("chunk_host_valid", [](H & h) { return to_numpy_bool(pcall<H>(&KvPager::chunk_host_valid)(h)); })
+        .def("protected_chunks", [](H & h) { return to_numpy_bool(pcall<H>(&KvPager::protected_chunks)(h)); })
+        .def("scores", [](H & h) { return to_numpy(pcall<H>(&KvPager::scores)(h)); })
+        .def("is_resident", pcall<H>(&KvPager::is_resident), py::arg("chunk"))
+        .def("is_pinned", pcall<H>(&KvPager::is_pinned), py::arg("chunk"))
+        .def("is_identity", pcall<H>(&KvPager::is_identity))
+        .def("n_resident", pcall<H>(&KvPager::n_resident))
+        .def("n_host_images", pcall<H>(&KvPager::n_host_images))
+        .def("host_bytes", pcall<H>(&KvPager::host_bytes))
+        .def("stats", pcall<H>(&KvPager::stats))   // a copy: the Python object does not track later changes
+        .def("check_invariants", pcall<H>(&KvPager::check_invariants))
+        .def("__repr__", [](H & h) { return on_pager(h, [](KvPager & p) { return repr(p); }); });
+}
+
 void bind_kv_pager(py::module_ & m) {
-    py::class_<KvPager>(m, "KvPager", "Residency bookkeeping for the pooled KV cache (plan, then apply).")
-        .def(py::init<const PagerConfig &>(), py::arg("config"))
-        .def("config", &KvPager::config)
-        .def("n_blocks", &KvPager::n_blocks)
-        .def("n_tokens", &KvPager::n_tokens)
-        .def("n_chunks", &KvPager::n_chunks)
-        .def("epoch", &KvPager::epoch)
-        .def("plan_alloc", &KvPager::plan_alloc, py::arg("start"), py::arg("n"))
-        .def("max_span_tokens", &KvPager::max_span_tokens, py::arg("limit") = INT64_MAX)
-        .def("plan_reselect", [](const KvPager & p, const FloatArray & s) { return p.plan_reselect(to_vector(s)); },
-             py::arg("scores"))
-        .def("plan_truncate", &KvPager::plan_truncate, py::arg("n"))
-        .def("plan_pin", &KvPager::plan_pin, py::arg("lo"), py::arg("hi"))
-        .def("apply", &KvPager::apply, py::arg("plan"))
-        .def("unpin_all", &KvPager::unpin_all)
-        .def("reset", &KvPager::reset)
-        .def("set_block_order", &KvPager::set_block_order, py::arg("order"))
-        .def("slot_of", &KvPager::slot_of, py::arg("pos"))
-        .def("slot_positions", [](const KvPager & p) { return to_numpy(p.slot_positions()); })
-        .def("chunk_blocks", [](const KvPager & p) { return to_numpy(p.chunk_blocks()); })
-        .def("chunk_host_valid", [](const KvPager & p) { return to_numpy_bool(p.chunk_host_valid()); })
-        .def("protected_chunks", [](const KvPager & p) { return to_numpy_bool(p.protected_chunks()); })
-        .def("scores", [](const KvPager & p) { return to_numpy(p.scores()); })
-        .def("is_resident", &KvPager::is_resident, py::arg("chunk"))
-        .def("is_pinned", &KvPager::is_pinned, py::arg("chunk"))
-        .def("is_identity", &KvPager::is_identity)
-        .def("n_resident", &KvPager::n_resident)
-        .def("n_host_images", &KvPager::n_host_images)
-        .def("host_bytes", &KvPager::host_bytes)
-        .def("stats", &KvPager::stats)   // a copy: the Python object does not track later changes
-        .def("check_invariants", &KvPager::check_invariants)
-        .def("__repr__", [](const KvPager & p) {
-            return "KvPager(n_tokens=" + std::to_string(p.n_tokens()) + ", n_blocks=" + std::to_string(p.n_blocks()) +
-                   ", n_resident=" + std::to_string(p.n_resident()) + ", epoch=" + std::to_string(p.epoch()) + ")";
-        });
+    py::class_<KvPager> pager(m, "KvPager", "Residency bookkeeping for the pooled KV cache (plan, then apply).");
+    pager.def(py::init<const PagerConfig &>(), py::arg("config"));
+    def_pager_api(pager);
+    py::class_<SessionPager> session_pager(m, "SessionPager",
+                                           "A session's KvPager (Session.pager): every call holds the session's lock.");
+    def_pager_api(session_pager);
 }
 
 }  // namespace

@@ -11,6 +11,32 @@ namespace kvf::bind {
 
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
 
+namespace {
+
+py::array_t<float> float_array(const std::vector<float> & v) {
+    py::array_t<float> out((py::ssize_t) v.size());
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+}
+
+py::array_t<float> mean_keys(const Session & s) {
+    SummaryShape sh;
+    int64_t n_chunks = 0;
+    const std::vector<float> v = without_gil([&] {
+        const SessionLock held = s.lock(/*device =*/ false);
+        const ChunkSummaries * cs = s.summaries();
+        if (!cs) throw std::logic_error("mean_keys needs a session made with track_summaries=True");
+        sh = cs->shape();
+        n_chunks = cs->n_chunks();
+        return cs->mean_keys();
+    });
+    py::array_t<float> out({n_chunks, sh.n_layer, sh.n_head_kv, sh.head_dim});
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+}
+
+}  // namespace
+
 void register_session(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
@@ -43,77 +69,71 @@ void register_session(py::module_ & m) {
         .def_readonly("n_computes", &SessionTimings::n_computes)
         .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
 
+    // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python
+    // objects are read before and built after.
+    using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+    const auto released = py::call_guard<py::gil_scoped_release>();
     py::class_<Session> session(m, "Session");
     session
         .def(py::init<std::shared_ptr<Model>, const SessionConfig &>(), py::arg("model"), py::arg("config"),
              py::keep_alive<1, 2>())
-        .def("forward", [](Session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start,
-                           bool all_logits) {
-                 const int64_t n = tokens.size();
-                 std::vector<float> out;
-                 {
-                     py::gil_scoped_release nogil;
-                     out = s.forward(tokens.data(), n, start, all_logits);
-                 }
-                 return make_logits(std::move(out), n, s.model().hparams().n_vocab, all_logits);
+        .def("forward", [](Session & s, const Tokens & tokens, int64_t start, bool all_logits) {
+                 // a copy: another thread may write into the caller's array while this one computes
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 std::vector<float> out = without_gil([&] { return s.forward(t.data(), (int64_t) t.size(), start, all_logits); });
+                 return make_logits(std::move(out), (int64_t) t.size(), s.model().hparams().n_vocab, all_logits);
              },
              py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("all_logits") = false)
-        .def("forward_greedy", [](Session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-                                  int64_t start) {
-                 py::gil_scoped_release nogil;
-                 return s.forward_greedy(tokens.data(), tokens.size(), start);
+        .def("forward_greedy", [](Session & s, const Tokens & tokens, int64_t start) {
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 return without_gil([&] { return s.forward_greedy(t.data(), (int64_t) t.size(), start); });
              }, py::arg("tokens"), py::arg("start"),
              "forward(), returning only the argmax after the last token (computed on the backend)")
-        .def("truncate", &Session::truncate, py::arg("n_tokens"))
-        .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"))
+        .def("truncate", &Session::truncate, py::arg("n_tokens"), released)
+        .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
-                 s.reselect(std::vector<float>(scores.data(), scores.data() + scores.size()));
+                 const std::vector<float> v(scores.data(), scores.data() + scores.size());
+                 without_gil([&] { s.reselect(v); });
              }, py::arg("scores"))
-        .def("reset", &Session::reset)
+        .def("reset", &Session::reset, released)
         .def("queries", [](const Session & s) {
-                 StepQueries q = s.queries();
+                 const StepQueries q = without_gil([&] { return s.queries(); });
                  py::array_t<float> out({q.n_layer, q.n_tokens, q.n_head, q.head_dim});
                  std::copy(q.data.begin(), q.data.end(), out.mutable_data());
                  return out;
              }, "post-RoPE queries of the last (up to 8) tokens of the latest step: [n_layer, n_tokens, n_head, head_dim]")
         .def("chunk_scores", [](Session & s, const std::string & kind) {
-                 std::vector<float> v = s.chunk_scores(kind);
-                 py::array_t<float> out((py::ssize_t) v.size());
-                 std::copy(v.begin(), v.end(), out.mutable_data());
-                 return out;
+                 return float_array(without_gil([&] { return s.chunk_scores(kind); }));
              }, py::arg("kind"), "per-chunk relevance for the latest step's queries: 'qk' or 'quest' (NaN: no summary)")
         .def("attention_capture", [](const Session & s) {
-                 AttentionCapture c = s.attention_capture();
+                 const AttentionCapture c = without_gil([&] { return s.attention_capture(); });
                  py::array_t<float> out({c.n_q, c.n_positions});
                  std::copy(c.data.begin(), c.data.end(), out.mutable_data());
                  return out;
              }, "softmaxed attention of the last (up to 8) tokens of the latest step to every position held, max "
                 "over heads and layers: [n_q, n_tokens] (0 where not resident; needs capture_attention=True)")
         .def("attention_to_positions", [](const Session & s) {
-                 std::vector<float> v = s.attention_capture().max_over_queries();
-                 py::array_t<float> out((py::ssize_t) v.size());
-                 std::copy(v.begin(), v.end(), out.mutable_data());
-                 return out;
+                 return float_array(without_gil([&] { return s.attention_capture().max_over_queries(); }));
              }, "attention_capture() with the max over its query tokens too: [n_tokens]")
-        .def("mean_keys", [](const Session & s) {
-                 const ChunkSummaries * cs = s.summaries();
-                 if (!cs) throw std::logic_error("mean_keys needs a session made with track_summaries=True");
-                 const SummaryShape & sh = cs->shape();
-                 py::array_t<float> out({cs->n_chunks(), sh.n_layer, sh.n_head_kv, sh.head_dim});
-                 std::copy(cs->mean_keys().begin(), cs->mean_keys().end(), out.mutable_data());
-                 return out;
-             }, "L2-normalised mean key per sealed chunk: [n_chunks, n_layer, n_head_kv, head_dim] (zeros: unsealed)")
-        .def_property_readonly("n_tokens", &Session::n_tokens)
+        .def("mean_keys", [](const Session & s) { return mean_keys(s); },
+             "L2-normalised mean key per sealed chunk: [n_chunks, n_layer, n_head_kv, head_dim] (zeros: unsealed)")
+        .def_property_readonly("n_tokens", py::cpp_function(&Session::n_tokens, released))
         .def_property_readonly("full_cache", &Session::full_cache)
         .def_property_readonly("flash_attn", &Session::flash_attn)
         .def_property_readonly("ordered_attention", &Session::ordered_attention)
         .def_property_readonly("config", &Session::config)
-        .def_property_readonly("timings", &Session::timings)
-        .def_property_readonly("pager", py::overload_cast<>(&Session::pager), py::return_value_policy::reference_internal)
-        .def_property_readonly("kv", py::overload_cast<>(&Session::kv), py::return_value_policy::reference_internal)
+        .def_property_readonly("timings", py::cpp_function(&Session::timings, released))
+        .def_property_readonly("pager", py::cpp_function([](Session & s) { return SessionPager{&s}; }, py::keep_alive<0, 1>()),
+                               "The session's KvPager (every call holds the session's lock).")
+        .def_property_readonly("kv", py::cpp_function([](Session & s) { return SessionKV{&s}; }, py::keep_alive<0, 1>()),
+                               "The session's PooledKV (every call holds the session's lock).")
         .def_property_readonly("tokens", [](const Session & s) {
-            return py::array_t<int32_t>((py::ssize_t) s.tokens().size(), s.tokens().data());
+            const std::vector<int32_t> t = without_gil([&] {
+                const SessionLock held = s.lock(/*device =*/ false);
+                return s.tokens();
+            });
+            return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
         }, "The tokens whose K/V the session holds (a copy).");
     bind_session_snapshots(session);
 }

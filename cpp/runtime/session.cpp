@@ -121,13 +121,32 @@ void Session::execute(const Plan & plan) {
     if (plan.moves_bytes()) timings_.t_paging_ms += ms_since(t0);
 }
 
+SessionLock Session::lock(bool device) const {
+    SessionLock held;
+    held.session = std::unique_lock<std::recursive_mutex>(mutex_);
+    if (device) held.device = std::unique_lock<std::recursive_mutex>(model_->compute_mutex());
+    return held;
+}
+
+int64_t Session::n_tokens() const {
+    const SessionLock held = lock(false);
+    return pager_->n_tokens();
+}
+
+SessionTimings Session::timings() const {
+    const SessionLock held = lock(false);
+    return timings_;
+}
+
 std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits) {
+    const SessionLock held = lock();
     std::vector<float> logits((size_t) (all_logits ? std::max<int64_t>(n, 0) : 1) * model_->hparams().n_vocab);
     run(tokens, n, start, all_logits, logits.data(), nullptr);
     return logits;
 }
 
 int32_t Session::forward_greedy(const int32_t * tokens, int64_t n, int64_t start) {
+    const SessionLock held = lock();
     int32_t token = -1;
     run(tokens, n, start, false, nullptr, &token);
     return token;
@@ -366,12 +385,18 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
 }
 
 void Session::truncate(int64_t n) {
+    const SessionLock held = lock();
     execute(pager_->plan_truncate(n));
     tokens_.resize((size_t) n);
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
 }
 
 void Session::adopt(const Session & src, int64_t n) {
+    // Both sessions at once (std::lock backs off instead of deadlocking when another thread adopts the
+    // other way round), then both models' compute. Recursive mutexes: src may be this session or share
+    // its model, and locking a mutex this thread holds again is fine.
+    std::scoped_lock sessions(mutex_, src.mutex_);
+    std::scoped_lock devices(model_->compute_mutex(), src.model_->compute_mutex());
     const int64_t C = cfg_.chunk_tokens, start = n_tokens();
     const KvLayout & a = kv_->layout(), & b = src.kv().layout();
     if (model_->fingerprint() != src.model().fingerprint()) {
@@ -389,6 +414,9 @@ void Session::adopt(const Session & src, int64_t n) {
         throw std::invalid_argument("adopt: cannot take positions [" + std::to_string(start) + ", " + std::to_string(n) +
                                     ") from a session holding " + std::to_string(src.n_tokens()) + " tokens into max_tokens=" +
                                     std::to_string(cfg_.max_tokens));
+    }
+    if ((int64_t) tokens_.size() != start || (int64_t) src.tokens().size() != src.n_tokens()) {
+        throw std::logic_error("adopt: a session's tokens are out of step with its pager");
     }
     if (!std::equal(tokens_.begin(), tokens_.end(), src.tokens().begin())) {
         throw std::invalid_argument("adopt: the source session holds other tokens before position " + std::to_string(start));
@@ -415,6 +443,7 @@ void Session::seal_chunks(int64_t start, int64_t n) {
 }
 
 StepQueries Session::queries() const {
+    const SessionLock held = lock();
     StepQueries q;
     if (graph_.queries.empty() || shape_[0] < 0) return q;
     const ggml_tensor * t0 = graph_.queries[0];   // [head_dim, n_head, n_q]
@@ -430,13 +459,18 @@ StepQueries Session::queries() const {
 }
 
 std::vector<float> Session::chunk_scores(const std::string & kind) {
+    const SessionLock held = lock();
     if (!summaries_) throw std::logic_error("chunk_scores needs a session made with track_summaries=True");
     return summaries_->scores(kind, queries(), pager_->n_chunks());
 }
 
-void Session::reselect(const std::vector<float> & scores) { execute(pager_->plan_reselect(scores)); }
+void Session::reselect(const std::vector<float> & scores) {
+    const SessionLock held = lock();
+    execute(pager_->plan_reselect(scores));
+}
 
 void Session::reset() {
+    const SessionLock held = lock();
     pager_->reset();
     kv_->clear_host();
     tokens_.clear();

@@ -4,6 +4,15 @@
 // Phases follow ggml: backends and scheduler once per session; graphs built in a no_alloc context and
 // reused while their shape (n_tokens, n_kv, n_outputs) repeats; inputs re-uploaded before every compute.
 // The session also keeps the tokens whose K/V it holds (tokens()), so a snapshot of it is complete.
+//
+// Threads: every public method that reads or changes the session's state holds the session's mutex
+// for the whole call (a second thread waits until the first is done); those that touch the backend
+// (forward, paging, reading K/V, queries or attention) then also hold the model's compute_mutex(), so
+// sessions of one model never compute at once. Lock order: session mutexes first (adopt takes both of
+// its sessions' at once, deadlock-free), model mutexes last. Both are recursive, so public methods may
+// call one another. pager(), kv(), tokens() and summaries() return references: their callers hold
+// lock() while they use them (the bindings' Session.pager / Session.kv take it for every call). A
+// caller that holds Python's GIL must release it before calling in: a compute may log through Python.
 #pragma once
 
 #include "kv/pooled_kv.h"
@@ -13,6 +22,7 @@
 #include "scorer/chunk_summaries.h"
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -59,6 +69,11 @@ struct SessionTimings {
     int64_t n_graph_builds = 0;
 };
 
+// Held by one thread: the session's mutex and, unless taken for bookkeeping only, its model's.
+struct SessionLock {
+    std::unique_lock<std::recursive_mutex> session, device;
+};
+
 class Session {
 public:
     Session(std::shared_ptr<Model> model, const SessionConfig & cfg);
@@ -92,7 +107,10 @@ public:
     // The latest step's captured attention (session_capture.cpp); needs cfg.capture_attention.
     AttentionCapture attention_capture() const;
 
-    int64_t n_tokens() const { return pager_->n_tokens(); }
+    // This session's mutex, then (device) its model's compute mutex; see "Threads" above.
+    SessionLock lock(bool device = true) const;
+
+    int64_t n_tokens() const;
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
     bool full_cache() const { return full_cache_; }
     bool flash_attn() const { return flash_attn_; }
@@ -103,7 +121,7 @@ public:
     const KvPager & pager() const { return *pager_; }
     PooledKV & kv() { return *kv_; }
     const PooledKV & kv() const { return *kv_; }
-    const SessionTimings & timings() const { return timings_; }
+    SessionTimings timings() const;   // a copy: the live counters change under the lock
 
     // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
     static constexpr uint32_t k_state_version = 1;
@@ -166,6 +184,7 @@ private:
     std::vector<uint8_t> input_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;
+    mutable std::recursive_mutex mutex_;
 };
 
 }  // namespace kvf

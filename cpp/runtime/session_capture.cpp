@@ -22,6 +22,7 @@ void Session::keep_capture_order(const KeyOrder & order) {
 }
 
 AttentionCapture Session::attention_capture() const {
+    const SessionLock held = lock();
     if (!cfg_.capture_attention) {
         throw std::logic_error("attention_capture needs a session made with capture_attention=True");
     }

@@ -12,6 +12,7 @@
 namespace kvf {
 
 void Session::save_state(ByteWriter & w, int64_t n_tokens) const {
+    const SessionLock held = lock(false);
     for (int64_t v : {cfg_.max_tokens, cfg_.pool_tokens, cfg_.n_batch, cfg_.chunk_tokens, cfg_.sink_chunks,
                       cfg_.tail_chunks}) {
         w.put<int64_t>(v);
@@ -50,6 +51,7 @@ SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n
 
 void Session::restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
                             std::unique_ptr<ChunkSummaries> summaries) {
+    const SessionLock held = lock();
     const auto t0 = std::chrono::steady_clock::now();
     kv_->load_state(images, pager.chunk_blocks(), pager.chunk_host_valid());
     pager_->replace_state(std::move(pager));

@@ -139,6 +139,7 @@ void check_model(const Model & model, const Parsed & p) {
 }
 
 void load_parsed(Session & s, const Parsed & p) {
+    const SessionLock held = s.lock();   // validated against, and committed to, the state no thread changes
     check_model(s.model(), p);
     const SessionConfig & c = s.config();
     if (p.config.kv_type != c.kv_type) {
@@ -244,6 +245,7 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
 }  // namespace
 
 std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks) {
+    const SessionLock held = s.lock();   // K/V read from the pool: no forward may run meanwhile
     std::vector<uint8_t> out;
     out.reserve((size_t) s.kv().state_bytes(s.pager().n_chunks()) + s.tokens().size() * 4 + (1 << 16));
     ByteWriter w([&](const uint8_t * p, size_t n) { out.insert(out.end(), p, p + n); });
@@ -252,6 +254,7 @@ std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks)
 }
 
 void snapshot_to_file(const Session & s, const std::string & path, int64_t prefix_chunks) {
+    const SessionLock held = s.lock();
     saved_tokens(s, prefix_chunks);   // a bad prefix fails before any file exists
     // Written beside the target and renamed over it: a failure leaves any previous file intact.
     const std::string tmp = path + ".tmp" + std::to_string(getpid());
