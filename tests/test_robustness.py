@@ -180,6 +180,23 @@ def test_interrupted_prompt_leaves_the_session_as_it_was(tiny, pool_tokens, monk
         assert eng.session.tokens.tolist() == eng.history == first[:40]
 
 
+def test_interrupt_between_a_forward_and_its_bookkeeping(tiny):
+    # Ctrl-C can land after a decode step's forward returned and before the engine recorded its token
+    # (in a REPL that catches it and goes on): the next call must start from what the session holds.
+    with kvf.Model(tiny, n_ctx=512, backend="cpu", n_threads=1) as m, \
+            kvf.Model(tiny, n_ctx=512, backend="cpu", n_threads=1) as twin:
+        first = m.tokenize(TEXT)
+        for model in (m, twin):
+            model.create_completion(first, **GREEDY)
+        eng = m.engine
+        eng.session.forward(np.asarray([5], np.int32), eng.session.n_tokens)   # forward ran, the append did not
+        longer = eng.history + m.tokenize(TEXT, add_bos=False)
+        assert text(m.create_completion(longer, **GREEDY)) == text(twin.create_completion(longer, **GREEDY))
+        eng.session.forward(np.asarray([5], np.int32), eng.session.n_tokens)
+        eng.decode_one(7)
+        assert eng.history == eng.session.tokens.tolist()
+
+
 def test_ctrl_c_in_a_long_prompt_exits_130_at_once(tmp_path):
     path = rg.write_preset(tmp_path / "long.gguf", "tiny-llama", n_ctx_train=16384)
     words = np.random.default_rng(0).choice(TEXT.split(), 5500)

@@ -193,6 +193,7 @@ class Engine:
 
     def _prefill(self, tokens: list[int]) -> np.ndarray:
         self.policy.check_prompt(tokens)   # a drafter that cannot hold the prompt: before any state changes
+        self._sync_history()
         n_keep = common_prefix(self.history, tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
@@ -229,6 +230,12 @@ class Engine:
     def _between_prefill_steps(self) -> None:
         """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
+
+    def _sync_history(self) -> None:
+        """Ctrl-C can land between a forward call and the bookkeeping after it (a decode step interrupted in a
+        REPL that goes on): the session's own tokens are the truth."""
+        if self.session.n_tokens != len(self.history):
+            self.history = self.session.tokens.tolist()
 
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
@@ -293,12 +300,14 @@ class Engine:
         """Feed one token; the logits after it."""
         with self._turn():
             self._take()
+            self._sync_history()
             return self._decode_one(token)
 
     def decode_one_greedy(self, token: int) -> int:
         """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
         with self._turn():
             self._take()
+            self._sync_history()
             return self._decode_one_greedy(token)
 
     def _decode_one(self, token: int) -> np.ndarray:
