@@ -201,6 +201,82 @@ def test_load_into_a_larger_pool_and_context(model):
     big.pager.check_invariants()
 
 
+# ---- what a snapshot may make a restore allocate (issue 18) ------------------------------------------
+
+GROW = textwrap.dedent("""
+    import json, resource, struct, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from test_snapshot_fuzz import build, sections
+    from kvflash_ggml import _core
+
+    def grown(data, max_tokens, pool_tokens=None):
+        # the session section and the pager's config ask for max_tokens (and pool_tokens), with
+        # allow_beyond_train_ctx set so that only the restore's bound can stop them; resealed
+        secs = sections(data)
+        for tag, _, p in secs:
+            if tag == b"SESS":
+                struct.pack_into("<q", p, 0, max_tokens)
+                if pool_tokens is not None:
+                    struct.pack_into("<q", p, 8, pool_tokens)
+                off = 48
+                for _ in range(2):   # kv_type, attention
+                    off += 4 + struct.unpack_from("<I", p, off)[0]
+                p[off] = 1
+            if tag == b"PAGR":
+                struct.pack_into("<q", p, 16, max_tokens)
+                if pool_tokens is not None:
+                    struct.pack_into("<q", p, 8, pool_tokens)
+        return build(secs)
+
+    m = _core.Model(sys.argv[1], backend="cpu", n_threads=1)
+    s = _core.Session(m, _core.SessionConfig(max_tokens=1024, pool_tokens=512))
+    s.forward(np.arange(100, dtype=np.int32), 0)
+    data = s.to_bytes()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {}
+    for name, bad in [("max_tokens", grown(data, 2**31 - 1)), ("pool", grown(data, 1024, 2**30))]:
+        try:
+            _core.Session.from_bytes(m, bad)
+            out[name] = "loaded"
+        except _core.SnapshotError as e:
+            out[name] = str(e)
+    target = _core.Session(m, _core.SessionConfig(max_tokens=1024, pool_tokens=512))
+    target.load_bytes(grown(data, 2**31 - 1))   # the state itself fits this session: loads
+    out["loaded_tokens"] = target.n_tokens
+    out["rss_growth_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    print(json.dumps(out))
+""")
+
+
+def test_a_snapshot_asking_for_2_31_tokens_is_refused_before_allocating(tiny_gguf):
+    """A hand-edited snapshot (valid checksum) asking for a context of 2^31 - 1 tokens once made
+    Session.from_bytes allocate ~1.6 GB of chunk tables before anything was checked."""
+    proc = subprocess.run([sys.executable, "-c", GROW, tiny_gguf(), os.path.dirname(__file__)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert "asks for a session of max_tokens=2147483647; a restore allows at most 4096" in out["max_tokens"], out
+    assert "asks for pool_tokens=1073741824, more than its context of max_tokens=1024" in out["pool"], out
+    assert out["loaded_tokens"] == 100
+    assert out["rss_growth_mb"] < 200, out
+
+
+def test_restore_beyond_the_trained_context_needs_max_tokens(model):
+    """A file cannot raise the restore's context limit (it could ask for anything); the caller can."""
+    s = new_session(model, max_tokens=8192, allow_beyond_train_ctx=True)   # the tiny model trained at 4096
+    s.forward(prompt(100), 0)
+    data = s.to_bytes()
+    with pytest.raises(SnapshotError, match="a restore allows at most 4096 .*pass max_tokens"):
+        _core.Session.from_bytes(model, data)
+    with pytest.raises(SnapshotError, match=r"allows at most 6000 \(max_tokens\)"):
+        _core.Session.from_bytes(model, data, max_tokens=6000)
+    with pytest.raises(ValueError, match="max_tokens must be positive"):
+        _core.Session.from_bytes(model, data, max_tokens=0)
+    r = _core.Session.from_bytes(model, data, max_tokens=8192)
+    assert r.config.max_tokens == 8192 and r.tokens.tolist() == s.tokens.tolist()
+
+
 # ---- files, atomicity, bad input ----------------------------------------------------------------
 
 def test_save_is_atomic_and_a_failed_load_changes_nothing(model, tmp_path):

@@ -20,6 +20,12 @@ int64_t prefix_arg(const std::optional<int64_t> & prefix_chunks) {
     return prefix_chunks ? *prefix_chunks : -1;
 }
 
+// Session.restore / from_bytes max_tokens: None = the model's trained context (0 for snapshot_restore).
+int64_t restore_limit(const std::optional<int64_t> & max_tokens) {
+    if (max_tokens && *max_tokens <= 0) throw py::value_error("max_tokens must be positive (or None)");
+    return max_tokens.value_or(0);
+}
+
 // A read-only view of a bytes-like object for the duration of one call.
 struct Bytes {
     explicit Bytes(const py::buffer & b) : info(b.request()) {
@@ -73,17 +79,21 @@ void bind_session_snapshots(py::class_<Session> & cls) {
             py::gil_scoped_release nogil;
             snapshot_load(s, b.data(), b.size());
         }, py::arg("data"))
-        .def_static("restore", [](std::shared_ptr<Model> model, const Path & path) {
+        .def_static("restore", [](std::shared_ptr<Model> model, const Path & path, std::optional<int64_t> max_tokens) {
+            const int64_t limit = restore_limit(max_tokens);
             py::gil_scoped_release nogil;
             const std::vector<uint8_t> data = read_snapshot_file(path.string());
-            return snapshot_restore(std::move(model), data.data(), data.size());
-        }, py::arg("model"), py::arg("path"), py::keep_alive<0, 1>(),
-           "A new session with the saved config and state (no model computation).")
-        .def_static("from_bytes", [](std::shared_ptr<Model> model, const py::buffer & data) {
+            return snapshot_restore(std::move(model), data.data(), data.size(), limit);
+        }, py::arg("model"), py::arg("path"), py::kw_only(), py::arg("max_tokens") = py::none(), py::keep_alive<0, 1>(),
+           "A new session with the saved config and state (no model computation). The saved context may be at "
+           "most max_tokens (None: the model's trained context); a snapshot asking for more raises SnapshotError "
+           "before anything is allocated.")
+        .def_static("from_bytes", [](std::shared_ptr<Model> model, const py::buffer & data, std::optional<int64_t> max_tokens) {
+            const int64_t limit = restore_limit(max_tokens);
             Bytes b(data);
             py::gil_scoped_release nogil;
-            return snapshot_restore(std::move(model), b.data(), b.size());
-        }, py::arg("model"), py::arg("data"), py::keep_alive<0, 1>());
+            return snapshot_restore(std::move(model), b.data(), b.size(), limit);
+        }, py::arg("model"), py::arg("data"), py::kw_only(), py::arg("max_tokens") = py::none(), py::keep_alive<0, 1>());
 }
 
 void register_snapshot(py::module_ & m) {

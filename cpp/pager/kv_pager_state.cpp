@@ -83,7 +83,9 @@ KvPager KvPager::state_from(ByteReader & r, uint32_t version) const {
     }
     out.write_clock_ = r.get<uint64_t>("write_clock");
 
-    const std::vector<int64_t> order = r.array<int64_t>("block_order");
+    // The saved pager's own hand-out order: one entry per block of its pool.
+    const int64_t saved_blocks = saved.pool_tokens > 0 ? saved.pool_tokens / cfg_.chunk_tokens : 0;
+    const std::vector<int64_t> order = r.array<int64_t>("block_order", saved_blocks);
     std::vector<uint8_t> seen(order.size(), 0);
     bool identity = true;
     for (size_t i = 0; i < order.size(); ++i) {
@@ -142,7 +144,7 @@ void KvPager::read_chunk_table(ByteReader & r) {
                    std::to_string(write_clock_));
         }
     }
-    const std::vector<int64_t> later_pins = r.array<int64_t>("pins");
+    const std::vector<int64_t> later_pins = r.array<int64_t>("pins", (int64_t) chunks_.size() - n);
     int64_t prev = n - 1;
     for (int64_t c : later_pins) {
         if (c <= prev || c >= (int64_t) chunks_.size()) {

@@ -33,8 +33,9 @@ ChunkSummaries ChunkSummaries::state_from(ByteReader & r, uint32_t version, int6
                    std::to_string(ours[i]));
         }
     }
-    // one flag and three summaries per chunk
-    const int64_t n = r.count("summaries", 1 + 3 * sizeof(float) * (size_t) shape_.per_chunk());
+    // one flag and three summaries per chunk, for at most the chunks that hold positions (the sealed ones
+    // and a partial head chunk)
+    const int64_t n = r.count("summaries", 1 + 3 * sizeof(float) * (size_t) shape_.per_chunk(), 0, n_sealed + 1);
     ChunkSummaries out(shape_);
     const uint8_t * has = r.take((size_t) n, "has");
     out.has_.assign(has, has + n);

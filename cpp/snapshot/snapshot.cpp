@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -307,18 +308,44 @@ std::vector<uint8_t> read_snapshot_file(const std::string & path) {
 
 void snapshot_load(Session & s, const uint8_t * data, size_t size) { load_parsed(s, parse(data, size)); }
 
-std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const uint8_t * data, size_t size) {
+namespace {
+
+// What a restore may allocate for the saved config, checked before it allocates anything.
+void check_restore_size(const Model & model, const SessionConfig & c, int64_t max_tokens) {
+    const int64_t n_ctx_train = model.hparams().n_ctx_train;
+    const int64_t limit = max_tokens > 0 ? max_tokens : n_ctx_train;
+    if (c.max_tokens > limit) {
+        throw SnapshotError("the snapshot asks for a session of max_tokens=" + std::to_string(c.max_tokens) +
+                            "; a restore allows at most " + std::to_string(limit) +
+                            (max_tokens > 0 ? std::string(" (max_tokens)")
+                                            : " (the model's trained context; pass max_tokens to allow more)"));
+    }
+    // A pool never needs more slots than the context rounded up to whole chunks and kv padding (a full
+    // cache is sized so); a larger one would only be allocated to sit empty.
+    const int64_t ct = c.chunk_tokens;
+    const int64_t pool_limit = std::max((c.max_tokens + 255) / 256 * 256, (c.sink_chunks + c.tail_chunks + 2) * ct);
+    if (c.pool_tokens > pool_limit) {
+        throw SnapshotError("the snapshot asks for pool_tokens=" + std::to_string(c.pool_tokens) +
+                            ", more than its context of max_tokens=" + std::to_string(c.max_tokens) + " can use");
+    }
+}
+
+}  // namespace
+
+std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const uint8_t * data, size_t size,
+                                          int64_t max_tokens) {
     const Parsed p = parse(data, size);
     check_model(*model, p);
     // The pool the saved config asks for must be the one the ledger describes, before anything is
     // allocated for it (the ledger's config starts with chunk_tokens, pool_tokens, max_tokens).
     ByteReader pr(p.pager.data, p.pager.size, "pager section");
     const int64_t chunk_tokens = pr.get<int64_t>("config"), pool_tokens = pr.get<int64_t>("config"),
-                  max_tokens = pr.get<int64_t>("config");
-    if (chunk_tokens != p.config.chunk_tokens || max_tokens != p.config.max_tokens ||
+                  max_tokens_saved = pr.get<int64_t>("config");
+    if (chunk_tokens != p.config.chunk_tokens || max_tokens_saved != p.config.max_tokens ||
         (p.config.pool_tokens != 0 && pool_tokens != p.config.pool_tokens)) {
         pr.fail("its geometry (chunk_tokens, pool_tokens, max_tokens) disagrees with the session section");
     }
+    check_restore_size(*model, p.config, max_tokens);
     std::unique_ptr<Session> s;
     try {
         s = std::make_unique<Session>(std::move(model), p.config);

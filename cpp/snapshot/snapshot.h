@@ -52,8 +52,13 @@ std::vector<uint8_t> read_snapshot_file(const std::string & path);
 // Load into an existing session (same model, same kv_type and chunk size; the pool and context may
 // differ where the saved state fits). On any error the session is unchanged.
 void snapshot_load(Session & s, const uint8_t * data, size_t size);
-// A new session with the saved config, holding the saved state.
-std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const uint8_t * data, size_t size);
+// A new session with the saved config, holding the saved state. The saved config decides what the new
+// session allocates (its pager's chunk table, its pool), so it is bounded before anything is allocated:
+// the context (max_tokens) by `max_tokens` (<= 0: the model's trained context, whatever the saved
+// allow_beyond_train_ctx says: a file cannot raise the limit, only the caller can), the pool by that
+// context. A file asking for more is refused with SnapshotError.
+std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const uint8_t * data, size_t size,
+                                          int64_t max_tokens = 0);
 
 struct SnapshotInfo {
     uint32_t format_version = 0;
