@@ -120,7 +120,7 @@ Model::~Model() {
 
 void Model::set_n_threads(int n) {
     const std::lock_guard<std::recursive_mutex> computing(compute_mutex_);   // the count a compute reads
-    n_threads_ = n > 0 ? n : std::max(1u, std::thread::hardware_concurrency());
+    n_threads_ = n > 0 ? n : (int) std::max(1u, std::thread::hardware_concurrency());
     ggml_backend_cpu_set_n_threads(cpu_backend_, n_threads_);
 }
 

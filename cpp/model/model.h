@@ -6,6 +6,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -123,7 +124,7 @@ private:
     const ArchSpec * arch_ = nullptr;
     ggml_backend_t backend_ = nullptr;
     ggml_backend_t cpu_backend_ = nullptr;
-    int n_threads_ = 1;
+    std::atomic<int> n_threads_{1};   // read without the compute mutex, set under it
     ggml_context * ctx_w_ = nullptr;
     ggml_backend_buffer_t buf_w_ = nullptr;
     uint64_t weights_hash_ = 0;
