@@ -36,6 +36,7 @@ void check_header(const std::string & path) {
     char head[8];
     const size_t got = std::fread(head, 1, sizeof head, f);
     std::fclose(f);
+    if (got == 0) throw std::runtime_error("'" + path + "' is not a valid GGUF file (it is empty or not a regular file)");
     if (got < 4 || std::memcmp(head, "GGUF", 4) != 0) {
         throw std::runtime_error("'" + path + "' is not a valid GGUF file (it starts with '" +
                                  printable(head, got < 4 ? got : 4) + "', not 'GGUF')");

@@ -40,6 +40,12 @@ void PagerConfig::validate() const {
     if (sink_chunks < 0) fail("sink_chunks=" + str(sink_chunks) + " must be >= 0");
     if (tail_chunks < 0) fail("tail_chunks=" + str(tail_chunks) + " must be >= 0");
     if (max_tokens <= 0) fail("max_tokens=" + str(max_tokens) + " must be > 0 (the logical context in positions)");
+    // Positions are int32 in every graph, and no product of these below may overflow int64.
+    constexpr int64_t k_int32 = std::numeric_limits<int32_t>::max();
+    if (max_tokens > k_int32) fail("max_tokens=" + str(max_tokens) + " exceeds the int32 position range (max 2147483647)");
+    if (chunk_tokens > k_int32 || sink_chunks > k_int32 || tail_chunks > k_int32) {
+        fail("chunk_tokens, sink_chunks and tail_chunks must be at most 2147483647");
+    }
     if (chunk_bytes < 0) fail("chunk_bytes=" + str(chunk_bytes) + " must be >= 0");
     if (pool_tokens % chunk_tokens != 0) {
         fail("pool_tokens=" + str(pool_tokens) + " is not a multiple of chunk_tokens=" + str(chunk_tokens));

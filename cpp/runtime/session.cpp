@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -52,6 +53,13 @@ void check_capture_path(const std::string & attention, ggml_type type_v) {
 Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : model_(std::move(model)), cfg_(cfg) {
     const ModelHparams & hp = model_->hparams();
     if (cfg_.max_tokens <= 0) throw std::invalid_argument("max_tokens must be positive");
+    // Positions are int32 in the graph; the pool size below multiplies the chunk geometry.
+    for (int64_t v : {cfg_.max_tokens, cfg_.chunk_tokens, cfg_.sink_chunks, cfg_.tail_chunks}) {
+        if (v > INT32_MAX) {
+            throw std::invalid_argument("max_tokens, chunk_tokens, sink_chunks and tail_chunks must be at most "
+                                        "2147483647 (got " + std::to_string(v) + ")");
+        }
+    }
     if (cfg_.max_tokens > hp.n_ctx_train && !cfg_.allow_beyond_train_ctx) {
         throw std::invalid_argument("max_tokens=" + std::to_string(cfg_.max_tokens) + " exceeds the model's trained context " +
                                     std::to_string(hp.n_ctx_train) + " (pass allow_beyond_train_ctx to override)");
