@@ -29,6 +29,48 @@ py::array_t<float> logits_array(std::vector<float> && v, int64_t n_rows, int64_t
     if (all) return py::array_t<float>({(py::ssize_t) n_rows, (py::ssize_t) n_vocab}, heap->data(), owner);
     return py::array_t<float>({(py::ssize_t) n_vocab}, heap->data(), owner);
 }
+
+void bind_vocab(py::module_ & m) {
+    py::class_<Vocab>(m, "Vocab")
+        .def(py::init<const std::string &>(), py::arg("path"))
+        .def("tokenize", &Vocab::tokenize, py::arg("text"), py::kw_only(), py::arg("add_special") = true,
+             py::arg("parse_special") = false)
+        .def("detokenize", &Vocab::detokenize, py::arg("tokens"), py::kw_only(), py::arg("remove_special") = false,
+             py::arg("unparse_special") = false)
+        .def("token_to_piece", [](const Vocab & v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
+             py::arg("token"), py::kw_only(), py::arg("special") = false)
+        .def("pieces", [](const Vocab & v, const std::vector<int32_t> & tokens, bool special) {
+                 std::vector<int64_t> offsets;
+                 std::string text = v.pieces(tokens, special, offsets);
+                 py::array_t<int64_t> off((py::ssize_t) offsets.size());
+                 std::copy(offsets.begin(), offsets.end(), off.mutable_data());
+                 return py::make_tuple(py::bytes(text), off);
+             }, py::arg("tokens"), py::kw_only(), py::arg("special") = true,
+             "(bytes of the pieces laid end to end, int64 [n + 1] byte offset where each starts, then the total)")
+        .def_property_readonly("n_vocab", &Vocab::n_vocab)
+        .def_property_readonly("bos", &Vocab::bos)
+        .def_property_readonly("eos", &Vocab::eos)
+        .def_property_readonly("eot", &Vocab::eot)
+        .def_property_readonly("add_bos", &Vocab::add_bos)
+        .def("is_eog", &Vocab::is_eog, py::arg("token"))
+        .def_property_readonly("chat_template", &Vocab::chat_template)
+        .def("meta", &Vocab::meta, py::arg("key"));
+}
+
+void bind_reference(py::module_ & m) {
+    py::class_<LlamaReference>(m, "LlamaReference")
+        .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
+             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
+        .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
+                 std::vector<float> out = reference_call([&] { return r.decode(tokens, all); });
+                 return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
+             }, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false)
+        .def("clear", [](LlamaReference & r) { reference_call([&] { r.clear(); }); })
+        .def("remove", [](LlamaReference & r, int64_t p0, int64_t p1) { reference_call([&] { r.remove(p0, p1); }); },
+             py::arg("p0"), py::arg("p1"))
+        .def_property_readonly("n_past", [](const LlamaReference & r) { return reference_call([&] { return r.n_past(); }); });
+}
+
 }  // namespace
 
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all) {
@@ -82,43 +124,8 @@ void register_model(py::module_ & m) {
         }
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
-
-    py::class_<Vocab>(m, "Vocab")
-        .def(py::init<const std::string &>(), py::arg("path"))
-        .def("tokenize", &Vocab::tokenize, py::arg("text"), py::kw_only(), py::arg("add_special") = true,
-             py::arg("parse_special") = false)
-        .def("detokenize", &Vocab::detokenize, py::arg("tokens"), py::kw_only(), py::arg("remove_special") = false,
-             py::arg("unparse_special") = false)
-        .def("token_to_piece", [](const Vocab & v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
-             py::arg("token"), py::kw_only(), py::arg("special") = false)
-        .def("pieces", [](const Vocab & v, const std::vector<int32_t> & tokens, bool special) {
-                 std::vector<int64_t> offsets;
-                 std::string text = v.pieces(tokens, special, offsets);
-                 py::array_t<int64_t> off((py::ssize_t) offsets.size());
-                 std::copy(offsets.begin(), offsets.end(), off.mutable_data());
-                 return py::make_tuple(py::bytes(text), off);
-             }, py::arg("tokens"), py::kw_only(), py::arg("special") = true,
-             "(bytes of the pieces laid end to end, int64 [n + 1] byte offset where each starts, then the total)")
-        .def_property_readonly("n_vocab", &Vocab::n_vocab)
-        .def_property_readonly("bos", &Vocab::bos)
-        .def_property_readonly("eos", &Vocab::eos)
-        .def_property_readonly("eot", &Vocab::eot)
-        .def_property_readonly("add_bos", &Vocab::add_bos)
-        .def("is_eog", &Vocab::is_eog, py::arg("token"))
-        .def_property_readonly("chat_template", &Vocab::chat_template)
-        .def("meta", &Vocab::meta, py::arg("key"));
-
-    py::class_<LlamaReference>(m, "LlamaReference")
-        .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
-             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
-        .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
-                 std::vector<float> out = reference_call([&] { return r.decode(tokens, all); });
-                 return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
-             }, py::arg("tokens"), py::kw_only(), py::arg("all_logits") = false)
-        .def("clear", [](LlamaReference & r) { reference_call([&] { r.clear(); }); })
-        .def("remove", [](LlamaReference & r, int64_t p0, int64_t p1) { reference_call([&] { r.remove(p0, p1); }); },
-             py::arg("p0"), py::arg("p1"))
-        .def_property_readonly("n_past", [](const LlamaReference & r) { return reference_call([&] { return r.n_past(); }); });
+    bind_vocab(m);
+    bind_reference(m);
 }
 
 }  // namespace kvf::bind

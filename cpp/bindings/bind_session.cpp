@@ -35,9 +35,7 @@ py::array_t<float> mean_keys(const Session & s) {
     return out;
 }
 
-}  // namespace
-
-void register_session(py::module_ & m) {
+void bind_config_and_timings(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
                          int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
@@ -68,6 +66,12 @@ void register_session(py::module_ & m) {
         .def_readonly("t_scoring_ms", &SessionTimings::t_scoring_ms)
         .def_readonly("n_computes", &SessionTimings::n_computes)
         .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
+}
+
+}  // namespace
+
+void register_session(py::module_ & m) {
+    bind_config_and_timings(m);
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python
     // objects are read before and built after.
