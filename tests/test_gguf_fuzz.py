@@ -150,7 +150,8 @@ def scalar(rng, t: int):
     if t in INT_TYPES:
         return _fit(t, int(rng.choice(INTS)))
     if t == F32:
-        return float(np.float32(rng.choice(FLOATS)))
+        with np.errstate(over="ignore"):   # 1e300 becomes inf, as a float32 field would hold it
+            return float(np.float32(rng.choice(FLOATS)))
     if t == F64:
         return float(rng.choice(FLOATS))
     if t == BOOL:
@@ -311,7 +312,7 @@ def test_fuzzed_gguf_metadata_loads_or_raises(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fuzzed_gguf_metadata_long(tmp_path, arch):
-    n = int(os.environ.get("KVFLASH_GGUF_FUZZ_CASES", "5000"))
+    n = int(os.environ.get("KVFLASH_GGUF_FUZZ_CASES", "3000"))
     result = run_child(tmp_path, n_cases=n, seed=1800 + ARCHS.index(arch), arch=arch, timeout=1800)
     assert result["model"]["refused"] > 0 and result["vocab"]["refused"] > 0
 
