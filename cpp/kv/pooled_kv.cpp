@@ -1,6 +1,5 @@
 #include "kv/pooled_kv.h"
 
-#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 #include "model/model.h"
 
-#include "ggml-cpu.h"
+#include "model/backends.h"
 #include "gguf.h"
 
 #include <cmath>
@@ -144,7 +144,7 @@ Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) 
 
     read_hparams(gctx);
 
-    cpu_backend_ = ggml_backend_cpu_init();
+    cpu_backend_ = cpu_backend_init();
     set_n_threads(opts.n_threads);
     backend_ = pick_backend(opts.backend);
     if (!backend_) backend_ = cpu_backend_;
@@ -169,7 +169,7 @@ Model::~Model() {
 
 void Model::set_n_threads(int n) {
     n_threads_ = n > 0 ? n : std::max(1u, std::thread::hardware_concurrency());
-    ggml_backend_cpu_set_n_threads(cpu_backend_, n_threads_);
+    set_backend_threads(cpu_backend_, n_threads_);
 }
 
 void Model::read_hparams(gguf_context * g) {
