@@ -22,7 +22,19 @@ for t in test_pager.py test_pooled_kv.py test_snapshot.py test_snapshot_fuzz.py 
          test_session_threads.py test_threads.py; do
     [ -f "tests/$t" ] && tests+=("tests/$t")
 done
-# Python itself is not instrumented: preload the ASan runtime; leaks are Python's own, not ours to judge.
-LD_PRELOAD="$(gcc -print-file-name=libasan.so)" \
-ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-PYTHONPATH="$site" python -m pytest -q -p no:cacheprovider "${tests[@]}"
+# Python itself is not instrumented: preload the ASan runtime (and libstdc++, or ASan cannot intercept
+# __cxa_throw); leaks are Python's own, not ours to judge. A report kills the process while pytest holds
+# the output of the test, so reports go to files, printed when the run fails.
+reports="$site/reports"
+mkdir -p "$reports"
+rc=0
+LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)" \
+ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$reports/asan" \
+UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
+PYTHONPATH="$site" python -m pytest -q -p no:cacheprovider "${tests[@]}" || rc=$?
+if [ -n "$(ls "$reports")" ]; then
+    echo "sanitized: reports:" >&2
+    head -n 60 "$reports"/* >&2
+    rc=1
+fi
+exit "$rc"
