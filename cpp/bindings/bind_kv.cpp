@@ -3,7 +3,7 @@
 #include "kv/pooled_kv.h"
 #include "runtime/session.h"
 
-#include "ggml-cpu.h"
+#include "model/backends.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -15,7 +15,7 @@ namespace {
 
 // A PooledKV on its own CPU backend, for tests of paging and of the mask builder.
 struct CpuPooledKV {
-    std::unique_ptr<ggml_backend, decltype(&ggml_backend_free)> backend{ggml_backend_cpu_init(), ggml_backend_free};
+    std::unique_ptr<ggml_backend, decltype(&ggml_backend_free)> backend{cpu_backend_init(), ggml_backend_free};
     std::unique_ptr<PooledKV> kv;
 };
 

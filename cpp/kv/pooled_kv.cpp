@@ -1,6 +1,5 @@
 #include "kv/pooled_kv.h"
 
-#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,8 +29,12 @@ ggml_backend_buffer_type_t pinned_buffer_type(ggml_backend_t backend) {
     return ggml_backend_dev_host_buffer_type(dev);
 }
 
-template <typename T> void transpose(const T * src, T * dst, int64_t rows, int64_t cols) {   // src [rows][cols]
-    for (int64_t r = 0; r < rows; ++r) for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+// Elements of N bytes, src [rows][cols] -> dst [cols][rows]. Element by memcpy: images inside a snapshot's
+// bytes sit at any offset, so a typed load could be misaligned (UBSan caught one in a v_trans restore).
+template <size_t N> void transpose(const uint8_t * src, uint8_t * dst, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) std::memcpy(dst + (c * rows + r) * N, src + (r * cols + c) * N, N);
+    }
 }
 
 // Copy an image, turning each layer's V between channel runs ([n_embd_v][C] values, v_trans) and slot
@@ -47,9 +50,9 @@ void transpose_v_images(const KvLayout & L, const uint8_t * src, uint8_t * dst, 
         }
         std::memcpy(dst, src, k_bytes);
         if (ggml_type_size(L.type_v) == 2) {   // f16, bf16
-            transpose((const uint16_t *) (src + k_bytes), (uint16_t *) (dst + k_bytes), rows, cols);
+            transpose<2>(src + k_bytes, dst + k_bytes, rows, cols);
         } else {                                // f32 (v_trans is refused for quantized types)
-            transpose((const uint32_t *) (src + k_bytes), (uint32_t *) (dst + k_bytes), rows, cols);
+            transpose<4>(src + k_bytes, dst + k_bytes, rows, cols);
         }
     }
 }

@@ -1,8 +1,8 @@
 #include "model/model.h"
 
+#include "model/backends.h"
 #include "model/gguf_meta.h"
 
-#include "ggml-cpu.h"
 #include "gguf.h"
 
 #include <cmath>
@@ -95,8 +95,7 @@ Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) 
 
     read_hparams(gctx);
 
-    cpu_backend_ = ggml_backend_cpu_init();
-    if (!cpu_backend_) throw std::runtime_error("could not initialise the ggml CPU backend");
+    cpu_backend_ = cpu_backend_init();   // throws with the reason when no CPU variant loads
     try {
         set_n_threads(opts.n_threads);
         backend_ = pick_backend(opts.backend);
@@ -121,7 +120,7 @@ Model::~Model() {
 void Model::set_n_threads(int n) {
     const std::lock_guard<std::recursive_mutex> computing(compute_mutex_);   // the count a compute reads
     n_threads_ = n > 0 ? n : (int) std::max(1u, std::thread::hardware_concurrency());
-    ggml_backend_cpu_set_n_threads(cpu_backend_, n_threads_);
+    set_backend_threads(cpu_backend_, n_threads_);
 }
 
 namespace {

@@ -129,8 +129,8 @@ void KvPager::read_chunk_table(ByteReader & r) {
         if (b < -1) r.fail("chunk " + str(c) + " has block " + str(b));
         if (b >= n_blocks_) {
             r.fail("chunk " + str(c) + " was resident in block " + str(b) + " but this pool has n_blocks=" +
-                   str(n_blocks_) + ": the pool is too small for the saved resident set (restore into pool_tokens >= " +
-                   str((b + 1) * cfg_.chunk_tokens) + ")");
+                   str(n_blocks_) + ": the pool is too small for the saved resident set (restore into a pool of more than " +
+                   str(b) + " blocks)");   // b comes from the file: no arithmetic that could overflow
         }
         if (b >= 0 && block_owner_[b] >= 0) {
             r.fail("block " + str(b) + " is claimed by chunks " + str(block_owner_[b]) + " and " + str(c));
