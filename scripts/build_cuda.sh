@@ -2,7 +2,8 @@
 # Build and install kvflash-ggml with ggml's CUDA backend on a GPU machine, in one step, together with
 # llama-bench from the same build: one ggml-cuda compile serves both (building llama-bench separately with
 # scripts/build_llama_bench.sh -DKVFLASH_CUDA=ON would compile ggml-cuda a second time). The wheel puts
-# llama-bench into kvflash_ggml/bin, where `kvflash bench decode` finds it.
+# llama-bench into kvflash_ggml/ beside the libraries and backend modules, where `kvflash bench decode`
+# finds it.
 #
 # Usage: scripts/build_cuda.sh [LLAMA_TREE.tar.xz]
 #   LLAMA_TREE.tar.xz: a third_party/llama.cpp tree packed by scripts/pack_llama_tree.sh, unpacked first

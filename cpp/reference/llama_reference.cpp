@@ -52,6 +52,15 @@ void LlamaReference::remove(int64_t p0, int64_t p1) {
 std::vector<float> LlamaReference::decode(const std::vector<int32_t> & tokens, bool all_logits) {
     const int64_t n = (int64_t) tokens.size();
     const int32_t nv = n_vocab();
+    // libllama asserts (aborts the process) on a batch past its context or a token outside the vocabulary
+    const int64_t n_ctx = (int64_t) llama_n_ctx(ctx_);
+    if (n_past_ + n > n_ctx) {
+        throw std::invalid_argument("decode: " + std::to_string(n) + " tokens after " + std::to_string(n_past_) +
+                                    " exceed the reference's n_ctx=" + std::to_string(n_ctx));
+    }
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= nv) throw std::invalid_argument("decode: token id " + std::to_string(t) + " outside the vocabulary");
+    }
     std::vector<float> out((size_t) (all_logits ? n : 1) * nv);
     llama_batch batch = llama_batch_init(n_batch_, 0, 1);
     for (int64_t done = 0; done < n;) {

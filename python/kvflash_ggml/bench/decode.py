@@ -28,10 +28,11 @@ REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (
 
 
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
-    """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed beside the package, a build made by
-    scripts/build_llama_bench.sh, or llama-bench on PATH."""
+    """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed in the package beside its libraries and CPU
+    variants (KVFLASH_LLAMA_BENCH=ON builds), a build made by scripts/build_llama_bench.sh, or llama-bench on
+    PATH."""
     candidates = [explicit, os.environ.get("KVFLASH_LLAMA_BENCH"),
-                  str(Path(__file__).resolve().parent.parent / "bin" / "llama-bench")]
+                  str(Path(__file__).resolve().parent.parent / "llama-bench")]
     candidates += [str(p) for p in sorted(Path.cwd().glob("build/llama-bench/**/llama-bench"))]
     candidates.append(shutil.which("llama-bench"))
     for c in candidates:
