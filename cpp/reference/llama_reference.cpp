@@ -62,9 +62,11 @@ std::vector<float> LlamaReference::decode(const std::vector<int32_t> & tokens, b
         if (t < 0 || t >= nv) throw std::invalid_argument("decode: token id " + std::to_string(t) + " outside the vocabulary");
     }
     std::vector<float> out((size_t) (all_logits ? n : 1) * nv);
-    llama_batch batch = llama_batch_init(n_batch_, 0, 1);
+    // libllama caps the batch at the context it was asked for: step by what it kept
+    const int64_t n_batch = std::min<int64_t>(n_batch_, (int64_t) llama_n_batch(ctx_));
+    llama_batch batch = llama_batch_init((int32_t) n_batch, 0, 1);
     for (int64_t done = 0; done < n;) {
-        const int64_t step = std::min<int64_t>(n_batch_, n - done);
+        const int64_t step = std::min<int64_t>(n_batch, n - done);
         batch.n_tokens = (int32_t) step;
         for (int64_t i = 0; i < step; ++i) {
             batch.token[i] = tokens[done + i];
