@@ -15,7 +15,7 @@ echo "portable: built $(basename "$wheel")"
 python -m auditwheel repair -w "$out/repaired" "$wheel" >/dev/null
 repaired=$(ls "$out"/repaired/kvflash_ggml-*.whl)
 python -m auditwheel show "$repaired" | tee "$out/show.txt"
-grep -q 'consistent with the following platform tag: "manylinux_' "$out/show.txt" \
+tr -s ' \n' ' ' < "$out/show.txt" | grep -q 'consistent with the following platform tag: "manylinux_' \
     || { echo "portable: auditwheel reports no manylinux tag" >&2; exit 1; }
 echo "portable: repaired wheel $(basename "$repaired")"
 
