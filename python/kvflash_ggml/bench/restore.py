@@ -73,7 +73,7 @@ def run(model, args, snapshot: Path) -> dict:
     del cold
 
     t0 = time.perf_counter()
-    warm = _core.Session.restore(model, snapshot)
+    warm = _core.Session.restore(model, snapshot, max_tokens=args.n_ctx)   # may exceed the trained context, as saved
     t_restore = time.perf_counter() - t0
     warm_logits = warm.forward(prompt[n_prefix:], n_prefix)
     t_warm = time.perf_counter() - t0
