@@ -22,7 +22,10 @@ command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 jobs=${BUILD_JOBS:-$(nproc)}
 arch=${CMAKE_CUDA_ARCHITECTURES:-90}
 # CMakeLists.txt keeps GGML_CUDA_FA_ALL_QUANTS off: only the f16/q8_0/q4_0 flash-attention pairs get built.
-KVFLASH_CUDA=ON KVFLASH_LLAMA_BENCH=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+# KVFLASH_NATIVE: one static ggml for this host (its CPU code tuned to it), as before the portable build. The
+# GPU machine's GCC 13 links libstdc++ into every shared library it makes; in the portable build's shared
+# ggml/libllama those copies crashed libllama's print_info (std::ostream) on the H100, as they once did in _core.
+KVFLASH_CUDA=ON KVFLASH_LLAMA_BENCH=ON KVFLASH_NATIVE=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     python3 -m pip install -v --no-build-isolation --no-deps --no-cache-dir \
-    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Cbuild.verbose=true .
+    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.KVFLASH_NATIVE=ON -Cbuild.verbose=true .
 python3 -c 'import kvflash_ggml, kvflash_ggml._core as c; print("installed", kvflash_ggml.__file__, c.gpu_devices())'
