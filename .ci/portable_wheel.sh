@@ -20,7 +20,8 @@ tr -s ' \n' ' ' < "$out/show.txt" | grep -q 'consistent with the following platf
 echo "portable: repaired wheel $(basename "$repaired")"
 
 if ! command -v qemu-x86_64 >/dev/null; then
-    apt-get install -y -q qemu-user >/dev/null 2>&1 || { echo "portable: qemu-user could not be installed" >&2; exit 1; }
+    { apt-get install -y -q qemu-user || { apt-get update -q && apt-get install -y -q qemu-user; }; } >/dev/null 2>&1 \
+        || { echo "portable: qemu-user could not be installed" >&2; exit 1; }
 fi
 python -m pip install -q --no-deps --target "$out/site" "$repaired"
 model=$(python -c 'import kvflash_ggml; print(kvflash_ggml.resolve_model_path("smollm2"))')
