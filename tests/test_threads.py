@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import kvflash_ggml as kvf
-from kvflash_ggml.engine import StreamSuperseded
+from kvflash_ggml import StreamSuperseded
 
 N_THREADS, N_CALLS, MAX_TOKENS = 8, 50, 6
 # Distinct from their first word, so no call reuses more of another's K/V than the BOS.

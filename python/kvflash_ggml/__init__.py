@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from . import _core
-from .engine import Engine, GenerationRecord
+from .engine import Engine, GenerationRecord, StreamSuperseded
 from .model import Model, resolve_model_path
 from .options import PoolConfig, SamplingParams
 from .snapshot import PrefixCache, SnapshotError
@@ -19,6 +19,6 @@ SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
 __all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "SamplingParams", "Session",
-           "SessionConfig", "SnapshotError", "Tokenizer", "resolve_model_path", "__version__"]
+           "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
