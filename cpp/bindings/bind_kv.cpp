@@ -82,7 +82,7 @@ void register_kv(py::module_ & m) {
                  return w;
              }),
              py::kw_only(), py::arg("n_layer"), py::arg("n_embd_k"), py::arg("n_embd_v"), py::arg("pool_tokens"),
-             py::arg("chunk_tokens") = 64, py::arg("kv_type") = "f16", py::arg("v_trans") = false)
+             py::arg("chunk_tokens") = k_chunk_tokens, py::arg("kv_type") = "f16", py::arg("v_trans") = false)
         .def_property_readonly("kv", [](CpuPooledKV & w) -> PooledKV & { return *w.kv; }, py::return_value_policy::reference_internal);
 
     m.def("build_slot_mask", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> slot_pos, int64_t n_kv,

@@ -56,7 +56,7 @@ void bind_config(py::module_ & m) {
                  c.chunk_bytes  = chunk_bytes;
                  return c;
              }),
-             py::kw_only(), py::arg("chunk_tokens") = 64, py::arg("pool_tokens") = 0, py::arg("max_tokens") = 0,
+             py::kw_only(), py::arg("chunk_tokens") = k_chunk_tokens, py::arg("pool_tokens") = 0, py::arg("max_tokens") = 0,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("chunk_bytes") = 0)
         .def_readwrite("chunk_tokens", &PagerConfig::chunk_tokens)
         .def_readwrite("pool_tokens", &PagerConfig::pool_tokens)

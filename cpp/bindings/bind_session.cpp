@@ -44,7 +44,7 @@ void bind_config_and_timings(py::module_ & m) {
                                       tail_chunks, allow, ordered ? (int) *ordered : -1, summaries, capture};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
-             py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = 64,
+             py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = k_chunk_tokens,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
              py::arg("ordered_attention") = py::none(), py::arg("track_summaries") = false,
              py::arg("capture_attention") = false)
@@ -72,6 +72,8 @@ void bind_config_and_timings(py::module_ & m) {
 
 void register_session(py::module_ & m) {
     bind_config_and_timings(m);
+    m.attr("CHUNK_TOKENS") = k_chunk_tokens;
+    m.attr("CAPTURE_TOKENS") = k_capture_tokens;
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python
     // objects are read before and built after.

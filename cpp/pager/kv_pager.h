@@ -50,8 +50,11 @@ namespace kvf {
 class ByteReader;
 class ByteWriter;
 
+// Positions per chunk unless a config says otherwise: the unit of residency, paging and scoring.
+constexpr int64_t k_chunk_tokens = 64;
+
 struct PagerConfig {
-    int64_t chunk_tokens = 64;
+    int64_t chunk_tokens = k_chunk_tokens;
     int64_t pool_tokens  = 0;   // device slots; a multiple of chunk_tokens, >= min_pool_tokens()
     int64_t max_tokens   = 0;   // logical context capacity (positions), > 0
     int64_t sink_chunks  = 1;

@@ -281,8 +281,8 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     g.flash_attn = flash_attn_;
     // Queries are captured only for sessions whose scorers read them: on CUDA the capture is 32 more
     // kernels and outputs per 8B decode step (~2% of it), for nothing under lru.
-    g.n_query_tokens = cfg_.track_summaries ? std::min<int64_t>(n_tokens, 8) : 0;
-    g.n_attn_tokens = cfg_.capture_attention ? std::min<int64_t>(n_tokens, 8) : 0;
+    g.n_query_tokens = cfg_.track_summaries ? std::min(n_tokens, k_capture_tokens) : 0;
+    g.n_attn_tokens = cfg_.capture_attention ? std::min(n_tokens, k_capture_tokens) : 0;
 
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);

@@ -31,13 +31,17 @@ namespace kvf {
 class ByteReader;
 class ByteWriter;
 
+// The last tokens of a step whose queries (track_summaries) and attention (capture_attention) a session keeps
+// for the scorers: the observation window of the question at the end of a prompt.
+constexpr int64_t k_capture_tokens = 8;
+
 struct SessionConfig {
     int64_t max_tokens   = 4096;    // logical context
     int64_t pool_tokens  = 0;       // 0: full-cache mode (pool = context, identity mapping)
     std::string kv_type  = "f16";
     std::string attention = "auto"; // "auto" | "flash" | "matmul"
     int64_t n_batch      = 512;     // most tokens per compute
-    int64_t chunk_tokens = 64;
+    int64_t chunk_tokens = k_chunk_tokens;
     int64_t sink_chunks  = 1;
     int64_t tail_chunks  = 4;
     bool allow_beyond_train_ctx = false;
