@@ -2,10 +2,10 @@
 """Where a decode step's time goes: wall time per token vs the session's own compute/paging timers, and
 (optionally) a window for a GPU profiler.
 
-    python scripts/profile_decode.py --model M --runs full:0,pooled:0,pooled:8192 --pool 4096 --steps 64
-    python scripts/profile_decode.py --model M --runs pooled:8192 --pool 4096 --compare-order
+    python experiments/profile_decode.py --model M --runs full:0,pooled:0,pooled:8192 --pool 4096 --steps 64
+    python experiments/profile_decode.py --model M --runs pooled:8192 --pool 4096 --compare-order
     ncu --profile-from-start off --print-summary per-kernel --metrics gpu__time_duration.sum \\
-        python scripts/profile_decode.py ... --cuda-profiler --steps 4
+        python experiments/profile_decode.py ... --cuda-profiler --steps 4
 
 --cuda-profiler brackets only the timed decode steps with cudaProfilerStart/Stop, so ncu skips loading
 and prefill. --compare-order times pooled decode with the position-ordered K/V copy on and off.

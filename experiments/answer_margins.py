@@ -3,7 +3,7 @@ margin of the right token over the best other one. A case whose margin is a frac
 tie: any change in numerics (another backend, a pool that drops filler) may flip it, so a pooled miss there
 says little about residency.
 
-  python scripts/answer_margins.py --task multikey --n 30 --cases 3,4,14,23
+  python experiments/answer_margins.py --task multikey --n 30 --cases 3,4,14,23
 """
 from __future__ import annotations
 

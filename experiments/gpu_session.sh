@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What ran on the lent H100 for docs/RESULTS.md, phase by phase, each phase's log under $OUT.
 #
-#   scripts/gpu_session.sh PHASE...     phases run in the order given:
+#   experiments/gpu_session.sh PHASE...     phases run in the order given:
 #     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
 #     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_K:
 #                  a pytest -k expression, e.g. "paging or adopt")
@@ -90,15 +90,15 @@ for phase in "$@"; do
             --reps "$REPS" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     order)
         need_model
-        python3 scripts/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
+        python3 experiments/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
     profile)
         need_model
-        python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \
+        python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \
             --runs full:0,pooled:0,full:4096,pooled:4096,pooled:8192 2>&1 | tee -a "$OUT/extra.log"
-        python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 16 --runs full:0,pooled:8192 \
+        python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 16 --runs full:0,pooled:8192 \
             --count-logs 2>&1 | tee -a "$OUT/extra.log"
         ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \
-            python3 scripts/profile_decode.py --model "$MODEL" --pool "$POOL" --runs full:0 --steps 3 --cuda-profiler \
+            python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --runs full:0 --steps 3 --cuda-profiler \
             > "$OUT/ncu-ours.log" 2>&1; tail -3 "$OUT/ncu-ours.log"
         lb=$(python3 -c 'from kvflash_ggml.bench.decode import find_llama_bench; print(find_llama_bench(None))')
         ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \

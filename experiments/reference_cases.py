@@ -1,5 +1,5 @@
 """What the libllama-reference scripts share: generated retrieval cases and libllama on the same GGUF.
-Imported by residency_reference_check.py and answer_margins.py (run from scripts/, so it is on sys.path)."""
+Imported by residency_reference_check.py and answer_margins.py (run from experiments/, so it is on sys.path)."""
 from __future__ import annotations
 
 import argparse

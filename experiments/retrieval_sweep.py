@@ -1,7 +1,7 @@
 """Passkey recall at one length over policies x pools x post-prompt refresh lengths (x query-aware prefill),
 with an oracle policy (the chunks that hold the key score 1) to separate scoring from paging mechanics.
 
-  python scripts/retrieval_sweep.py --model PATH --length 8192 --cases 18 --json out.json
+  python experiments/retrieval_sweep.py --model PATH --length 8192 --cases 18 --json out.json
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Is a pooled failure inherent to seeing only the resident chunks? Runs the full cache on a prompt made of
 just the chunks an oracle would keep (sink + the passkey's chunk + the tail + `extra` other chunks), laid
 out contiguously, and says whether the key is found. Compare with the oracle rows of
-scripts/retrieval_sweep.py on the same cases (same seed, length and format).
+experiments/retrieval_sweep.py on the same cases (same seed, length and format).
 
-  python scripts/compressed_prompt_check.py --cases 0,1,2,6 [--others recent|early] [--format chat]
+  python experiments/compressed_prompt_check.py --cases 0,1,2,6 [--others recent|early] [--format chat]
 """
 from __future__ import annotations
 

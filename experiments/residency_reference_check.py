@@ -4,7 +4,7 @@ K/V sees its full context, original positions), then forgets every chunk but the
 where our pooled run with an oracle policy does not, the loss comes from K/V computed under the streaming
 window of pooled prefill, not from the sparse positions or the choice of chunks.
 
-  python scripts/residency_reference_check.py --cases 0,6 [--extra 9,1] [--format chat]
+  python experiments/residency_reference_check.py --cases 0,6 [--extra 9,1] [--format chat]
 
 --extra lists, largest first, how many recent chunks besides sink, key and tail stay (9 fills a pool of 1024
 tokens, 1 a pool of 512); each smaller set is cut from the previous one, so one full prefill serves all.
