@@ -158,8 +158,9 @@ private:
                  int32_t * greedy_out);
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
     void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order);
-    void read_logits(float * out);
     void keep_capture_order(const KvKeyOrder & order);   // session_capture.cpp
+    // ---- outputs (session_outputs.cpp) ----
+    void read_logits(float * out);     // the logits_ rows, through pinned staging on a GPU
     void build_greedy(GraphCtx & g);   // the argmax of the logits, in two parallel stages
     int32_t read_greedy();
 
