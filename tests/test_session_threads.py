@@ -184,7 +184,10 @@ def pin_while_computing(path: str) -> None:
         rng = np.random.default_rng(7)
         try:
             while not done.is_set():
-                c = int(rng.integers(0, max(1, s.n_tokens // C)))
+                n_written = s.n_tokens // C   # chunks written whole: resident once pinned
+                if n_written == 0:
+                    continue
+                c = int(rng.integers(0, n_written))
                 s.pin(c * C, (c + 1) * C)
                 assert s.pager.is_pinned(c) and s.pager.is_resident(c)
                 s.unpin_all()
