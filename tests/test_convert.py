@@ -193,7 +193,7 @@ def test_libllama_logits_match_transformers(arch, checkpoints, converted):
     src, path = checkpoints[arch], converted(arch, "f32")
     tokens = sample_tokens(src)
     ref = hf_logits(src, tokens)
-    theirs = _core.LlamaReference(str(path), n_ctx=64, n_threads=2).decode(tokens, all_logits=True)
+    theirs = _core.testing.LlamaReference(str(path), n_ctx=64, n_threads=2).decode(tokens, all_logits=True)
     err = np.abs(theirs - ref).max() / np.abs(ref).max()
     assert err < 2e-3, f"{arch}: libllama relative max error {err:.2e}"   # libllama keeps its KV cache in f16
 

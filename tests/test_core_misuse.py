@@ -15,9 +15,9 @@ CASES = [
     # positions and slots are int32: a larger context once reached a 2^62-entry chunk table (MemoryError)
     ("S(max_tokens=2**62, allow_beyond_train_ctx=True)", "ValueError", "must be at most 2147483647 (got 4611686018427387904)"),
     ("S(sink_chunks=2**62)", "ValueError", "must be at most 2147483647"),
-    ("c.KvPager(c.PagerConfig(chunk_tokens=64, pool_tokens=448, max_tokens=2**62))", "ValueError",
+    ("c.testing.KvPager(c.PagerConfig(chunk_tokens=64, pool_tokens=448, max_tokens=2**62))", "ValueError",
      "exceeds the int32 position range"),
-    ("c.KvPager(c.PagerConfig(chunk_tokens=64, pool_tokens=448, max_tokens=4096, tail_chunks=2**62))", "ValueError",
+    ("c.testing.KvPager(c.PagerConfig(chunk_tokens=64, pool_tokens=448, max_tokens=4096, tail_chunks=2**62))", "ValueError",
      "must be at most 2147483647"),
     ("c.Model('/dev/null')", "RuntimeError", "is empty or not a regular file"),
     ("c.Vocab(DIR)", "RuntimeError", "is empty or not a regular file"),
@@ -26,13 +26,16 @@ CASES = [
     ("S().truncate(-1)", "IndexError", "plan_truncate"),
     ("S().reselect(np.zeros((2, 2), np.float32))", "ValueError", "1-D"),
     ("S().kv.read_block(10**9)", "IndexError", "outside the pool"),
-    ("S().kv.write_block(0, b'x')", "ValueError", "block image has 1 bytes"),
+    ("c.testing.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448).kv.write_block(0, b'x')",
+     "ValueError", "block image has 1 bytes"),
+    ("S().kv.write_block(0, b'x')", "AttributeError", "write_block"),   # a session's pool is read-only
+    ("S().pin(0, 10**6)", "IndexError", "0 <= lo <= hi <= max_tokens="),
     ("S().pager.slot_of(-1)", "IndexError", "outside [0, max_tokens"),
     ("S().adopt(S(), 10)", "ValueError", "cannot take positions"),
     ("c.Vocab(PATH).detokenize([10**6])", "ValueError", "outside the vocabulary"),
     # libllama asserts on these (GGML_ASSERT n_tokens_all <= n_batch, token ids): the reference checks first
-    ("c.LlamaReference(PATH, n_ctx=64).decode(list(range(1, 300)))", "ValueError", "exceed the reference's n_ctx="),
-    ("c.LlamaReference(PATH, n_ctx=64).decode([10**6])", "ValueError", "outside the vocabulary"),
+    ("c.testing.LlamaReference(PATH, n_ctx=64).decode(list(range(1, 300)))", "ValueError", "exceed the reference's n_ctx="),
+    ("c.testing.LlamaReference(PATH, n_ctx=64).decode([10**6])", "ValueError", "outside the vocabulary"),
 ]
 
 SCRIPT = textwrap.dedent("""

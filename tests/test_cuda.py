@@ -153,7 +153,7 @@ import sys, numpy as np
 from kvflash_ggml import _core
 path, out = sys.argv[1], sys.argv[2]
 z = np.load(out + ".in.npz")
-ref = _core.LlamaReference(path, n_ctx=int(z["n_ctx"]), n_threads=4, flash_attn=True, n_gpu_layers=999)
+ref = _core.testing.LlamaReference(path, n_ctx=int(z["n_ctx"]), n_threads=4, flash_attn=True, n_gpu_layers=999)
 rows = [ref.decode(z["prompt"].tolist(), all_logits=True)] + [ref.decode([int(t)])[None, :] for t in z["fed"]]
 np.save(out, np.concatenate(rows))
 """

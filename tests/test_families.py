@@ -81,7 +81,7 @@ def greedy_vs_reference(path: str, cfg, flash_ref: bool):
     logits [N_PROMPT + N_DECODE, n_vocab] each, and the N_DECODE tokens fed after the prompt."""
     model = _core.Model(path, backend="cpu", n_threads=N_THREADS)
     sess = _core.Session(model, cfg)
-    ref = _core.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=N_THREADS, flash_attn=flash_ref)
+    ref = _core.testing.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=N_THREADS, flash_attn=flash_ref)
     prompt = random_prompt(model.hparams.n_vocab)
     ours = [sess.forward(prompt, 0, all_logits=True)]
     theirs = [ref.decode(prompt.tolist(), all_logits=True)]

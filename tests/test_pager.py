@@ -88,7 +88,7 @@ class PagerMachine(RuleBasedStateMachine):
         max_tokens = max(1, max_chunks * ct - cut % ct)
         self.cfg = core.PagerConfig(chunk_tokens=ct, pool_tokens=n_blocks * ct, max_tokens=max_tokens,
                                     sink_chunks=sink, tail_chunks=tail, chunk_bytes=chunk_bytes)
-        self.p = core.KvPager(self.cfg)
+        self.p = core.testing.KvPager(self.cfg)
         self.ct, self.sink, self.tail, self.nb = ct, sink, tail, n_blocks
         self.max_chunks = ceil_div(max_tokens, ct)
         self.order = list(range(n_blocks))
@@ -424,7 +424,7 @@ def test_property_long():
 
 def make(ct=4, n_blocks=None, max_tokens=64, sink=1, tail=1, chunk_bytes=0):
     n_blocks = n_blocks or sink + tail + 2
-    return core.KvPager(core.PagerConfig(chunk_tokens=ct, pool_tokens=n_blocks * ct, max_tokens=max_tokens,
+    return core.testing.KvPager(core.PagerConfig(chunk_tokens=ct, pool_tokens=n_blocks * ct, max_tokens=max_tokens,
                                          sink_chunks=sink, tail_chunks=tail, chunk_bytes=chunk_bytes))
 
 
@@ -454,7 +454,7 @@ def test_config_defaults_and_minimum():
     cfg = core.PagerConfig(pool_tokens=512, max_tokens=4096)
     assert (cfg.chunk_tokens, cfg.sink_chunks, cfg.tail_chunks) == (64, 1, 4)
     assert cfg.min_pool_tokens() == 448
-    p = core.KvPager(cfg)
+    p = core.testing.KvPager(cfg)
     assert p.n_blocks() == 8 and p.n_tokens() == 0 and p.n_chunks() == 0
 
 
@@ -471,7 +471,7 @@ def test_config_defaults_and_minimum():
 def test_bad_config(kwargs, exc, match):
     kwargs = dict(dict(max_tokens=4096), **kwargs)
     with pytest.raises(exc, match=match):
-        core.KvPager(core.PagerConfig(**kwargs))
+        core.testing.KvPager(core.PagerConfig(**kwargs))
 
 
 def test_config_is_keyword_only():

@@ -10,9 +10,9 @@ KV_TYPES = ["f16", "q8_0", "q4_0", "f32", "f16-v_trans", "f32-v_trans"]
 
 def make(kv_type, pool_tokens=448, chunk=64, n_layer=3):
     kv_type, _, layout = kv_type.partition("-")
-    store = _core.CpuPooledKV(n_layer=n_layer, n_embd_k=64, n_embd_v=96, pool_tokens=pool_tokens,
+    store = _core.testing.CpuPooledKV(n_layer=n_layer, n_embd_k=64, n_embd_v=96, pool_tokens=pool_tokens,
                               chunk_tokens=chunk, kv_type=kv_type, v_trans=layout == "v_trans")
-    pager = _core.KvPager(_core.PagerConfig(chunk_tokens=chunk, pool_tokens=pool_tokens, max_tokens=4096,
+    pager = _core.testing.KvPager(_core.PagerConfig(chunk_tokens=chunk, pool_tokens=pool_tokens, max_tokens=4096,
                                             chunk_bytes=store.kv.chunk_bytes))
     return store, pager
 
@@ -59,13 +59,13 @@ def test_write_block_rejects_wrong_size():
 
 def test_bad_layouts_raise():
     with pytest.raises(ValueError, match="multiple of chunk_tokens"):
-        _core.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=100)
+        _core.testing.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=100)
     with pytest.raises(ValueError, match="block size"):
-        _core.CpuPooledKV(n_layer=1, n_embd_k=48, n_embd_v=64, pool_tokens=448, kv_type="q8_0")
+        _core.testing.CpuPooledKV(n_layer=1, n_embd_k=48, n_embd_v=64, pool_tokens=448, kv_type="q8_0")
     with pytest.raises(ValueError, match="unknown kv_type"):
-        _core.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q3_k")
+        _core.testing.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q3_k")
     with pytest.raises(ValueError, match="transposed V needs an unquantized type"):
-        _core.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q8_0", v_trans=True)
+        _core.testing.CpuPooledKV(n_layer=1, n_embd_k=64, n_embd_v=64, pool_tokens=448, kv_type="q8_0", v_trans=True)
 
 
 def numpy_mask(slot_pos, n_kv, pos, window):
@@ -85,6 +85,6 @@ def test_slot_mask_matches_numpy(data):
     n_kv = data.draw(st.integers(1, n_slots))
     pos = data.draw(st.lists(st.integers(0, 600), min_size=1, max_size=40))
     window = data.draw(st.sampled_from([0, 0, 1, 16, 128]))
-    got = _core.build_slot_mask(np.array(slot_pos, np.int64), n_kv, np.array(pos, np.int32), window)
+    got = _core.testing.build_slot_mask(np.array(slot_pos, np.int64), n_kv, np.array(pos, np.int32), window)
     assert got.dtype == np.float16 and got.shape == (len(pos), n_kv)
     np.testing.assert_array_equal(got, numpy_mask(slot_pos, n_kv, pos, window))

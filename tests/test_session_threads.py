@@ -159,6 +159,57 @@ def adopt_both_ways(path: str) -> None:
     print("adopt both ways: ok")
 
 
+def pin_while_computing(path: str) -> None:
+    """Threads append tokens while another pins and unpins chunks (paging them in) through Session.pin:
+    the pins hold between the pinner's own calls, and the ledger stays consistent."""
+    model = _model(path)
+    s = _session(model)
+    C = CONFIG["chunk_tokens"]
+    done = threading.Event()
+
+    def writer(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(STEPS):
+            tok = np.array([rng.integers(0, 1000)], np.int32)
+            while True:
+                try:
+                    s.forward(tok, s.n_tokens)
+                    break
+                except ValueError as e:   # another thread appended between n_tokens and forward
+                    assert "start=" in str(e), e
+
+    errors, n_pins = [], [0]
+
+    def pinner():
+        rng = np.random.default_rng(7)
+        try:
+            while not done.is_set():
+                n_written = s.n_tokens // C   # chunks written whole: resident once pinned
+                if n_written == 0:
+                    continue
+                c = int(rng.integers(0, n_written))
+                s.pin(c * C, (c + 1) * C)
+                assert s.pager.is_pinned(c) and s.pager.is_resident(c)
+                s.unpin_all()
+                assert not s.pager.is_pinned(c)
+                n_pins[0] += 1
+        except BaseException as e:   # fails the scenario below, not just this thread
+            errors.append(e)
+
+    pin = threading.Thread(target=pinner)
+    pin.start()
+    try:
+        _run_threads([lambda i=i: writer(i) for i in range(2)])
+    finally:
+        done.set()
+        pin.join()
+    assert not errors, errors
+    assert n_pins[0] > 0
+    s.pager.check_invariants()
+    assert len(s.tokens) == s.n_tokens == 2 * STEPS
+    print("pin while computing: ok")
+
+
 def _in_child(tiny_gguf, scenario: str, timeout: int = 240) -> str:
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_session_threads as t; " \
            f"t.{scenario}({tiny_gguf()!r})"
@@ -167,22 +218,30 @@ def _in_child(tiny_gguf, scenario: str, timeout: int = 240) -> str:
     return p.stdout
 
 
-@pytest.mark.parametrize("scenario", ["one_session_many_threads", "two_sessions_one_model", "adopt_both_ways"])
+@pytest.mark.parametrize("scenario", ["one_session_many_threads", "two_sessions_one_model", "adopt_both_ways",
+                                      "pin_while_computing"])
 def test_threads_are_serialised(tiny_gguf, scenario):
     assert "ok" in _in_child(tiny_gguf, scenario)
 
 
-def test_session_pager_cannot_move_the_head(tiny_gguf):
-    """Session.pager is the session's own ledger: plans that change the tokens held (which the session
-    keeps in step with its token list) go through Session.forward / truncate / reset."""
+def test_session_pager_and_kv_are_read_only(tiny_gguf):
+    """Session.pager / Session.kv are the session's own ledger and pool, read-only: the ledger moves with
+    the session's tokens and K/V, so plans are made and carried out only by the session's own calls
+    (forward, truncate, reselect, pin, unpin_all, reset). The mutable pager and pool are test-only."""
     c = _core()
     s = _session(_model(tiny_gguf()))
     s.forward(np.arange(40, dtype=np.int32), 0)
-    for plan in (s.pager.plan_alloc(40, 8), s.pager.plan_truncate(16)):
-        with pytest.raises(ValueError, match="must go through Session.forward"):
-            s.pager.apply(plan)
-    with pytest.raises(ValueError, match="Session.reset"):
-        s.pager.reset()
-    s.pager.apply(s.pager.plan_pin(0, 16))   # pins do not move the head
+    for name in ("apply", "plan_alloc", "plan_truncate", "plan_reselect", "plan_pin", "unpin_all", "reset",
+                 "set_block_order"):
+        with pytest.raises(AttributeError):
+            getattr(s.pager, name)
+    for name in ("execute", "write_block"):
+        with pytest.raises(AttributeError):
+            getattr(s.kv, name)
+    s.pin(0, 16)   # pins do not move the head
     assert s.pager.is_pinned(0) and s.n_tokens == 40 and len(s.tokens) == 40
+    s.unpin_all()
+    assert not s.pager.is_pinned(0)
+    s.pager.check_invariants()
     assert isinstance(s.pager, c.SessionPager) and isinstance(s.kv, c.SessionKV)
+    assert isinstance(c.testing.KvPager(s.pager.config()), c.testing.KvPager)

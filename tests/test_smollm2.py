@@ -19,7 +19,7 @@ def greedy_both(model, vocab, path, cfg, n_prompt, n_steps, flash):
     prompt = vocab.tokenize(prose(80, seed=1), add_special=True)[:n_prompt]
     assert len(prompt) == n_prompt
     sess = _core.Session(model, cfg)
-    ref = _core.LlamaReference(path, n_ctx=1024, n_threads=2, flash_attn=flash)
+    ref = _core.testing.LlamaReference(path, n_ctx=1024, n_threads=2, flash_attn=flash)
     ours, theirs = sess.forward(np.array(prompt, np.int32), 0), ref.decode(prompt)
     diffs, mismatches = [float(np.abs(ours - theirs).max())], 0
     for _ in range(n_steps):
@@ -57,7 +57,7 @@ def test_relocated_blocks_give_the_same_argmax(smollm2, smollm2_vocab):
     identity = _core.Session(smollm2, cfg)
     shuffled = _core.Session(smollm2, cfg)
     order = np.random.default_rng(0).permutation(shuffled.pager.n_blocks())
-    shuffled.pager.set_block_order(order.tolist())
+    _core.testing.set_block_order(shuffled, order.tolist())
     a = identity.forward(tokens, 0, all_logits=True).argmax(axis=1)
     b = shuffled.forward(tokens, 0, all_logits=True).argmax(axis=1)
     assert not shuffled.pager.is_identity()
@@ -135,7 +135,7 @@ def test_pooled_prefill_equals_libllama_with_the_evicted_chunks_removed(smollm2,
     assert len(prompt) == 1280
     sess = _core.Session(smollm2, _core.SessionConfig(max_tokens=2048, pool_tokens=512, n_batch=64,
                                                       attention="matmul"))
-    ref = _core.LlamaReference(smollm2_path, n_ctx=2048, n_threads=2)
+    ref = _core.testing.LlamaReference(smollm2_path, n_ctx=2048, n_threads=2)
     removed, worst = set(), 0.0
     for lo in range(0, len(prompt), 64):
         ours = sess.forward(prompt[lo:lo + 64], lo, all_logits=True)
@@ -177,7 +177,7 @@ def test_adopted_prefill_equals_libllama_full_cache_with_the_evicted_chunks_remo
     # One token, as the engine runs the last prompt token after an exact prefill. (With many tokens in one
     # step after chunks were removed from its middle, libllama disagrees with itself from the third
     # token on: fed one by one vs as one batch, ~0.5 in the logits; ours agrees with its batch on 15 rows.)
-    ref = _core.LlamaReference(smollm2_path, n_ctx=2048, n_threads=2)
+    ref = _core.testing.LlamaReference(smollm2_path, n_ctx=2048, n_threads=2)
     for lo in range(0, 1216, 64):
         ref.decode(prompt[lo:lo + 64].tolist())
     ours = sess.forward(prompt[1216:1217], 1216)

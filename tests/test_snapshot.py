@@ -40,14 +40,12 @@ def busy_session(model, **kw):
     """A session whose ledger uses everything: a shuffled block order, live eviction (chunks only on the
     host), reselect scores (one NaN), a pin, and a partly written head chunk."""
     s = new_session(model, **kw)
-    s.pager.set_block_order(np.random.default_rng(3).permutation(s.pager.n_blocks()).tolist())
+    _core.testing.set_block_order(s, np.random.default_rng(3).permutation(s.pager.n_blocks()).tolist())
     s.forward(prompt(700), 0)                   # 11 chunks through an 8-block pool
     scores = np.random.default_rng(1).random(s.pager.n_chunks()).astype(np.float32)
     scores[3] = np.nan
     s.reselect(scores)
-    plan = s.pager.plan_pin(128, 192)           # chunk 2
-    s.kv.execute(plan)
-    s.pager.apply(plan)
+    s.pin(128, 192)   # chunk 2
     logits = s.forward(prompt(50, seed=2), s.n_tokens)
     assert 0 < s.pager.n_resident() < s.pager.n_chunks() and s.pager.n_host_images() > 0
     return s, logits

@@ -31,14 +31,12 @@ def base_snapshots(model):
     empty session."""
     rng = np.random.default_rng(0)
     s = _core.Session(model, _core.SessionConfig(**CONFIG))
-    s.pager.set_block_order(rng.permutation(s.pager.n_blocks()).tolist())
+    _core.testing.set_block_order(s, rng.permutation(s.pager.n_blocks()).tolist())
     s.forward(rng.integers(0, 1000, 150).astype(np.int32), 0)
     scores = rng.random(s.pager.n_chunks()).astype(np.float32)
     scores[2] = np.nan
     s.reselect(scores)
-    plan = s.pager.plan_pin(200, 208)   # chunk 12, ahead of the head
-    s.kv.execute(plan)
-    s.pager.apply(plan)
+    s.pin(200, 208)   # chunk 12, ahead of the head
     s.forward(rng.integers(0, 1000, 9).astype(np.int32), s.n_tokens)
     empty = _core.Session(model, _core.SessionConfig(**CONFIG))
     return [s.to_bytes(), s.to_bytes(prefix_chunks=3), empty.to_bytes()]

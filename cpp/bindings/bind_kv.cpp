@@ -1,5 +1,6 @@
 #include "bindings/bindings.h"
 
+#include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
 #include "runtime/session.h"
 
@@ -31,23 +32,16 @@ template <typename Fn> auto on_kv(SessionKV & h, Fn && fn) {
     });
 }
 
-// The pool API, for PooledKV (H = PooledKV) and for a session's pool (H = SessionKV).
-template <typename H> void def_kv_api(py::class_<H> & c) {
+// The pool's queries, for PooledKV (H = PooledKV) and for a session's pool (H = SessionKV).
+template <typename H> void def_kv_queries(py::class_<H> & c) {
     c.def_property_readonly("chunk_bytes", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.chunk_bytes(); }); })
         .def_property_readonly("device_bytes", [](H & h) {
             return on_kv(h, [](PooledKV & kv) { return kv.device_bytes(); });
         })
         .def_property_readonly("host_bytes", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.host_bytes(); }); })
-        .def("execute", [](H & h, const Plan & plan) { on_kv(h, [&](PooledKV & kv) { kv.execute(plan); }); },
-             py::arg("plan"))
         .def("read_block", [](H & h, int64_t b) {
             return to_bytes(on_kv(h, [&](PooledKV & kv) { return kv.read_block(b); }));
         }, py::arg("block"))
-        .def("write_block", [](H & h, int64_t b, const py::bytes & data) {
-            const std::string s = data;
-            const std::vector<uint8_t> bytes(s.begin(), s.end());
-            on_kv(h, [&](PooledKV & kv) { kv.write_block(b, bytes); });
-        }, py::arg("block"), py::arg("data"))
         .def("has_host_image", [](H & h, int64_t c) {
             return on_kv(h, [&](PooledKV & kv) { return kv.has_host_image(c); });
         }, py::arg("chunk"))
@@ -57,16 +51,18 @@ template <typename H> void def_kv_api(py::class_<H> & c) {
         }, py::arg("chunk"));
 }
 
-}  // namespace
+// The standalone pool with its mutators (kvflash_ggml._core.testing): a session's pool changes only
+// through the session's own calls.
+void bind_testing_kv(py::module_ & testing) {
+    py::class_<PooledKV> pooled(testing, "PooledKV");
+    def_kv_queries(pooled);
+    pooled.def("execute", &PooledKV::execute, py::arg("plan"))
+        .def("write_block", [](PooledKV & kv, int64_t b, const py::bytes & data) {
+            const std::string s = data;
+            kv.write_block(b, std::vector<uint8_t>(s.begin(), s.end()));
+        }, py::arg("block"), py::arg("data"));
 
-void register_kv(py::module_ & m) {
-    py::class_<PooledKV> pooled(m, "PooledKV");
-    def_kv_api(pooled);
-    py::class_<SessionKV> session_kv(m, "SessionKV", "A session's PooledKV (Session.kv): every call holds the "
-                                                      "session's lock and its model's compute mutex.");
-    def_kv_api(session_kv);
-
-    py::class_<CpuPooledKV>(m, "CpuPooledKV")
+    py::class_<CpuPooledKV>(testing, "CpuPooledKV")
         .def(py::init([](int64_t n_layer, int64_t n_embd_k, int64_t n_embd_v, int64_t pool_tokens, int64_t chunk_tokens,
                          const std::string & kv_type, bool v_trans) {
                  auto w = std::make_unique<CpuPooledKV>();
@@ -85,14 +81,23 @@ void register_kv(py::module_ & m) {
              py::arg("chunk_tokens") = k_chunk_tokens, py::arg("kv_type") = "f16", py::arg("v_trans") = false)
         .def_property_readonly("kv", [](CpuPooledKV & w) -> PooledKV & { return *w.kv; }, py::return_value_policy::reference_internal);
 
-    m.def("build_slot_mask", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> slot_pos, int64_t n_kv,
-                                py::array_t<int32_t, py::array::c_style | py::array::forcecast> pos, int64_t window) {
+    testing.def("build_slot_mask", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> slot_pos, int64_t n_kv,
+                                      py::array_t<int32_t, py::array::c_style | py::array::forcecast> pos, int64_t window) {
         if (n_kv > slot_pos.size()) throw std::invalid_argument("n_kv is larger than slot_positions");
         py::array_t<uint16_t> out({(py::ssize_t) pos.size(), (py::ssize_t) n_kv});
         build_slot_mask(slot_pos.data(), n_kv, pos.data(), pos.size(), window, reinterpret_cast<ggml_fp16_t *>(out.mutable_data()));
         return out.attr("view")("float16");
     }, py::arg("slot_positions"), py::arg("n_kv"), py::arg("positions"), py::arg("window") = 0,
        "F16 slot-space mask [n_tokens, n_kv]: 0 where visible, -inf elsewhere");
+}
+
+}  // namespace
+
+void register_kv(py::module_ & m, py::module_ & testing) {
+    py::class_<SessionKV> session_kv(m, "SessionKV", "A session's PooledKV (Session.kv), read-only: every call holds "
+                                                      "the session's lock and its model's compute mutex.");
+    def_kv_queries(session_kv);
+    bind_testing_kv(testing);
 }
 
 }  // namespace kvf::bind

@@ -57,8 +57,9 @@ void bind_vocab(py::module_ & m) {
         .def("meta", &Vocab::meta, py::arg("key"));
 }
 
-void bind_reference(py::module_ & m) {
-    py::class_<LlamaReference>(m, "LlamaReference")
+// libllama as the test reference (kvflash_ggml._core.testing).
+void bind_reference(py::module_ & testing) {
+    py::class_<LlamaReference>(testing, "LlamaReference")
         .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
              py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
         .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
@@ -77,7 +78,7 @@ py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t 
     return logits_array(std::move(v), n_rows, n_vocab, all);
 }
 
-void register_model(py::module_ & m) {
+void register_model(py::module_ & m, py::module_ & testing) {
     py::class_<ModelHparams>(m, "ModelHparams")
         .def_readonly("arch", &ModelHparams::arch)
         .def_readonly("name", &ModelHparams::name)
@@ -125,7 +126,7 @@ void register_model(py::module_ & m) {
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
     bind_vocab(m);
-    bind_reference(m);
+    bind_reference(testing);
 }
 
 }  // namespace kvf::bind

@@ -135,26 +135,6 @@ template <typename Fn> auto on_pager(SessionPager & h, Fn && fn) {
     });
 }
 
-// A session's ledger moves with its tokens and K/V: only Session.forward / truncate / reset may move its
-// head, or the session's token list would fall out of step with it.
-void check_session_plan(const KvPager & p, const Plan & plan) {
-    if (plan.n_tokens_after != p.n_tokens() || plan.span_n != 0 || !plan.dropped.empty()) {
-        throw py::value_error("Session.pager.apply: a plan that changes the tokens held (alloc, truncate) must go "
-                              "through Session.forward / Session.truncate");
-    }
-}
-void apply_plan(KvPager & p, const Plan & plan) { p.apply(plan); }
-void apply_plan(SessionPager & h, const Plan & plan) {
-    on_pager(h, [&](KvPager & p) {
-        check_session_plan(p, plan);
-        p.apply(plan);
-    });
-}
-void reset_pager(KvPager & p) { p.reset(); }
-void reset_pager(SessionPager &) {
-    throw py::value_error("Session.pager.reset: reset the session (Session.reset), which forgets its tokens too");
-}
-
 std::string repr(const KvPager & p) {
     return "KvPager(n_tokens=" + std::to_string(p.n_tokens()) + ", n_blocks=" + std::to_string(p.n_blocks()) +
            ", n_resident=" + std::to_string(p.n_resident()) + ", epoch=" + std::to_string(p.epoch()) + ")";
@@ -172,25 +152,14 @@ template <typename H, typename R, typename... A> auto pcall(R (KvPager::*f)(A...
     };
 }
 
-// The pager API, for KvPager (H = KvPager) and for a session's pager (H = SessionPager).
-template <typename H> void def_pager_api(py::class_<H> & c) {
+// The pager's queries, for KvPager (H = KvPager) and for a session's pager (H = SessionPager).
+template <typename H> void def_pager_queries(py::class_<H> & c) {
     c.def("config", pcall<H>(&KvPager::config))
         .def("n_blocks", pcall<H>(&KvPager::n_blocks))
         .def("n_tokens", pcall<H>(&KvPager::n_tokens))
         .def("n_chunks", pcall<H>(&KvPager::n_chunks))
         .def("epoch", pcall<H>(&KvPager::epoch))
-        .def("plan_alloc", pcall<H>(&KvPager::plan_alloc), py::arg("start"), py::arg("n"))
         .def("max_span_tokens", pcall<H>(&KvPager::max_span_tokens), py::arg("limit") = INT64_MAX)
-        .def("plan_reselect", [](H & h, const FloatArray & s) {
-            const std::vector<float> scores = to_vector(s);
-            return on_pager(h, [&](KvPager & p) { return p.plan_reselect(scores); });
-        }, py::arg("scores"))
-        .def("plan_truncate", pcall<H>(&KvPager::plan_truncate), py::arg("n"))
-        .def("plan_pin", pcall<H>(&KvPager::plan_pin), py::arg("lo"), py::arg("hi"))
-        .def("apply", [](H & h, const Plan & plan) { apply_plan(h, plan); }, py::arg("plan"))
-        .def("unpin_all", pcall<H>(&KvPager::unpin_all))
-        .def("reset", [](H & h) { reset_pager(h); })
-        .def("set_block_order", pcall<H>(&KvPager::set_block_order), py::arg("order"))
         .def("slot_of", pcall<H>(&KvPager::slot_of), py::arg("pos"))
         .def("slot_positions", [](H & h) { return to_numpy(pcall<H>(&KvPager::slot_positions)(h)); })
         .def("chunk_blocks", [](H & h) { return to_numpy(pcall<H>(&KvPager::chunk_blocks)(h)); })
@@ -208,21 +177,38 @@ template <typename H> void def_pager_api(py::class_<H> & c) {
         .def("__repr__", [](H & h) { return on_pager(h, [](KvPager & p) { return repr(p); }); });
 }
 
-void bind_kv_pager(py::module_ & m) {
-    py::class_<KvPager> pager(m, "KvPager", "Residency bookkeeping for the pooled KV cache (plan, then apply).");
-    pager.def(py::init<const PagerConfig &>(), py::arg("config"));
-    def_pager_api(pager);
+// A session's pager is read-only from Python: its ledger moves with the session's tokens and K/V, so
+// only the session's own calls (forward, truncate, reselect, pin, unpin_all, reset) change it.
+void bind_session_pager(py::module_ & m) {
     py::class_<SessionPager> session_pager(m, "SessionPager",
-                                           "A session's KvPager (Session.pager): every call holds the session's lock.");
-    def_pager_api(session_pager);
+                                           "A session's KvPager (Session.pager), read-only: every call holds the "
+                                           "session's lock.");
+    def_pager_queries(session_pager);
+}
+
+// The standalone pager with its mutators, for the pager's own tests (kvflash_ggml._core.testing).
+void bind_kv_pager(py::module_ & testing) {
+    py::class_<KvPager> pager(testing, "KvPager", "Residency bookkeeping for the pooled KV cache (plan, then apply).");
+    pager.def(py::init<const PagerConfig &>(), py::arg("config"));
+    def_pager_queries(pager);
+    pager.def("plan_alloc", &KvPager::plan_alloc, py::arg("start"), py::arg("n"))
+        .def("plan_reselect", [](KvPager & p, const FloatArray & s) { return p.plan_reselect(to_vector(s)); },
+             py::arg("scores"))
+        .def("plan_truncate", &KvPager::plan_truncate, py::arg("n"))
+        .def("plan_pin", &KvPager::plan_pin, py::arg("lo"), py::arg("hi"))
+        .def("apply", &KvPager::apply, py::arg("plan"))
+        .def("unpin_all", &KvPager::unpin_all)
+        .def("reset", &KvPager::reset)
+        .def("set_block_order", &KvPager::set_block_order, py::arg("order"));
 }
 
 }  // namespace
 
-void register_pager(py::module_ & m) {
+void register_pager(py::module_ & m, py::module_ & testing) {
     bind_config(m);
     bind_plan(m);
-    bind_kv_pager(m);
+    bind_session_pager(m);
+    bind_kv_pager(testing);
 }
 
 }  // namespace kvf::bind

@@ -70,7 +70,7 @@ void bind_config_and_timings(py::module_ & m) {
 
 }  // namespace
 
-void register_session(py::module_ & m) {
+void register_session(py::module_ & m, py::module_ & testing) {
     bind_config_and_timings(m);
     m.attr("CHUNK_TOKENS") = k_chunk_tokens;
     m.attr("CAPTURE_TOKENS") = k_capture_tokens;
@@ -103,6 +103,12 @@ void register_session(py::module_ & m) {
                  without_gil([&] { s.reselect(v); });
              }, py::arg("scores"))
         .def("reset", &Session::reset, released)
+        .def("pin", &Session::pin, py::arg("lo"), py::arg("hi"), released,
+             "pin the chunks of positions [lo, hi): paged in if evicted, never evicted until unpin_all()")
+        .def("unpin_all", &Session::unpin_all, released)
+        .def("step_tokens", &Session::step_tokens, py::arg("n_remaining"), released,
+             "how many of n_remaining tokens the next forward step takes (n_batch, what the pool can place, and "
+             "with queries or attention captured, a last step of at least CAPTURE_TOKENS tokens)")
         .def("queries", [](const Session & s) {
                  const StepQueries q = without_gil([&] { return s.queries(); });
                  py::array_t<float> out({q.n_layer, q.n_tokens, q.n_head, q.head_dim});
@@ -142,6 +148,14 @@ void register_session(py::module_ & m) {
             return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
         }, "The tokens whose K/V the session holds (a copy).");
     bind_session_snapshots(session);
+
+    testing.def("set_block_order", [](Session & s, const std::vector<int64_t> & order) {
+        without_gil([&] {
+            const SessionLock held = s.lock(/*device =*/ false);
+            s.pager().set_block_order(order);
+        });
+    }, py::arg("session"), py::arg("order"),
+       "hand out the session's free blocks in this order (only while no chunk is resident): shuffled blocks for tests");
 }
 
 }  // namespace kvf::bind

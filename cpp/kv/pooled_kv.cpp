@@ -265,19 +265,4 @@ void PooledKV::clear_host() {
     host_.clear();
 }
 
-void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens, int64_t window,
-                     ggml_fp16_t * out) {
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
-    const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
-    for (int64_t i = 0; i < n_tokens; ++i) {
-        const int64_t p = pos[i];
-        ggml_fp16_t * row = out + i * n_kv;
-        for (int64_t s = 0; s < n_kv; ++s) {
-            const int64_t q = slot_pos[s];
-            const bool visible = q >= 0 && q <= p && (window <= 0 || p - q < window);
-            row[s] = visible ? zero : ninf;
-        }
-    }
-}
-
 }  // namespace kvf

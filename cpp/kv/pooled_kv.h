@@ -1,5 +1,6 @@
 // PooledKV: the device K/V pool of every full-attention layer, plus the host store of chunk images.
-// It executes KvPager plans on tensors, bit-exact, and builds the per-step inputs (slot rows, mask).
+// It executes KvPager plans on tensors, bit-exact. The per-step inputs (slot rows, mask, key order) are in
+// kv_step_inputs.h, the graph's writes and views of the pool in kv_graph.h.
 // It knows nothing of models: a layer is just an index with a K and a V row width.
 //
 // Layout (same for every architecture): per pooled layer, K is [n_embd_k, pool_tokens] and V is
@@ -47,6 +48,11 @@ struct KvLayout {
 };
 
 ggml_type kv_type_from_name(const std::string & name);   // "f16" | "q8_0" | "q4_0" | "f32" | "bf16"
+
+// The V layout of a pool for an attention path: transposed for mul_mat attention, which reads it as is.
+// Flash attention reads slot rows, and the position-ordered copy (ordered attention) gathers slot rows,
+// so either keeps V in slot rows.
+inline bool v_trans_for(bool flash_attn, bool ordered_attention) { return !flash_attn && !ordered_attention; }
 
 class PooledKV {
 public:
@@ -118,11 +124,5 @@ private:
     std::vector<uint8_t *> free_slots_;
     std::unordered_map<int64_t, uint8_t *> host_;
 };
-
-// The F16 slot-space mask for one step, [n_kv, n_tokens] in ggml order (row i = query token i):
-// 0 where slot s holds a position p with 0 <= p <= pos[i] and (window <= 0 or pos[i] - p < window),
-// -inf elsewhere. slot_pos has at least n_kv entries (-1 = empty slot).
-void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens,
-                     int64_t window, ggml_fp16_t * out);
 
 }  // namespace kvf

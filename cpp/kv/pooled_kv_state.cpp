@@ -5,7 +5,7 @@
 // returns (per layer, the chunk's K rows then its V rows), with V always in slot rows: a pool with a
 // transposed V (v_trans) converts, so snapshots move between attention paths (e.g. CPU matmul -> GPU flash).
 #include "kv/pooled_kv.h"
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #include <cstring>
 #include <string>

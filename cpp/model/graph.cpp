@@ -1,5 +1,7 @@
 #include "model/graph.h"
 
+#include "kv/kv_graph.h"
+
 #include <cmath>
 
 namespace kvf {
@@ -51,24 +53,10 @@ ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
 ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
                                ggml_tensor * v, float kq_scale) {
     ggml_context * ctx = g.ctx;
-    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head_kv = k->ne[1], n_head = q->ne[1];
-    ggml_tensor * k_pool = g.kv->k(il);   // [n_embd_k, pool_tokens]
-    ggml_tensor * v_pool = g.kv->v(il);   // [n_embd_v, pool_tokens], or [pool_tokens, n_embd_v] if v_trans
-
-    // RoPE happened before this write, so a K row is position-independent and may live in any slot.
-    // Flattened with a view (not a reshape), as llama.cpp does: ggml-cuda fuses rope -> view -> set_rows
-    // into one kernel that writes the rotated K straight into the pool.
-    ggml_tensor * k_rows = ggml_view_2d(ctx, k, head_dim_k * n_head_kv, g.n_tokens, k->nb[2], 0);
-    ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, k_pool, k_rows, g.in.slots));
-    const bool v_trans = g.kv->layout().v_trans;
-    if (v_trans) {   // every V value is its own one-element row, scattered to (channel, slot)
-        ggml_tensor * v_vals = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v), 1, ggml_nelements(v));
-        ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, ggml_reshape_2d(ctx, v_pool, 1, ggml_nelements(v_pool)),
-                                                      v_vals, g.in.v_slots));
-    } else {
-        ggml_tensor * v_rows = ggml_view_2d(ctx, v, head_dim_v * n_head_kv, g.n_tokens, v->nb[2], 0);
-        ggml_build_forward_expand(g.gf, ggml_set_rows(ctx, v_pool, v_rows, g.in.slots));
-    }
+    const PooledKV & kv = *g.kv;
+    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1];
+    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, g.in.kv, il, k));
+    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, g.in.kv, il, v));
     if (g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
         const int64_t n_q = g.n_query_tokens;
         ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
@@ -78,38 +66,22 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
         g.queries.push_back(last);
     }
 
-    if (g.in.kv_order) {
-        // Attention sums over keys in slot order; once chunks sit in shuffled blocks that order differs
-        // from the full cache's and the floating-point sums differ (enough to flip ~2% of SmolLM2's argmaxes).
-        // A copy in position order makes the result independent of where chunks landed.
-        k_pool = ggml_set_rows(ctx, ggml_new_tensor_2d(ctx, k_pool->type, k_pool->ne[0], k_pool->ne[1]), k_pool, g.in.kv_order);
-        v_pool = ggml_set_rows(ctx, ggml_new_tensor_2d(ctx, v_pool->type, v_pool->ne[0], v_pool->ne[1]), v_pool, g.in.kv_order);
-    }
-    ggml_tensor * kk = ggml_view_3d(ctx, k_pool, head_dim_k, n_head_kv, g.n_kv, ggml_row_size(k_pool->type, head_dim_k),
-                                    k_pool->nb[1], 0);   // [head_dim_k, n_head_kv, n_kv]
+    ggml_tensor * kk = get_k(ctx, kv, g.in.kv, il, g.n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n_tokens, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
     ggml_tensor * out;
     if (g.flash_attn) {
-        ggml_tensor * vv = ggml_view_3d(ctx, v_pool, head_dim_v, n_head_kv, g.n_kv, ggml_row_size(v_pool->type, head_dim_v),
-                                        v_pool->nb[1], 0);   // [head_dim_v, n_head_kv, n_kv]
+        ggml_tensor * vv = get_v(ctx, kv, g.in.kv, il, g.n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
         ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
-        out = ggml_flash_attn_ext(ctx, qp, kp, vp, g.in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
+        out = ggml_flash_attn_ext(ctx, qp, kp, vp, g.in.kv.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
         ggml_prec_set_acc(out, GGML_PREC_F32);
         out = ggml_reshape_2d(ctx, out, head_dim_v * n_head, g.n_tokens);
     } else {
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n_tokens, n_head]
         ggml_prec_set_acc(kq, GGML_PREC_F32);
-        kq = ggml_soft_max_ext(ctx, kq, g.in.mask, kq_scale, 0.0f);
+        kq = ggml_soft_max_ext(ctx, kq, g.in.kv.mask, kq_scale, 0.0f);
         if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, kq));
-        ggml_tensor * vt;   // [n_kv, head_dim_v, n_head_kv]: mul_mat wants the slots in ne0
-        if (v_trans) {
-            vt = ggml_view_3d(ctx, v_pool, g.n_kv, head_dim_v, n_head_kv, v_pool->nb[1], v_pool->nb[1] * head_dim_v, 0);
-        } else {   // slot rows (position-ordered copies): transpose this step's n_kv slots
-            ggml_tensor * vv = ggml_view_3d(ctx, v_pool, head_dim_v, n_head_kv, g.n_kv,
-                                            ggml_row_size(v_pool->type, head_dim_v), v_pool->nb[1], 0);
-            vt = ggml_cont(ctx, ggml_permute(ctx, vv, 1, 2, 0, 3));
-        }
+        ggml_tensor * vt = get_v_trans(ctx, kv, g.in.kv, il, g.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
         ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n_tokens, n_head]
         out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, g.n_tokens);
     }

@@ -1,8 +1,10 @@
 // Shared graph-building blocks. A family's build() uses these to write its decoder stack in one screen.
 // Graph builders take no host arrays and read no pager state: every per-step value is an input tensor
-// that Session::set_inputs fills before each compute.
+// that Session::set_inputs fills before each compute. How K/V lie in the pool is cpp/kv's business
+// (kv/kv_graph.h): attention writes and reads the pool only through cpy_k / cpy_v / get_k / get_v.
 #pragma once
 
+#include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
 #include "model/model.h"
 
@@ -11,13 +13,8 @@ namespace kvf {
 struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
     ggml_tensor * positions = nullptr;   // I32 [n_tokens]
-    ggml_tensor * slots     = nullptr;   // I64 [n_tokens]  pool row written by each token
-    ggml_tensor * v_slots   = nullptr;   // I64 [n_embd_v * n_tokens]  element of the transposed V pool
-                                         // written by each V value (v_trans layouts only)
-    ggml_tensor * mask      = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
     ggml_tensor * out_ids   = nullptr;   // I32 [n_outputs]  tokens whose logits are computed (nullptr: all)
-    ggml_tensor * kv_order  = nullptr;   // I64 [pool_tokens] row of each slot in the position-ordered copy
-                                         // (nullptr: attend the pool in slot order)
+    KvStepInputs kv;                     // the pool's: slot rows, slot mask, key order (kv/kv_step_inputs.h)
 };
 
 struct GraphCtx {
@@ -38,8 +35,8 @@ struct GraphCtx {
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);
 // SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
-// q, k, v: [head_dim, n_head(_kv), n_tokens], already RoPE'd. Writes k and v into the pool rows of this
-// step (set_rows), attends over the first n_kv slots with the slot mask, applies wo.
+// q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v into the pool
+// (cpy_k / cpy_v), attends over the first n_kv keys (get_k / get_v) with the slot mask, applies wo.
 ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
                                ggml_tensor * v, float kq_scale);
 ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x);

@@ -28,7 +28,7 @@
 // State (snapshots): save_state() writes everything above except the epoch; state_from() is the const
 // half that reads and fully validates a saved state against this pager's config (the loaded state must
 // pass check_invariants() here) and returns it as a new pager; replace_state() is the commit. Errors in
-// saved bytes are SnapshotError (snapshot/byte_io.h), never one of the kinds above.
+// saved bytes are SnapshotError (common/byte_io.h), never one of the kinds above.
 //
 // Block hand-out: free blocks are handed out in block-order (identity unless set_block_order) and a
 // released block rejoins the free list at its place in that order. So a fresh pager puts chunk c in

@@ -9,7 +9,7 @@
 //   scores     array of f32 (at most n_chunks)
 //   stats      page_outs, page_ins, bytes_out, bytes_in, reselects, evictions
 #include "pager/kv_pager.h"
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #include <algorithm>
 #include <string>

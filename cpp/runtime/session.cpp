@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
 
 namespace kvf {
@@ -91,8 +90,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     }
     ordered_ = cfg_.ordered_attention > 0;
     kv_pad_ = model_->on_gpu() || flash_attn_ ? k_kv_pad : k_kv_pad_cpu_matmul;
-    // The position-ordered copy gathers slot rows, so an ordered session keeps V in slot rows.
-    layout.v_trans = !flash_attn_ && !ordered_;
+    layout.v_trans = v_trans_for(flash_attn_, ordered_);
 
     pc.validate();
     kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
@@ -178,10 +176,7 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
         }
     }
     for (int64_t done = 0; done < n;) {
-        // Each step must fit the pool at once: the pager says how much it can place.
-        const int64_t want = std::min(n - done, cfg_.n_batch);
-        const int64_t step = std::min(want, pager_->max_span_tokens(want));
-        if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
+        const int64_t step = step_tokens(n - done);
         const Plan plan = pager_->plan_alloc(start + done, step);
         execute(plan);
         tokens_.insert(tokens_.end(), tokens + done, tokens + done + step);
@@ -193,42 +188,10 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
     }
 }
 
-Session::KeyOrder Session::key_order() const {
-    KeyOrder o;
-    const std::vector<int64_t> slot_pos = pager_->slot_positions();
-    const int64_t n_slots = (int64_t) slot_pos.size();
-    o.gathered = ordered_ && !pager_->is_identity() && !ggml_is_quantized(kv_->layout().type_k) &&
-                 !ggml_is_quantized(kv_->layout().type_v);
-    if (!o.gathered) {
-        int64_t last = -1;
-        for (int64_t s = n_slots - 1; s >= 0 && last < 0; --s) if (slot_pos[s] >= 0) last = s;
-        o.n_kv = std::min(round_up(last + 1, kv_pad_), n_slots);
-        o.key_pos = slot_pos;
-        return o;
-    }
-    // Occupied slots sorted by position first, then the empty ones: O(pool log pool), never O(context).
-    std::vector<int64_t> slots(n_slots);
-    for (int64_t s = 0; s < n_slots; ++s) slots[s] = s;
-    std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
-        const int64_t pa = slot_pos[a] < 0 ? INT64_MAX : slot_pos[a], pb = slot_pos[b] < 0 ? INT64_MAX : slot_pos[b];
-        return pa < pb;
-    });
-    o.slot_row.resize(n_slots);
-    o.key_pos.resize(n_slots);
-    int64_t n_occupied = 0;
-    for (int64_t j = 0; j < n_slots; ++j) {
-        o.slot_row[slots[j]] = j;
-        o.key_pos[j] = slot_pos[slots[j]];
-        n_occupied += o.key_pos[j] >= 0;
-    }
-    o.n_kv = std::min(round_up(n_occupied, kv_pad_), n_slots);
-    return o;
-}
-
 void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
                       int32_t * greedy_out) {
     const auto t0 = std::chrono::steady_clock::now();
-    const KeyOrder order = key_order();
+    const KvKeyOrder order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
     const int64_t n_outputs = all_logits ? n : 1;
     if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered) {
         build_graph(n, order.n_kv, n_outputs, order.gathered);
@@ -242,26 +205,6 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
     if (greedy_out) *greedy_out = read_greedy();
     timings_.t_compute_ms += ms_since(t0);
     timings_.n_computes++;
-}
-
-void Session::read_logits(float * out) {
-    const size_t n = ggml_nbytes(logits_);
-    ggml_backend_buffer_type_t host = model_->on_gpu()
-        ? ggml_backend_dev_host_buffer_type(ggml_backend_get_device(model_->backend())) : nullptr;
-    if (host && (!logits_host_ || ggml_backend_buffer_get_size(logits_host_) < n)) {
-        if (logits_host_) ggml_backend_buffer_free(logits_host_);
-        logits_host_ = ggml_backend_buft_alloc_buffer(host, n);
-    }
-    if (!host || !logits_host_) {
-        ggml_backend_tensor_get(logits_, out, 0, n);
-        return;
-    }
-    // One DMA into pinned memory on the compute stream, then a host copy: a pageable read of the 0.5 MB
-    // of an 8B model's logits goes through the driver's staging buffers and took longer.
-    auto * staged = static_cast<const uint8_t *>(ggml_backend_buffer_get_base(logits_host_));
-    ggml_backend_tensor_get_async(model_->backend(), logits_, const_cast<uint8_t *>(staged), 0, n);
-    ggml_backend_synchronize(model_->backend());
-    std::memcpy(out, staged, n);
 }
 
 void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered) {
@@ -286,15 +229,11 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
 
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_tokens);
-    g.in.slots = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_tokens);
-    const KvLayout & L = kv_->layout();
-    g.in.v_slots = L.v_trans ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
-    g.in.mask = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F16, n_kv, n_tokens);
     g.in.out_ids = n_outputs < n_tokens ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_outputs) : nullptr;
-    g.in.kv_order = gathered ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, kv_->layout().pool_tokens) : nullptr;
-    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.slots, g.in.v_slots, g.in.mask, g.in.out_ids, g.in.kv_order}) {
+    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
         if (t) ggml_set_input(t);
     }
+    g.in.kv = kv_step_inputs_new(g.ctx, kv_->layout(), n_tokens, n_kv, gathered);
 
     const Model & m = *model_;
     ggml_tensor * h = m.arch().build(g, m);   // [n_embd, n_outputs]
@@ -318,73 +257,14 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     timings_.n_graph_builds++;
 }
 
-namespace {
-
-// The most rows of at most 1024 that split n evenly (1 when n is prime).
-int64_t greedy_rows(int64_t n) {
-    for (int64_t r = std::min<int64_t>(n, 1024); r > 1; --r) if (n % r == 0) return r;
-    return 1;
-}
-
-}  // namespace
-
-void Session::build_greedy(GraphCtx & g) {
-    // ggml's argmax runs one GPU block per row: over one 128K-wide row of logits it took 51 us of a 3.4 ms
-    // H100 decode step (ncu). Split into R rows of C, each row's argmax and max (a C-wide max pool) run
-    // in parallel and read_greedy picks among the R candidates.
-    const int64_t n_vocab = logits_->ne[0], R = greedy_rows(n_vocab), C = n_vocab / R;
-    ggml_tensor * rows = ggml_reshape_2d(g.ctx, logits_, C, R);
-    greedy_.col = ggml_argmax(g.ctx, rows);                                              // I32 [R]
-    greedy_.max = ggml_pool_2d(g.ctx, rows, GGML_OP_POOL_MAX, (int) C, 1, (int) C, 1, 0, 0);   // F32 [1, R]
-    greedy_.row_len = C;
-    for (ggml_tensor * t : {greedy_.col, greedy_.max}) {
-        ggml_set_output(t);
-        ggml_build_forward_expand(g.gf, t);
-    }
-}
-
-int32_t Session::read_greedy() {
-    const int64_t R = greedy_.col->ne[0];
-    greedy_scratch_.resize((size_t) (2 * R));
-    int32_t * col = greedy_scratch_.data();
-    float * max = reinterpret_cast<float *>(col + R);
-    ggml_backend_tensor_get_async(model_->backend(), greedy_.col, col, 0, R * sizeof(int32_t));
-    ggml_backend_tensor_get_async(model_->backend(), greedy_.max, max, 0, R * sizeof(float));
-    ggml_backend_synchronize(model_->backend());
-    int64_t best = 0;   // the first row holding the maximum, as NumPy's argmax picks the first index
-    for (int64_t r = 1; r < R; ++r) if (max[r] > max[best]) best = r;
-    return (int32_t) (best * greedy_.row_len + col[best]);
-}
-
 void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs,
-                         const KeyOrder & order) {
+                         const KvKeyOrder & order) {
     const StepInputs & in = graph_.in;
-    const int64_t start = alloc.span_start;
     std::vector<int32_t> pos(n);
-    std::vector<int64_t> slots(n);
-    for (int64_t i = 0; i < n; ++i) {
-        pos[i] = (int32_t) (start + i);
-        slots[i] = alloc.slots[i];
-    }
+    for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (alloc.span_start + i);
     ggml_backend_tensor_set(in.tokens, tokens, 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
-    ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
-    if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
-        const int64_t W = kv_->layout().n_embd_v, P = kv_->layout().pool_tokens;
-        std::vector<int64_t> v_slots((size_t) (W * n));
-        for (int64_t i = 0; i < n; ++i) {
-            for (int64_t c = 0; c < W; ++c) v_slots[i * W + c] = c * P + slots[i];
-        }
-        ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
-    }
-
-    const int64_t n_kv = order.n_kv;
-    input_scratch_.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
-    auto * mask = reinterpret_cast<ggml_fp16_t *>(input_scratch_.data());
-    build_slot_mask(order.key_pos.data(), n_kv, pos.data(), n, 0, mask);
-    if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
-    ggml_backend_tensor_set(in.mask, mask, 0, input_scratch_.size());
-
+    kv_step_inputs_set(in.kv, kv_->layout(), order, alloc, pos.data(), input_scratch_);
     if (in.out_ids) {
         std::vector<int32_t> ids(n_outputs);
         for (int64_t i = 0; i < n_outputs; ++i) ids[i] = (int32_t) (n - n_outputs + i);
@@ -475,6 +355,32 @@ std::vector<float> Session::chunk_scores(const std::string & kind) {
 void Session::reselect(const std::vector<float> & scores) {
     const SessionLock held = lock();
     execute(pager_->plan_reselect(scores));
+}
+
+int64_t Session::step_tokens(int64_t n_remaining) const {
+    const SessionLock held = lock(false);
+    if (n_remaining <= 0) throw std::invalid_argument("step_tokens needs n_remaining >= 1");
+    // Each step must fit the pool at once: the pager says how much it can place.
+    const int64_t want = std::min(n_remaining, cfg_.n_batch);
+    int64_t step = std::min(want, pager_->max_span_tokens(want));
+    if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
+    const int64_t n_last = std::min(n_remaining, k_capture_tokens);
+    const bool captures = cfg_.track_summaries || cfg_.capture_attention;
+    // A shorter step now leaves the last n_last tokens for one step (it fits: fewer than this one).
+    if (captures && step < n_remaining && n_remaining - step < n_last && n_remaining > n_last) {
+        step = n_remaining - n_last;
+    }
+    return step;
+}
+
+void Session::pin(int64_t lo, int64_t hi) {
+    const SessionLock held = lock();
+    execute(pager_->plan_pin(lo, hi));
+}
+
+void Session::unpin_all() {
+    const SessionLock held = lock(false);
+    pager_->unpin_all();
 }
 
 void Session::reset() {

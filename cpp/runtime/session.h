@@ -15,6 +15,7 @@
 // caller that holds Python's GIL must release it before calling in: a compute may log through Python.
 #pragma once
 
+#include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
 #include "model/graph.h"
 #include "model/model.h"
@@ -101,7 +102,18 @@ public:
     // written whole); src may hold the chunks in its pool or its host store.
     void adopt(const Session & src, int64_t n);
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
+    // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
+    // once written) until unpin_all(). Throws if the pins would leave no block evictable.
+    void pin(int64_t lo, int64_t hi);
+    void unpin_all();
     void reset();
+
+    // How many of n_remaining tokens the next forward step takes: at most n_batch and what the pager can
+    // place at once; when the session captures queries or attention (track_summaries, capture_attention),
+    // split so that the last step holds at least min(n_remaining, k_capture_tokens) tokens, since the
+    // capture covers the last step only (n_batch=16, 18 tokens: 10 then 8, not 16 then 2). Throws when the
+    // pool has no room for another token.
+    int64_t step_tokens(int64_t n_remaining) const;
 
     // Post-RoPE queries of the last (up to 8) tokens of the latest step, per layer.
     StepQueries queries() const;
@@ -144,18 +156,11 @@ private:
     void run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy);
     void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
                  int32_t * greedy_out);
-    // The key order of this step: per slot, the position it holds, as attention sees the keys.
-    struct KeyOrder {
-        bool gathered = false;             // keys copied into position order (kv_order input)
-        std::vector<int64_t> key_pos;      // position of attended key j (-1: empty), >= n_kv entries
-        std::vector<int64_t> slot_row;     // gathered only: row of each slot in the ordered copy
-        int64_t n_kv = 0;                  // keys attended, padded to 256
-    };
-    KeyOrder key_order() const;
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
-    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KeyOrder & order);
-    void read_logits(float * out);
-    void keep_capture_order(const KeyOrder & order);   // session_capture.cpp
+    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order);
+    void keep_capture_order(const KvKeyOrder & order);   // session_capture.cpp
+    // ---- outputs (session_outputs.cpp) ----
+    void read_logits(float * out);     // the logits_ rows, through pinned staging on a GPU
     void build_greedy(GraphCtx & g);   // the argmax of the logits, in two parallel stages
     int32_t read_greedy();
 

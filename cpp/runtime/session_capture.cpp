@@ -16,7 +16,7 @@ std::vector<float> AttentionCapture::max_over_queries() const {
     return out;
 }
 
-void Session::keep_capture_order(const KeyOrder & order) {
+void Session::keep_capture_order(const KvKeyOrder & order) {
     attn_key_pos_.assign(order.key_pos.begin(), order.key_pos.begin() + order.n_kv);
     attn_n_tokens_ = pager_->n_tokens();
 }

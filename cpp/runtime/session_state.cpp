@@ -4,7 +4,7 @@
 // kv_type, attention (u32 length + bytes), allow_beyond_train_ctx, ordered_attention, track_summaries (u8),
 // n_tokens (i64).
 #include "runtime/session.h"
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #include <chrono>
 #include <cstdint>

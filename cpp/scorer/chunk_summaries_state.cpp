@@ -3,7 +3,7 @@
 // Layout, version 1: n_layer, n_head_kv, head_dim, n_chunks (i64); has (u8 x n_chunks); then mean, min
 // and max (f32 x n_chunks x n_layer x n_head_kv x head_dim each), in the in-memory order.
 #include "scorer/chunk_summaries.h"
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #include <algorithm>
 #include <cstring>

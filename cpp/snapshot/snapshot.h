@@ -24,7 +24,7 @@
 #pragma once
 
 #include "runtime/session.h"
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #include <cstdint>
 #include <memory>

@@ -1,4 +1,4 @@
-#include "snapshot/byte_io.h"
+#include "common/byte_io.h"
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"

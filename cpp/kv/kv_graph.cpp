@@ -1,0 +1,65 @@
+#include "kv/kv_graph.h"
+
+#include <stdexcept>
+
+namespace kvf {
+
+namespace {
+
+// Attention sums over keys in slot order; once chunks sit in shuffled blocks that order differs from the
+// full cache's and the floating-point sums differ (enough to flip ~2% of SmolLM2's argmaxes). A copy in
+// position order makes the result independent of where chunks landed. pool: [row width, pool_tokens].
+ggml_tensor * ordered(ggml_context * ctx, const KvStepInputs & in, ggml_tensor * pool) {
+    if (!in.kv_order) return pool;
+    return ggml_set_rows(ctx, ggml_new_tensor_2d(ctx, pool->type, pool->ne[0], pool->ne[1]), pool, in.kv_order);
+}
+
+// The first n_kv slot rows of a pool in slot rows, split into heads: [head_dim, n_head_kv, n_kv].
+ggml_tensor * heads_view(ggml_context * ctx, ggml_tensor * pool, int64_t head_dim, int64_t n_kv) {
+    return ggml_view_3d(ctx, pool, head_dim, pool->ne[0] / head_dim, n_kv, ggml_row_size(pool->type, head_dim),
+                        pool->nb[1], 0);
+}
+
+}  // namespace
+
+ggml_tensor * cpy_k(ggml_context * ctx, const PooledKV & kv, const KvStepInputs & in, int64_t il, ggml_tensor * k) {
+    // RoPE happened before this write, so a K row is position-independent and may live in any slot.
+    // Flattened with a view (not a reshape), as llama.cpp does: ggml-cuda fuses rope -> view -> set_rows
+    // into one kernel that writes the rotated K straight into the pool.
+    ggml_tensor * k_rows = ggml_view_2d(ctx, k, k->ne[0] * k->ne[1], k->ne[2], k->nb[2], 0);
+    return ggml_set_rows(ctx, kv.k(il), k_rows, in.slots);
+}
+
+ggml_tensor * cpy_v(ggml_context * ctx, const PooledKV & kv, const KvStepInputs & in, int64_t il, ggml_tensor * v) {
+    ggml_tensor * v_pool = kv.v(il);   // [n_embd_v, pool_tokens], or [pool_tokens, n_embd_v] if v_trans
+    if (kv.layout().v_trans) {   // every V value is its own one-element row, scattered to (channel, slot)
+        ggml_tensor * v_vals = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v), 1, ggml_nelements(v));
+        return ggml_set_rows(ctx, ggml_reshape_2d(ctx, v_pool, 1, ggml_nelements(v_pool)), v_vals, in.v_slots);
+    }
+    ggml_tensor * v_rows = ggml_view_2d(ctx, v, v->ne[0] * v->ne[1], v->ne[2], v->nb[2], 0);
+    return ggml_set_rows(ctx, v_pool, v_rows, in.slots);
+}
+
+ggml_tensor * get_k(ggml_context * ctx, const PooledKV & kv, const KvStepInputs & in, int64_t il, int64_t n_kv,
+                    int64_t head_dim_k) {
+    return heads_view(ctx, ordered(ctx, in, kv.k(il)), head_dim_k, n_kv);
+}
+
+ggml_tensor * get_v(ggml_context * ctx, const PooledKV & kv, const KvStepInputs & in, int64_t il, int64_t n_kv,
+                    int64_t head_dim_v) {
+    if (kv.layout().v_trans) throw std::logic_error("get_v: V is transposed (v_trans); use get_v_trans");
+    return heads_view(ctx, ordered(ctx, in, kv.v(il)), head_dim_v, n_kv);
+}
+
+ggml_tensor * get_v_trans(ggml_context * ctx, const PooledKV & kv, const KvStepInputs & in, int64_t il, int64_t n_kv,
+                          int64_t head_dim_v) {
+    ggml_tensor * v_pool = kv.v(il);
+    if (kv.layout().v_trans) {   // [pool_tokens, n_embd_v]: mul_mat reads the first n_kv slots of each channel as is
+        const int64_t n_head_kv = v_pool->ne[1] / head_dim_v;
+        return ggml_view_3d(ctx, v_pool, n_kv, head_dim_v, n_head_kv, v_pool->nb[1], v_pool->nb[1] * head_dim_v, 0);
+    }
+    // slot rows (position-ordered copies included): transpose this step's n_kv slots
+    return ggml_cont(ctx, ggml_permute(ctx, get_v(ctx, kv, in, il, n_kv, head_dim_v), 1, 2, 0, 3));
+}
+
+}  // namespace kvf

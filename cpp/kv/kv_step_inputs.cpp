@@ -1,0 +1,108 @@
+#include "kv/kv_step_inputs.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <stdexcept>
+
+namespace kvf {
+
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ordered, int64_t kv_pad) {
+    KvKeyOrder o;
+    const std::vector<int64_t> slot_pos = pager.slot_positions();
+    const int64_t n_slots = (int64_t) slot_pos.size();
+    o.gathered = ordered && !pager.is_identity() && !ggml_is_quantized(layout.type_k) &&
+                 !ggml_is_quantized(layout.type_v);
+    if (!o.gathered) {
+        int64_t last = -1;
+        for (int64_t s = n_slots - 1; s >= 0 && last < 0; --s) if (slot_pos[s] >= 0) last = s;
+        o.n_kv = std::min(round_up(last + 1, kv_pad), n_slots);
+        o.key_pos = slot_pos;
+        return o;
+    }
+    // Occupied slots sorted by position first, then the empty ones: O(pool log pool), never O(context).
+    std::vector<int64_t> slots(n_slots);
+    for (int64_t s = 0; s < n_slots; ++s) slots[s] = s;
+    std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
+        const int64_t pa = slot_pos[a] < 0 ? INT64_MAX : slot_pos[a], pb = slot_pos[b] < 0 ? INT64_MAX : slot_pos[b];
+        return pa < pb;
+    });
+    o.slot_row.resize(n_slots);
+    o.key_pos.resize(n_slots);
+    int64_t n_occupied = 0;
+    for (int64_t j = 0; j < n_slots; ++j) {
+        o.slot_row[slots[j]] = j;
+        o.key_pos[j] = slot_pos[slots[j]];
+        n_occupied += o.key_pos[j] >= 0;
+    }
+    o.n_kv = std::min(round_up(n_occupied, kv_pad), n_slots);
+    return o;
+}
+
+KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t n_tokens, int64_t n_kv, bool gathered) {
+    if (gathered && L.v_trans) {
+        throw std::logic_error("a position-ordered copy gathers slot rows: it needs V in slot rows, not v_trans");
+    }
+    KvStepInputs in;
+    in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    in.v_slots = L.v_trans ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
+    in.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    in.kv_order = gathered ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.pool_tokens) : nullptr;
+    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask, in.kv_order}) {
+        if (t) ggml_set_input(t);
+    }
+    return in;
+}
+
+void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
+                        const int32_t * pos, std::vector<uint8_t> & scratch) {
+    const int64_t n = alloc.span_n;
+    const bool same_shape = in.slots->ne[0] == n && in.mask->ne[0] == order.n_kv && in.mask->ne[1] == n &&
+                            (in.kv_order != nullptr) == order.gathered;
+    if (!same_shape) {
+        throw std::logic_error("kv_step_inputs_set: the step's input tensors were made for another shape");
+    }
+    std::vector<int64_t> slots(n);
+    for (int64_t i = 0; i < n; ++i) slots[i] = alloc.slots[i];
+    ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+    if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
+        const int64_t W = L.n_embd_v, P = L.pool_tokens;
+        std::vector<int64_t> v_slots((size_t) (W * n));
+        for (int64_t i = 0; i < n; ++i) {
+            for (int64_t c = 0; c < W; ++c) v_slots[i * W + c] = c * P + slots[i];
+        }
+        ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
+    }
+
+    const int64_t n_kv = order.n_kv;
+    scratch.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
+    auto * mask = reinterpret_cast<ggml_fp16_t *>(scratch.data());
+    build_slot_mask(order.key_pos.data(), n_kv, pos, n, 0, mask);
+    if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
+    ggml_backend_tensor_set(in.mask, mask, 0, scratch.size());
+}
+
+void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens, int64_t window,
+                     ggml_fp16_t * out) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        const int64_t p = pos[i];
+        ggml_fp16_t * row = out + i * n_kv;
+        for (int64_t s = 0; s < n_kv; ++s) {
+            const int64_t q = slot_pos[s];
+            const bool visible = q >= 0 && q <= p && (window <= 0 || p - q < window);
+            row[s] = visible ? zero : ninf;
+        }
+    }
+}
+
+}  // namespace kvf

@@ -1,0 +1,58 @@
+// The per-step inputs that describe the pool to a graph: which slot row each token writes, which slots
+// each query may see (the slot-space mask), and, for ordered attention, the position order of the keys.
+// As llama.cpp's KV cache owns its set_input_* functions, the pool owns these: a graph builder only
+// reads the tensors, the session only asks for them (kv_step_inputs_new) and has them filled before
+// every compute (kv_step_inputs_set).
+#pragma once
+
+#include "kv/pooled_kv.h"
+#include "pager/kv_pager.h"
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace kvf {
+
+// Input tensors of one step's graph, created in its no_alloc context; shapes in ggml order.
+struct KvStepInputs {
+    ggml_tensor * slots    = nullptr;   // I64 [n_tokens]  pool row written by each token
+    ggml_tensor * v_slots  = nullptr;   // I64 [n_embd_v * n_tokens]  element of the transposed V pool
+                                        // written by each V value (v_trans layouts only, else nullptr)
+    ggml_tensor * mask     = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
+    ggml_tensor * kv_order = nullptr;   // I64 [pool_tokens]  row of each slot in the position-ordered copy
+                                        // (nullptr: attend the pool in slot order)
+};
+
+// The key order of one step: per attended key, the position it holds, as attention sees the keys.
+struct KvKeyOrder {
+    bool gathered = false;             // keys copied into position order (kv_order input)
+    std::vector<int64_t> key_pos;      // position of attended key j (-1: empty), >= n_kv entries
+    std::vector<int64_t> slot_row;     // gathered only: row of each slot in the ordered copy
+    int64_t n_kv = 0;                  // keys attended, padded to a multiple of kv_pad (or the whole pool)
+};
+
+// Which slots the next step attends, in which order. ordered: the session asked for position-ordered
+// attention; it is used only once the mapping leaves identity and only for unquantized K/V (a gather
+// copies whole rows). kv_pad: n_kv is rounded up to a multiple of it, so graphs are rebuilt rarely.
+KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ordered, int64_t kv_pad);
+
+// Creates (and marks as inputs) the tensors of a step of n_tokens tokens attending n_kv slots, in the
+// no_alloc graph context ctx. gathered: the step attends a position-ordered copy (KvKeyOrder::gathered).
+KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int64_t n_tokens, int64_t n_kv,
+                                bool gathered);
+
+// Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos),
+// the V element indices, the slot mask over order's first n_kv keys and the key order. The tensors must
+// be allocated (after ggml_backend_sched_alloc_graph) and shaped for this step. scratch is reused.
+void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & layout, const KvKeyOrder & order,
+                        const Plan & alloc, const int32_t * pos, std::vector<uint8_t> & scratch);
+
+// The F16 slot-space mask for one step, [n_kv, n_tokens] in ggml order (row i = query token i):
+// 0 where slot s holds a position p with 0 <= p <= pos[i] and (window <= 0 or pos[i] - p < window),
+// -inf elsewhere. slot_pos has at least n_kv entries (-1 = empty slot).
+void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens,
+                     int64_t window, ggml_fp16_t * out);
+
+}  // namespace kvf
