@@ -12,7 +12,8 @@ from kvflash_ggml import _core
 from kvflash_ggml.bench import random_gguf as rg
 from kvflash_ggml.drafter import DrafterPolicy
 from kvflash_ggml.options import PoolConfig
-from kvflash_ggml.policy import SessionView, make_policy
+from kvflash_ggml.engine import make_policy
+from kvflash_ggml.policy import SessionView
 
 N_THREADS = 1
 C = 64

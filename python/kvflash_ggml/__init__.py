@@ -9,7 +9,8 @@ import logging
 
 from . import _core
 from .engine import Engine, GenerationRecord, StreamSuperseded
-from .model import Model, resolve_model_path
+from .known_models import resolve_model_path
+from .model import Model
 from .options import PoolConfig, SamplingParams
 from .snapshot import PrefixCache, SnapshotError
 from .tokenizer import Tokenizer

@@ -23,9 +23,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import _core
-from .engine import common_prefix, forward_in_steps
+from .known_models import resolve_model_path
 from .policy import Policy, SessionView
 from .tokenizer import Tokenizer
+from .tokens import common_prefix, forward_in_steps
 
 SMOOTH_WINDOW = 13
 N_QUERY = 8   # the session captures the attention of the last 8 tokens of a step
@@ -95,7 +96,6 @@ class DrafterPolicy(Policy):
         if isinstance(drafter_model, _core.Model):
             self.model = drafter_model
         else:
-            from .model import resolve_model_path   # model imports engine imports policy: not at the top
             self.model = _core.Model(resolve_model_path(drafter_model), backend=backend, n_threads=n_threads or 0)
         hp = self.model.hparams
         if n_ctx > hp.n_ctx_train:

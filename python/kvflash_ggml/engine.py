@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -27,10 +26,12 @@ import numpy as np
 
 from . import _core
 from .options import PoolConfig, SamplingParams
-from .policy import Policy, SessionView, make_policy
+from .drafter import DrafterPolicy
+from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer, check_messages
+from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, token_ids, utf8_text
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,32 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries)
     return _core.Session(model, config)
+
+
+POLICY_NAMES = ("lru", "qk", "quest", "drafter")
+
+
+def make_policy(spec: Union[str, Policy, Callable], *,
+                drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
+                tokenizer: Optional[Tokenizer] = None, n_ctx: int = 4096, backend: str = "auto",
+                n_threads: Optional[int] = None) -> Policy:
+    """drafter_model (a GGUF path, short name or loaded _core.Model) is for spec="drafter" and unused by
+    the others; tokenizer is the target's (the drafter maps by text when their vocabularies differ)."""
+    if spec == "drafter":
+        if drafter_model is None:
+            raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
+                             "with the same tokenizer, or the model itself)")
+        return DrafterPolicy(drafter_model, tokenizer, n_ctx=n_ctx, backend=backend, n_threads=n_threads)
+    if isinstance(spec, Policy):
+        return spec
+    if callable(spec):
+        return CallablePolicy(spec)
+    if spec == "lru":
+        return LRU()
+    if spec in ("qk", "quest"):
+        return BuiltinScorer(spec)
+    raise ValueError(f"policy {spec!r} is not available (available: {', '.join(POLICY_NAMES)}, or a callable "
+                     "view -> scores per chunk)")
 
 
 class Engine:
@@ -423,62 +450,3 @@ class Engine:
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
             "policy": self.policy.name,
         }
-
-
-def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
-                     between: Callable[[], None] = lambda: None) -> np.ndarray:
-    """session.forward(tokens, start), one forward call per step the session would take anyway (n_batch
-    tokens, fewer where the pool cannot place more), with between() called between them: a long prompt is
-    then many short C calls, and Python runs its signal handlers (Ctrl-C) after each rather than after the
-    whole prompt. Same steps, so the same numbers as one call. The logits after the last token."""
-    n, done = len(tokens), 0
-    n_batch = session.config.n_batch
-    while True:
-        # 0 (no room) goes to forward whole, which raises the session's own error
-        step = session.pager.max_span_tokens(min(n - done, n_batch)) or n - done
-        if done + step >= n:
-            return session.forward(tokens[done:], start + done)
-        session.forward(tokens[done:done + step], start + done)
-        done += step
-        between()
-
-
-def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
-    """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
-    out = []
-    for i, t in enumerate(tokens):
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise ValueError(f"prompt[{i}] is {t!r}: a prompt is text (str or UTF-8 bytes), chat messages, "
-                             f"or token ids (ints)")
-        out.append(int(t))
-    bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < n_vocab]
-    if bad:
-        i, t = bad[0]
-        raise ValueError(f"token id {t} (prompt[{i}]) is outside the vocabulary [0, {n_vocab})"
-                         + (f" ({len(bad)} ids are)" if len(bad) > 1 else ""))
-    return out
-
-
-def utf8_text(data: Union[bytes, bytearray]) -> str:
-    try:
-        return bytes(data).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"a bytes prompt is UTF-8 text, but this one is not valid UTF-8 ({e})") from None
-
-
-def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
-    batches, lo = [], start
-    while lo < end:
-        hi = min(lo + step - lo % 64, end)
-        batches.append((lo, hi))
-        lo = hi
-    return batches
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

@@ -138,8 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("depths must be >= 0, --n-gen, --reps and --pool positive")
 
     from .. import _core
-    from ..model import resolve_model_path
-    from ..policy import make_policy
+    from ..known_models import resolve_model_path
+    from ..engine import make_policy
     from ..tokenizer import Tokenizer
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)

@@ -112,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--n-ctx leaves no whole chunk before the suffix")
 
     from .. import _core
-    from ..model import resolve_model_path
+    from ..known_models import resolve_model_path
     try:
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)

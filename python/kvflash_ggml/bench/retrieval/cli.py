@@ -129,7 +129,7 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     if not policies and not include_full:
         ap.error("nothing to run: no policies and --no-full")
 
-    from ...model import resolve_model_path
+    from ...known_models import resolve_model_path
     from ...tokenizer import Tokenizer
     try:
         path = resolve_model_path(args.model)

@@ -52,7 +52,7 @@ def reselects(policy: Policy) -> bool:
     """Whether the engine would ask this policy to reselect (unknown names: assume so, and let
     check_configs report them)."""
     try:
-        from ...policy import make_policy
+        from ...engine import make_policy
         return bool(make_policy(policy).reselects)
     except (ImportError, ValueError):
         return True
