@@ -9,7 +9,7 @@ import pytest
 
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
 from kvflash_ggml.drafter import DrafterPolicy
 from kvflash_ggml.options import PoolConfig
 from kvflash_ggml.engine import make_policy

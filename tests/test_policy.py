@@ -5,7 +5,7 @@ import pytest
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
 from kvflash_ggml.options import PoolConfig
-from corpus import prose
+from kvflash_ggml.testing.prose import prose
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A pooled key-value cache keeps the relevant chunks of a "
         "long context resident, and pages the others out to host memory. ")

@@ -461,7 +461,7 @@ def smollm2_one_thread(smollm2_path):
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 def test_smollm2_restore_in_a_fresh_process_continues_identically(smollm2_one_thread, smollm2_path, smollm2_vocab,
                                                                    kv_type, tmp_path):
-    from corpus import prose
+    from kvflash_ggml.testing.prose import prose
     cfg = _core.SessionConfig(max_tokens=4096, pool_tokens=512, kv_type=kv_type)
     s = _core.Session(smollm2_one_thread, cfg)
     tokens = np.array(smollm2_vocab.tokenize(prose(300, seed=11), add_special=True)[:1200], np.int32)

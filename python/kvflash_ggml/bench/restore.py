@@ -39,7 +39,7 @@ def make_prompt(model, args, n: int) -> np.ndarray:
         rng = np.random.default_rng(args.seed)
         return rng.integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
     from .. import _core
-    from .prose import prose
+    from ..testing.prose import prose
     vocab = _core.Vocab(model.path)
     n_sentences = n // 10 + 8   # a sentence is ~15 tokens
     while len(tokens := vocab.tokenize(prose(n_sentences, seed=args.seed), add_special=True)) < n:
