@@ -121,7 +121,7 @@ def test_scores_follow_the_spec(target, tok, paths):
     policy = eng.policy
     assert policy.same_vocab and policy.session.tokens.tolist() == history
     attention = policy.session.attention_capture().max(axis=0)
-    view = SessionView(eng.session, eng.history)
+    view = SessionView(eng.session)
     scores = policy.scores(view)
     assert scores.shape == (view.n_chunks,) == (15,)
     np.testing.assert_allclose(scores, spec_scores(attention, np.arange(900) // C, 15), rtol=1e-4, atol=1e-5)
@@ -139,17 +139,19 @@ def test_drafter_runs_only_new_tokens_and_follows_truncation(target, tok, paths)
     for _ in range(64):   # adaptive tau: max(64, 764 // 45) = 64, one reselect
         logits = eng.decode_one(int(logits.argmax()))
     assert eng.stats()["reselects"] == 2 and policy.n_forwarded == 764
-    assert policy.session.tokens.tolist() == eng.history
+    assert policy.session.tokens.tolist() == eng.session.tokens.tolist()
     eng.reselect()        # nothing new: the capture is reused
     assert policy.n_forwarded == 764
     # A prompt that leaves the history after 300 tokens: the engine truncates, so does the drafter.
     other = prompt[:300] + tok.encode(" Something else entirely, said the fox." * 20)[1:400]
     eng.prefill(other)
     assert 300 <= eng.n_reused < 310 and policy.n_forwarded == 764 + len(other) - eng.n_reused
-    assert policy.session.tokens.tolist() == eng.history == other
+    assert policy.session.tokens.tolist() == eng.session.tokens.tolist() == other
     # Fewer new tokens than the 8 the capture needs: the last 8 run again.
     before = policy.n_forwarded
-    policy.scores(SessionView(eng.session, other + [5, 6, 7]))
+    for t in (5, 6, 7):   # fewer than tau: no reselect, so the drafter has not seen them
+        eng.decode_one(t)
+    policy.scores(SessionView(eng.session))
     assert policy.n_forwarded == before + 8 and policy.session.n_tokens == len(other) + 3
 
 
@@ -164,7 +166,7 @@ def test_vocab_with_extra_unused_tokens_maps_one_to_one(target, tok, paths):
     history = tok.encode(TEXT * 10)[:700]
     session = _core.Session(target, _core.SessionConfig(max_tokens=2048))
     session.forward(np.asarray(history, np.int32), 0)
-    scores = policy.scores(SessionView(session, history))
+    scores = policy.scores(SessionView(session))
     assert policy.session.tokens.tolist() == history
     attention = policy.session.attention_to_positions()
     np.testing.assert_allclose(scores, spec_scores(attention, np.arange(700) // C, 11), rtol=1e-4, atol=1e-5)
@@ -201,7 +203,7 @@ def test_other_vocab_maps_scores_to_chunks_by_byte_offsets(target, tok, paths):
     policy.at = at
     session = _core.Session(target, _core.SessionConfig(max_tokens=2048))
     session.forward(np.asarray(history, np.int32), 0)
-    view = SessionView(session, history)
+    view = SessionView(session)
     scores = policy.scores(view)
     d_tokens = policy.session.tokens.tolist()
     assert not policy.same_vocab and len(d_tokens) != len(history)    # other tokens for the same text
@@ -228,7 +230,7 @@ def test_engine_reselects_the_drafters_top_chunks(paths):
         pager = eng.session.pager
         pager.check_invariants()
         eng.reselect()
-        scores = eng.policy.scores(SessionView(eng.session, eng.history))
+        scores = eng.policy.scores(SessionView(eng.session))
         free = ~pager.protected_chunks()
         resident = np.array([pager.is_resident(c) for c in range(pager.n_chunks())])
         n_free = int((resident & free).sum())
@@ -279,7 +281,7 @@ def test_other_vocab_context_grows_with_the_retokenised_history(target, tok, pat
     assert n_drafter > 128                                  # more than the model's n_ctx once retokenised
     session = _core.Session(target, _core.SessionConfig(max_tokens=256))
     session.forward(np.asarray(history, np.int32), 0)
-    scores = policy.scores(SessionView(session, history))
+    scores = policy.scores(SessionView(session))
     assert scores.shape == (2,) and np.isfinite(scores).all()
     assert n_drafter <= policy.n_ctx <= 64 * -(-int(n_drafter * 1.25) // 64)
 
@@ -303,7 +305,7 @@ def test_other_vocab_prompt_longer_for_the_drafter(paths):
         held, computes = eng.session.tokens.tolist(), eng.session.timings.n_computes
         with pytest.raises(ValueError, match=r"tokens for the drafter .* more than it was trained for \(1024\)"):
             llm.create_completion(prompt, max_tokens=4, temperature=0.0)
-        assert eng.session.tokens.tolist() == held == eng.history
+        assert eng.session.tokens.tolist() == held
         assert eng.session.timings.n_computes == computes
 
 
@@ -313,7 +315,7 @@ def test_generation_outgrowing_the_drafter_goes_on_unscored(target, tok, paths, 
     session = _core.Session(target, _core.SessionConfig(max_tokens=1024))
     session.forward(np.asarray(history, np.int32), 0)
     with caplog.at_level("WARNING", logger="kvflash_ggml.drafter"):
-        assert policy.scores(SessionView(session, history)) is None
-        assert policy.scores(SessionView(session, history)) is None
+        assert policy.scores(SessionView(session)) is None
+        assert policy.scores(SessionView(session)) is None
     warnings = [r for r in caplog.records if "more than it was trained for" in r.getMessage()]
     assert len(warnings) == 1

@@ -120,7 +120,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     first = llm.tokenize(text)[:700]
     second = first + llm.tokenize(" The last item was", add_bos=False) + llm.tokenize(text, add_bos=False)[:500]
     for prompt in (first, second):
-        held, ran = len(exact.history), getattr(exact.policy, "n_forwarded", 0)
+        held, ran = exact.session.n_tokens, getattr(exact.policy, "n_forwarded", 0)
         exact.prefill(prompt)
         full.prefill(prompt)
         s, f = exact.session, full.session

@@ -133,7 +133,7 @@ class DrafterPolicy(Policy):
 
     def scores(self, view: SessionView) -> Optional[np.ndarray]:
         C, n_chunks = view.chunk_tokens, view.n_chunks
-        history = np.asarray(view.history, dtype=np.int32)
+        history = np.asarray(view.tokens, dtype=np.int32)
         if self.same_vocab:
             s = position_scores(self.attention(history))
             out, _ = chunk_means(s, np.arange(len(s)) // C, n_chunks)

@@ -128,7 +128,6 @@ class Engine:
         self.refresh_tokens = refresh_tokens
         self.prefill_mode = prefill
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
-        self.history: list[int] = []   # the tokens whose K/V the session holds, in order
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
@@ -181,7 +180,6 @@ class Engine:
 
     def _load_state(self, path: Union[str, os.PathLike]) -> None:
         self.session.load(path)
-        self.history = self.session.tokens.tolist()
         self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
 
     def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
@@ -195,15 +193,15 @@ class Engine:
             log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
             self.prefix_cache.discard(hit.path)
             return n_keep
-        return common_prefix(self.history, tokens)
+        return common_prefix(self.session.tokens, tokens)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """Make the session hold exactly `tokens`, computing only the part that differs from what it
         holds already; returns the logits after the last token. The prompt runs as many forward steps
         (see forward_in_steps), so Ctrl-C (KeyboardInterrupt) takes effect between steps. If anything
-        raises while the prompt runs, the session is rolled back to the prefix it shared with the previous
-        history (the K/V of tokens that prefix does not cover are gone: the shared part is kept)."""
+        raises while the prompt runs, the session is rolled back to the prefix it shared with what the
+        session held (the K/V of tokens that prefix does not cover are gone: the shared part is kept)."""
         with self._turn():
             self._take()
             return self._prefill(self.check_prompt(tokens))
@@ -220,14 +218,12 @@ class Engine:
 
     def _prefill(self, tokens: list[int]) -> np.ndarray:
         self.policy.check_prompt(tokens)   # a drafter that cannot hold the prompt: before any state changes
-        self._sync_history()
-        n_keep = common_prefix(self.history, tokens)
+        n_keep = common_prefix(self.session.tokens, tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
         n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
-        if n_keep < len(self.history):
+        if n_keep < self.session.n_tokens:
             self.session.truncate(n_keep)
-            del self.history[n_keep:]
         try:
             logits = self._run_prompt(tokens, n_keep)
         except BaseException:
@@ -243,7 +239,6 @@ class Engine:
             if lo > start and self.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
-            self.history.extend(tokens[lo:hi])
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
@@ -258,24 +253,15 @@ class Engine:
         """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
 
-    def _sync_history(self) -> None:
-        """Ctrl-C can land between a forward call and the bookkeeping after it (a decode step interrupted in a
-        REPL that goes on): the session's own tokens are the truth."""
-        if self.session.n_tokens != len(self.history):
-            self.history = self.session.tokens.tolist()
-
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
-        any part it had to drop), so the history and the session agree and a retry starts clean."""
+        any part it had to drop), so a retry starts clean."""
         try:
-            n = min(n_keep, self.session.n_tokens, len(self.history))
-            if self.session.n_tokens > n:
-                self.session.truncate(n)
-            del self.history[n:]
-        except Exception:   # noqa: BLE001 - the core could not truncate: start over rather than disagree
+            if self.session.n_tokens > n_keep:
+                self.session.truncate(n_keep)
+        except Exception:   # noqa: BLE001 - the core could not truncate: start over from nothing held
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()
-            self.history.clear()
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> int:
         """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
@@ -288,7 +274,6 @@ class Engine:
         if self.session.full_cache or last <= done or len(tokens) <= self.pool.resolved_pool_tokens():
             return n_keep
         self.session.truncate(done)
-        del self.history[done:]
         shared = self.policy.full_cache_for(self.model, tokens[:last])
         if shared is not None and (shared.config.kv_type, shared.pager.config().chunk_tokens) == \
                 (self.session.config.kv_type, C):
@@ -298,7 +283,6 @@ class Engine:
             scratch.adopt(self.session, done)
             self._forward_prompt(scratch, tokens[done:last], done)
             self.session.adopt(scratch, last)
-        self.history.extend(tokens[done:last])
         return last
 
     def _recompute_tail(self, tokens: list[int], floor: int) -> np.ndarray:
@@ -310,10 +294,7 @@ class Engine:
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
         lo = max(len(tokens) - min(self.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
-        del self.history[lo:]
-        logits = self._forward_prompt(self.session, tokens[lo:], lo)
-        self.history.extend(tokens[lo:])
-        return logits
+        return self._forward_prompt(self.session, tokens[lo:], lo)
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
         """One batch (run in steps) unless reselecting between pool-sized batches."""
@@ -327,30 +308,27 @@ class Engine:
         """Feed one token; the logits after it."""
         with self._turn():
             self._take()
-            self._sync_history()
             return self._decode_one(token)
 
     def decode_one_greedy(self, token: int) -> int:
         """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
         with self._turn():
             self._take()
-            self._sync_history()
             return self._decode_one_greedy(token)
 
     def _decode_one(self, token: int) -> np.ndarray:
-        logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
-        self._after_decode(token)
+        logits = self.session.forward(np.asarray([token], dtype=np.int32), self.session.n_tokens)
+        self._after_decode()
         return logits
 
     def _decode_one_greedy(self, token: int) -> int:
-        next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), len(self.history))
-        self._after_decode(token)
+        next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), self.session.n_tokens)
+        self._after_decode()
         return next_token
 
-    def _after_decode(self, token: int) -> None:
-        self.history.append(int(token))
+    def _after_decode(self) -> None:
         self._since_reselect += 1
-        if self._since_reselect >= max(self.tau, len(self.history) // 45):   # adaptive tau
+        if self._since_reselect >= max(self.tau, self.session.n_tokens // 45):   # adaptive tau
             self.reselect()
 
     # -- reselect --------------------------------------------------------------------------------
@@ -365,7 +343,7 @@ class Engine:
             if not self._can_reselect():
                 return
             t0 = time.perf_counter()
-            scores = self.policy.scores(SessionView(self.session, self.history))
+            scores = self.policy.scores(SessionView(self.session))
             self._t_policy_ms += (time.perf_counter() - t0) * 1e3
             if scores is not None:
                 self.session.reselect(scores)
@@ -391,7 +369,7 @@ class Engine:
         finish = "length"
         for i in range(params.max_tokens) if params.max_tokens is not None else itertools.count():
             with self._turn(owner):
-                if i and len(self.history) >= self.pool.n_ctx:
+                if i and self.session.n_tokens >= self.pool.n_ctx:
                     break
                 if i:
                     token = self._decode_one_greedy(token) if sampler.greedy else sampler(self._decode_one(token))

@@ -19,10 +19,14 @@ from . import _core
 
 @dataclass
 class SessionView:
-    """What a user policy may look at; arrays are computed on demand."""
+    """What a user policy may look at; arrays (the tokens too) are read from the session on demand."""
 
     session: _core.Session
-    history: Sequence[int]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The tokens whose K/V the session holds, in order."""
+        return self.session.tokens
 
     @property
     def n_chunks(self) -> int:
