@@ -11,7 +11,7 @@ from . import _core
 from .engine import Engine, GenerationRecord, StreamSuperseded
 from .known_models import resolve_model_path
 from .model import Model
-from .options import PoolConfig, SamplingParams
+from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .snapshot import PrefixCache, SnapshotError
 from .tokenizer import Tokenizer
 
@@ -19,7 +19,7 @@ Session = _core.Session
 SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "SamplingParams", "Session",
+__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "ResidencyConfig", "SamplingParams", "Session",
            "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

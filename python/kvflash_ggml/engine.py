@@ -18,15 +18,16 @@ import itertools
 import logging
 import os
 import threading
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from .options import PoolConfig, SamplingParams
+from .companion import Companion
 from .drafter import DrafterPolicy
+from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
@@ -35,12 +36,6 @@ from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, toke
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens recomputed after the post-prompt reselect pages evidence in: one chunk. Measured on SmolLM2
-# passkeys at 8K (scripts/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
-# 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
-# the evidence it should read back out).
-REFRESH_TOKENS = 64
-PREFILL_MODES = ("pooled", "exact")
 CLOSED = "Model is closed: close() was called on it (or on its Engine)"
 
 
@@ -72,17 +67,13 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 POLICY_NAMES = ("lru", "qk", "quest", "drafter")
 
 
-def make_policy(spec: Union[str, Policy, Callable], *,
-                drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
-                tokenizer: Optional[Tokenizer] = None, n_ctx: int = 4096, backend: str = "auto",
-                n_threads: Optional[int] = None) -> Policy:
-    """drafter_model (a GGUF path, short name or loaded _core.Model) is for spec="drafter" and unused by
-    the others; tokenizer is the target's (the drafter maps by text when their vocabularies differ)."""
+def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Companion] = None) -> Policy:
+    """companion: the drafter's full-cache session, for spec="drafter" (unused by the others)."""
     if spec == "drafter":
-        if drafter_model is None:
+        if companion is None:
             raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
                              "with the same tokenizer, or the model itself)")
-        return DrafterPolicy(drafter_model, tokenizer, n_ctx=n_ctx, backend=backend, n_threads=n_threads)
+        return DrafterPolicy(companion)
     if isinstance(spec, Policy):
         return spec
     if callable(spec):
@@ -95,38 +86,35 @@ def make_policy(spec: Union[str, Policy, Callable], *,
                      "view -> scores per chunk)")
 
 
+def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
+                   residency: ResidencyConfig) -> Optional[Companion]:
+    """The full-cache session of the drafter model that policy="drafter" scores from (None for the others)."""
+    if residency.policy != "drafter" or residency.drafter_model is None:
+        return None
+    return Companion(residency.drafter_model, tokenizer, n_ctx=pool.n_ctx,
+                     backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+
+
 class Engine:
-    """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
+    """pool: where the KV cache lives; residency: which chunks stay in the pool and how a prompt is computed
+    (see ResidencyConfig).
+    prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it; a folder that
     cannot be read or written is a logged warning, never an error.
-    drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model.
-    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
-    prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
-    saw it; "exact" computes the new part of a prompt in a transient full-cache session and adopts its K/V
-    (see _exact_prefill): the K/V equal a full-cache run's, at the price of context-sized KV memory while
-    the prompt runs. See the module docstring for threads and streams."""
+    chat_template: renders chat messages instead of the GGUF's own template.
+    See the module docstring for threads and streams."""
 
-    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
-                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
+    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
+                 residency: Optional[ResidencyConfig] = None, *,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
-                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        if tau <= 0:
-            raise ValueError(f"tau must be positive, got {tau}")
-        if refresh_tokens < 0:
-            raise ValueError(f"refresh_tokens must be >= 0, got {refresh_tokens}")
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.policy = make_policy(policy, drafter_model=drafter_model, tokenizer=tokenizer, n_ctx=pool.n_ctx,
-                                  backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
-        self.tau = tau
-        self.prefill_reselect = prefill_reselect
-        self.refresh_tokens = refresh_tokens
-        self.prefill_mode = prefill
+        self.residency = residency = residency or ResidencyConfig()
+        self.chat_template = chat_template
+        self.companion = make_companion(model, tokenizer, pool, residency)
+        self.policy = make_policy(residency.policy, companion=self.companion)
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
@@ -159,11 +147,11 @@ class Engine:
         return self._closed
 
     def close(self) -> None:
-        """Free the session and the policy (a drafter's model and session); later calls raise ValueError.
-        Waits for a step running in another thread."""
+        """Free the session, the policy and the companion (a drafter's model and session); later calls raise
+        ValueError. Waits for a step running in another thread."""
         with self._lock:
             self._closed = True
-            self.session = self.policy = self.prefix_cache = self.model = None
+            self.session = self.policy = self.companion = self.prefix_cache = self.model = None
 
     # -- snapshots -------------------------------------------------------------------------------
     def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
@@ -217,7 +205,8 @@ class Engine:
         return tokens
 
     def _prefill(self, tokens: list[int]) -> np.ndarray:
-        self.policy.check_prompt(tokens)   # a drafter that cannot hold the prompt: before any state changes
+        if self.companion is not None:   # a drafter that cannot hold the prompt: before any state changes
+            self.companion.check(tokens)
         n_keep = common_prefix(self.session.tokens, tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
@@ -233,15 +222,15 @@ class Engine:
         return logits
 
     def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
-        start = self._exact_prefill(tokens, n_keep) if self.prefill_mode == "exact" else n_keep
+        start = self._exact_prefill(tokens, n_keep) if self.residency.prefill == "exact" else n_keep
         logits = None
         for lo, hi in self._prefill_batches(start, len(tokens)):
-            if lo > start and self.prefill_reselect:
+            if lo > start and self.residency.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
-        if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
+        if self.session.pager.stats().page_ins > page_ins and self.residency.refresh_tokens:
             logits = self._recompute_tail(tokens, start)
         return logits
 
@@ -267,17 +256,19 @@ class Engine:
         """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
         forward goes on: the last prompt token runs in the pool, so the post-prompt reselect has this
         session's queries, and after it that token alone is recomputed (refresh stops at the adopted K/V).
-        The full-cache session lives only for this call; it first adopts the history from the pool and the
-        host store, bit-exact. A prompt the pool holds whole gains nothing: it is prefilled as usual."""
-        C = self.session.pager.config().chunk_tokens
+        The full-cache session is the companion when it runs this model (a model that is its own drafter: no
+        second full-cache run), else a transient one that lives only for this call and first adopts what
+        the pool and the host store hold, bit-exact. A prompt the pool holds whole gains nothing: it is
+        prefilled as usual."""
+        C = _core.CHUNK_TOKENS
         done, last = n_keep // C * C, len(tokens) - 1
         if self.session.full_cache or last <= done or len(tokens) <= self.pool.resolved_pool_tokens():
             return n_keep
         self.session.truncate(done)
-        shared = self.policy.full_cache_for(self.model, tokens[:last])
-        if shared is not None and (shared.config.kv_type, shared.pager.config().chunk_tokens) == \
-                (self.session.config.kv_type, C):
-            self.session.adopt(shared, last)   # a model that is its own drafter: no second full-cache run
+        shared = None if self.companion is None else \
+            self.companion.lend(self.model, self.session.config.kv_type, np.asarray(tokens[:last], dtype=np.int32))
+        if shared is not None:
+            self.session.adopt(shared, last)
         else:
             scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
             scratch.adopt(self.session, done)
@@ -292,15 +283,16 @@ class Engine:
         reselect paged in. At most the protected tail, so the recompute cannot push the evidence out, and
         nothing before `floor` (K/V adopted from an exact prefill are better than any recompute)."""
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
-        lo = max(len(tokens) - min(self.refresh_tokens, tail), floor, 1)
+        lo = max(len(tokens) - min(self.residency.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
         return self._forward_prompt(self.session, tokens[lo:], lo)
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
         """One batch (run in steps) unless reselecting between pool-sized batches."""
-        if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
+        if not (self.residency.prefill_reselect and self.policy.reselects and not self.session.full_cache):
             return [(start, end)]
-        step = max(64, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // 64 * 64)
+        C = _core.CHUNK_TOKENS
+        step = max(C, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // C * C)
         return chunk_aligned_batches(start, end, step)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -328,7 +320,7 @@ class Engine:
 
     def _after_decode(self) -> None:
         self._since_reselect += 1
-        if self._since_reselect >= max(self.tau, self.session.n_tokens // 45):   # adaptive tau
+        if self._since_reselect >= self.residency.reselect_every(self.session.n_tokens):
             self.reselect()
 
     # -- reselect --------------------------------------------------------------------------------
@@ -396,7 +388,7 @@ class Engine:
             return self.tokenizer.encode(prompt, parse_special=True)
         prompt = list(prompt)
         if any(isinstance(m, Mapping) for m in prompt):
-            text = self.tokenizer.apply_chat_template(check_messages(prompt))
+            text = self.tokenizer.apply_chat_template(check_messages(prompt), template=self.chat_template)
             return self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
         return token_ids(prompt, self.tokenizer.n_vocab)
 

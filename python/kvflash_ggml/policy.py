@@ -56,15 +56,6 @@ class Policy:
     def scores(self, view: SessionView) -> Optional[np.ndarray]:
         return None
 
-    def check_prompt(self, tokens: Sequence[int]) -> None:
-        """Raise (ValueError) if this policy cannot follow a history of these tokens; the engine asks
-        before it changes anything for a prompt."""
-
-    def full_cache_for(self, model: _core.Model, tokens: Sequence[int]) -> Optional[_core.Session]:
-        """A full-cache session of `model` that this policy keeps anyway, brought to hold exactly `tokens`;
-        exact prefill adopts from it instead of computing the prompt a second time. None: it keeps none."""
-        return None
-
 
 class LRU(Policy):
     name = "lru"

@@ -22,7 +22,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-CHUNK = 64
+from .. import _core
+from ..engine import Engine, make_policy
+from ..known_models import resolve_model_path
+from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
+from ..tokenizer import Tokenizer
+
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
 
@@ -42,7 +47,6 @@ def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
 
 
 def gpu_free_bytes() -> Optional[int]:
-    from .. import _core
     devices = _core.gpu_devices()
     return devices[0]["memory_free"] if devices else None
 
@@ -53,13 +57,13 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
     steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
     reruns its last token, untimed); tok/s is the median of the windows' rates."""
-    from ..engine import Engine
-    from ..options import PoolConfig
-    n_ctx = -(-(depth + max(WARMUP, n_gen) + 1) // CHUNK) * CHUNK
+    C = _core.CHUNK_TOKENS
+    n_ctx = -(-(depth + max(WARMUP, n_gen) + 1) // C) * C
     pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                       allow_beyond_train_ctx=True)
     free0 = gpu_free_bytes() if model.on_gpu else None
-    engine = Engine(model, tokenizer, pool, policy=policy, tau=tau)
+    residency = ResidencyConfig(policy=policy, tau=tau)
+    engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32).tolist()
     t0 = time.perf_counter()
@@ -75,7 +79,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
         for _ in range(n_gen):   # greedy, as generate() decodes at temperature 0
             token = engine.decode_one_greedy(token)
         rates.append(n_gen / (time.perf_counter() - t0))
-        # A window rarely reaches the cadence (max(tau, context / 45) tokens), so one reselect with the
+        # A window rarely reaches the cadence (max(tau, context / TAU_CONTEXT_DIVISOR) tokens), so one reselect with the
         # window's last queries is timed apart (scoring and paging): its share of decode time is its cost
         # over the decode time of the tokens between two reselects.
         t0 = time.perf_counter()
@@ -83,7 +87,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
         reselect_ms.append((time.perf_counter() - t0) * 1e3)
     after = engine.stats()
     tok_s = float(np.median(rates))
-    cadence = max(tau, (depth + n_gen) // 45)
+    cadence = residency.reselect_every(depth + n_gen)
     out = {"tok_s": tok_s, "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
            "device_kv_bytes": after["device_kv_bytes"], "host_kv_bytes": after["host_kv_bytes"],
            "flash_attn": engine.session.flash_attn, "reselect_ms": float(np.median(reselect_ms)),
@@ -136,11 +140,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
     if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0 or args.reps <= 0:
         ap.error("depths must be >= 0, --n-gen, --reps and --pool positive")
-
-    from .. import _core
-    from ..known_models import resolve_model_path
-    from ..engine import make_policy
-    from ..tokenizer import Tokenizer
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
     if not args.no_llama_bench and binary is None:
@@ -201,7 +200,8 @@ def print_table(report: dict) -> None:
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
     print(f"tok/s: median of {report['reps']} timed windows of n_gen tokens (llama-bench: of -r {report['reps']}); ratios are against "
           "llama-bench's best (flash attention on or off) at the same depth; reselect % is one reselect (scoring "
-          "and paging) over the pooled decode time between two, at the cadence max(tau, context / 45)")
+          f"and paging) over the pooled decode time between two, at the cadence max(tau, context / "
+          f"{TAU_CONTEXT_DIVISOR})")
 
 
 def write_outputs(report: dict, json_path: str, plot_path: str) -> None:

@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-CHUNK = 64
+from .. import _core
+
+CHUNK = _core.CHUNK_TOKENS
 
 
 def greedy(session, logits, n_gen: int) -> list[int]:
@@ -38,7 +40,6 @@ def make_prompt(model, args, n: int) -> np.ndarray:
     if args.prompt == "random":
         rng = np.random.default_rng(args.seed)
         return rng.integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
-    from .. import _core
     from ..testing.prose import prose
     vocab = _core.Vocab(model.path)
     n_sentences = n // 10 + 8   # a sentence is ~15 tokens
@@ -48,7 +49,6 @@ def make_prompt(model, args, n: int) -> np.ndarray:
 
 
 def run(model, args, snapshot: Path) -> dict:
-    from .. import _core
     cfg = _core.SessionConfig(max_tokens=args.n_ctx, pool_tokens=args.pool, kv_type=args.kv_type,
                               attention=args.attention, allow_beyond_train_ctx=True)
     n_prompt = args.n_ctx - args.n_gen - 1
@@ -111,7 +111,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.n_ctx - args.n_gen - 1 - args.suffix < CHUNK:
         ap.error("--n-ctx leaves no whole chunk before the suffix")
 
-    from .. import _core
     from ..known_models import resolve_model_path
     try:
         path = resolve_model_path(args.model)

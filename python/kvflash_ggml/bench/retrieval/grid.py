@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from ...options import CHUNK_TOKENS
+from ... import _core
 from .cases import Case, Renderer
 from .scoring import run_case
 
@@ -109,7 +109,7 @@ def prepare(cases_by_length: dict[int, list[Case]], renderer: Renderer) -> list[
 def context_for(items: Sequence[Prepared]) -> int:
     """n_ctx that holds the longest prompt plus its answer budget, in whole chunks."""
     need = max(len(p.prompt) + max(p.case.max_new_tokens, len(p.answer)) for p in items)
-    return -(-need // CHUNK_TOKENS) * CHUNK_TOKENS
+    return -(-need // _core.CHUNK_TOKENS) * _core.CHUNK_TOKENS
 
 
 def run_grid(model_path: str, cases_by_length: dict[int, list[Case]], renderer: Renderer, cfgs: Sequence[Config], *,
