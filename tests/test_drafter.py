@@ -261,7 +261,7 @@ def test_bad_input_raises(target, tok, paths):
 
 
 def test_command_lines(paths, capsys):
-    from kvflash_ggml import generate
+    from kvflash_ggml.commands import generate
     from kvflash_ggml.bench.retrieval import cli
     rc = generate.main(["--model", paths["target"], "--n-ctx", "2048", "--kvflash", "448", "--policy", "drafter",
                         "--drafter-model", paths["same"], "--threads", "1", "--backend", "cpu", "--max-tokens", "4",

@@ -399,7 +399,7 @@ def test_converter_without_the_gguf_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf now raises ImportError
     with pytest.raises(ConversionError, match=r"needs the `gguf` package.*pip install gguf"):
         convert(src, tmp_path / "out.gguf")
-    code = ("import sys; sys.modules['gguf'] = None; from kvflash_ggml.cli import main; "
+    code = ("import sys; sys.modules['gguf'] = None; from kvflash_ggml.commands import main; "
             f"sys.exit(main(['convert', {str(src)!r}, {str(tmp_path / 'out.gguf')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -11,6 +11,7 @@ prefill rates and, on a GPU, the device memory each session took) and a PNG plot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
-from ..engine import Engine, make_policy
+from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
+from ..engine import Engine
 from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
 from ..tokenizer import Tokenizer
@@ -51,18 +53,15 @@ def gpu_free_bytes() -> Optional[int]:
     return devices[0]["memory_free"] if devices else None
 
 
-def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[int], kv_type: str,
-                attention: str, policy: str, tau: int, seed: int, reps: int = REPS) -> dict:
+def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, residency: ResidencyConfig, seed: int,
+                reps: int = REPS) -> dict:
     """Prefill `depth` random tokens, then WARMUP untimed steps, then `reps` timed windows of n_gen decode
     steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
     reruns its last token, untimed); tok/s is the median of the windows' rates."""
     C = _core.CHUNK_TOKENS
-    n_ctx = -(-(depth + max(WARMUP, n_gen) + 1) // C) * C
-    pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
-                      allow_beyond_train_ctx=True)
+    pool = dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
     free0 = gpu_free_bytes() if model.on_gpu else None
-    residency = ResidencyConfig(policy=policy, tau=tau)
     engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32).tolist()
@@ -118,17 +117,12 @@ def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kvflash bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="GGUF path or known short name")
+    add_model_flags(ap, threads=os.cpu_count())
+    add_pool_flags(ap, pool="512", n_ctx=None)
+    add_residency_flags(ap)
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
-    ap.add_argument("--pool", type=int, default=512, help="KVFlash pool in tokens (default 512)")
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
     ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
-    ap.add_argument("--policy", default="lru", help="residency policy of the pooled run (lru, qk, quest)")
-    ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (adaptive minimum)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
     ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
     ap.add_argument("--json", default="bench-out/decode.json", help="where to write the JSON")
@@ -138,8 +132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
         ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
-    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0 or args.reps <= 0:
-        ap.error("depths must be >= 0, --n-gen, --reps and --pool positive")
+    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0:
+        ap.error("depths must be >= 0, --n-gen and --reps positive, --kvflash a pool (not off)")
+    if args.policy == "drafter" and not args.drafter_model:
+        ap.error("--policy drafter needs --drafter-model PATH")
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
     if not args.no_llama_bench and binary is None:
@@ -147,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
         return 2
     try:
-        make_policy(args.policy)
+        pooled, residency = pool_config(args), residency_config(args)
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
         tokenizer = Tokenizer(path)
@@ -157,13 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
     # initialisation (llama-bench warms up before each test too).
-    time_decode(model, tokenizer, 0, 8, None, args.kv_type, args.attention, "lru", args.tau, seed=0)
+    full, full_residency = dataclasses.replace(pooled, pool_tokens=None), ResidencyConfig(tau=residency.tau)
+    time_decode(model, tokenizer, 0, 8, full, full_residency, seed=0)
     rows = []
     for d in depths:
         row = {"depth": d}
-        for name, pool, policy in (("full", None, "lru"), ("pooled", args.pool, args.policy)):
-            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, args.kv_type, args.attention, policy,
-                                    args.tau, seed=d, reps=args.reps)
+        for name, pool, res in (("full", full, full_residency), ("pooled", pooled, residency)):
+            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, res, seed=d, reps=args.reps)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
@@ -173,7 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
     gpus = _core.gpu_devices() if model.on_gpu else []
-    report = {"model": path, "pool": args.pool, "policy": args.policy, "tau": args.tau, "kv_type": args.kv_type,
+    report = {"model": path, "pool": pooled.pool_tokens, "policy": residency.policy, "tau": residency.tau,
+              "kv_type": pooled.kv_type,
               "reps": args.reps,
               "threads": args.threads, "n_gen": args.n_gen,
               "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
