@@ -113,7 +113,8 @@ def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2,
 
 def test_callable_with_wrong_length_raises(smollm2, smollm2_path):
     tok = kvf.Tokenizer(smollm2_path)
-    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy=lambda view: [1.0, 2.0]))
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448),
+                     kvf.ResidencyConfig(policy=lambda view: [1.0, 2.0]))
     with pytest.raises(ValueError, match="one per chunk"):
         eng.prefill(tok.encode(prose(200, seed=7))[:1000])
 

@@ -19,7 +19,7 @@ Session = _core.Session
 SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "ResidencyConfig", "SamplingParams", "Session",
-           "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
+__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "ResidencyConfig", "SamplingParams",
+           "Session", "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

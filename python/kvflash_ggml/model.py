@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 from . import _core
 from .engine import CLOSED, Engine, GenerationRecord
 from .known_models import resolve_model_path
-from .options import REFRESH_TOKENS, PoolConfig, ResidencyConfig, SamplingParams
+from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
 
@@ -39,15 +39,17 @@ def cpu_threads(n_threads: Optional[int]) -> int:
 
 
 class Model:
-    def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = 4096,
-                 pool_tokens: Union[None, int, str] = None, policy: Union[str, Callable] = "lru",
-                 tau: int = 64, prefill_reselect: bool = False, kv_type: str = "f16",
-                 backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
-                 n_batch: int = 512, chat_template: Optional[str] = None,
+    # The pool and residency keywords take their defaults from PoolConfig and ResidencyConfig (declared there).
+    def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = PoolConfig.n_ctx,
+                 pool_tokens: Union[None, int, str] = PoolConfig.pool_tokens,
+                 policy: Union[str, Callable] = ResidencyConfig.policy, tau: int = ResidencyConfig.tau,
+                 prefill_reselect: bool = ResidencyConfig.prefill_reselect, kv_type: str = PoolConfig.kv_type,
+                 backend: str = "auto", n_threads: Optional[int] = None, attention: str = PoolConfig.attention,
+                 n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike] = None,
-                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
+                 drafter_model: Union[None, str, os.PathLike] = ResidencyConfig.drafter_model,
+                 refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.

@@ -55,7 +55,7 @@ def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, in
     """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
     batches, lo = [], start
     while lo < end:
-        hi = min(lo + step - lo % 64, end)
+        hi = min(lo + step - lo % _core.CHUNK_TOKENS, end)
         batches.append((lo, hi))
         lo = hi
     return batches

@@ -95,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(ap, threads=os.cpu_count())
     add_pool_flags(ap, pool="512", n_ctx=8192)
-    ap.add_argument("--suffix", type=int, default=64, help="tokens after the saved prefix (at least)")
+    ap.add_argument("--suffix", type=int, default=CHUNK, help="tokens after the saved prefix (at least)")
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens compared after the prompt")
     ap.add_argument("--prompt", default="prose", choices=["prose", "random"], help="prompt text (default prose)")
     ap.add_argument("--seed", type=int, default=0)

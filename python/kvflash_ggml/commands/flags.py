@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Union
 
+from .. import _core
+from ..engine import POLICY_NAMES
 from ..options import PREFILL_MODES, PoolConfig, ResidencyConfig, SamplingParams
-
-POLICY_CHOICES = ("lru", "qk", "quest", "drafter")
-
 
 def parse_pool(value: str) -> Union[None, int, str]:
     if value in ("off", "none", "full"):
@@ -48,21 +47,23 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
                              f"is an alias; default {pool})")
     else:
         ap.add_argument("--kvflash", default=pool, type=parse_pool,
-                        help=f"KV pool in tokens: N (a multiple of 64), 'auto', or 'off' for full cache "
-                             f"(default {pool})")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type")
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"], help="attention path")
+                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto', or 'off' for full "
+                             f"cache (default {pool})")
+    ap.add_argument("--kv-type", default=PoolConfig.kv_type, choices=["f16", "q8_0", "q4_0"], help="KV cache type")
+    ap.add_argument("--attention", default=PoolConfig.attention, choices=["auto", "flash", "matmul"],
+                    help="attention path")
 
 
 def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> None:
     """grid: --policies, --prefill and --prefill-reselect name the variants a retrieval grid runs side by side."""
     if not grid:
-        ap.add_argument("--policy", default=None, choices=POLICY_CHOICES,
-                        help="residency policy when --kvflash pools the KV (default lru)")
+        ap.add_argument("--policy", default=None, choices=POLICY_NAMES,
+                        help=f"residency policy when --kvflash pools the KV (default {ResidencyConfig.policy})")
     ap.add_argument("--drafter-model", default=None,
                     help="GGUF path or short name of the smaller model that the drafter policy runs beside the "
                          "model (the model itself works too)")
-    ap.add_argument("--tau", type=int, default=None, help="decode tokens between reselects (default 64; adaptive)")
+    ap.add_argument("--tau", type=int, default=None,
+                    help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
     if grid:
         ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both"],
                         help="prompt computation: in the pool (pooled), in a transient full cache whose K/V the "
@@ -78,7 +79,8 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
     ap.add_argument("--prefill-reselect", action="store_const", const=True, default=None,
                     help="reselect before each prefill batch (query-aware prefill)")
     ap.add_argument("--refresh-tokens", type=int, default=None,
-                    help="prompt tokens run again after the post-prompt reselect paged anything in (default 64)")
+                    help="prompt tokens run again after the post-prompt reselect paged anything in (default "
+                         f"{ResidencyConfig.refresh_tokens})")
 
 
 def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:

@@ -75,7 +75,8 @@ def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_fu
     for pool in pools:
         for p in policies:
             variants = prefill_reselect if reselects(p) else (None,)
-            out += [Config(p, pool, pf, tau, drafter_model, mode, **pool_options) for mode in prefill for pf in variants]
+            out += [Config(p, pool, pf, tau, drafter_model, mode, **pool_options)
+                    for mode in prefill for pf in variants]
     return out
 
 
@@ -120,7 +121,8 @@ def context_for(items: Sequence[Prepared]) -> int:
 
 
 def run_grid(model_path: str, cases_by_length: dict[int, list[Case]], renderer: Renderer, cfgs: Sequence[Config], *,
-             n_threads: Optional[int] = None, backend: str = "auto", log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+             n_threads: Optional[int] = None, backend: str = "auto",
+             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
              meta: Optional[dict] = None, on_cell: Optional[Callable[[dict], None]] = None) -> dict:
     """Run every case under every configuration; returns the report (cells with per-case results).
     on_cell(report so far) is called after each cell, so a long run can save partial results."""
