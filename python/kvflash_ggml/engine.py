@@ -153,36 +153,6 @@ class Engine:
             self._closed = True
             self.session = self.policy = self.companion = self.prefix_cache = self.model = None
 
-    # -- snapshots -------------------------------------------------------------------------------
-    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
-        """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
-        with self._turn():
-            self.session.save(path, prefix_chunks=prefix_chunks)
-
-    def load_state(self, path: Union[str, os.PathLike]) -> None:
-        """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
-        the new suffix. On error (SnapshotError, OSError) nothing changes."""
-        with self._turn():
-            self._take()
-            self._load_state(path)
-
-    def _load_state(self, path: Union[str, os.PathLike]) -> None:
-        self.session.load(path)
-        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
-
-    def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
-        """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
-        hit = self.prefix_cache.lookup(self._cache_key, tokens, longer_than=n_keep)
-        if hit is None:
-            return n_keep
-        try:
-            self._load_state(hit.path)
-        except (SnapshotError, OSError) as e:
-            log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
-            self.prefix_cache.discard(hit.path)
-            return n_keep
-        return common_prefix(self.session.tokens, tokens)
-
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """Make the session hold exactly `tokens`, computing only the part that differs from what it
@@ -220,6 +190,19 @@ class Engine:
             raise
         self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
+
+    def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
+        """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
+        hit = self.prefix_cache.lookup(self._cache_key, tokens, longer_than=n_keep)
+        if hit is None:
+            return n_keep
+        try:
+            self._load_state(hit.path)
+        except (SnapshotError, OSError) as e:
+            log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
+            self.prefix_cache.discard(hit.path)
+            return n_keep
+        return common_prefix(self.session.tokens, tokens)
 
     def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
         start = self._exact_prefill(tokens, n_keep) if self.residency.prefill == "exact" else n_keep
@@ -391,6 +374,23 @@ class Engine:
             text = self.tokenizer.apply_chat_template(check_messages(prompt), template=self.chat_template)
             return self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
         return token_ids(prompt, self.tokenizer.n_vocab)
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
+        """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
+        with self._turn():
+            self.session.save(path, prefix_chunks=prefix_chunks)
+
+    def load_state(self, path: Union[str, os.PathLike]) -> None:
+        """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
+        the new suffix. On error (SnapshotError, OSError) nothing changes."""
+        with self._turn():
+            self._take()
+            self._load_state(path)
+
+    def _load_state(self, path: Union[str, os.PathLike]) -> None:
+        self.session.load(path)
+        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -23,6 +23,8 @@ import numpy as np
 
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, pool_config
+from ..known_models import resolve_model_path
+from ..testing.prose import prose
 
 CHUNK = _core.CHUNK_TOKENS
 
@@ -41,7 +43,6 @@ def make_prompt(model, args, n: int) -> np.ndarray:
     if args.prompt == "random":
         rng = np.random.default_rng(args.seed)
         return rng.integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
-    from ..testing.prose import prose
     vocab = _core.Vocab(model.path)
     n_sentences = n // 10 + 8   # a sentence is ~15 tokens
     while len(tokens := vocab.tokenize(prose(n_sentences, seed=args.seed), add_special=True)) < n:
@@ -107,7 +108,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.n_ctx - args.n_gen - 1 - args.suffix < CHUNK:
         ap.error("--n-ctx leaves no whole chunk before the suffix")
 
-    from ..known_models import resolve_model_path
     try:
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
