@@ -27,7 +27,7 @@ def smollm2_vocab(smollm2_path):
 def tiny_gguf(tmp_path_factory):
     """tiny_gguf(seed=0, weight_type="f16") -> path of a tiny random-weight llama GGUF (with tokenizer),
     written once per session per argument set."""
-    from kvflash_ggml.bench import random_gguf as rg
+    from kvflash_ggml.testing import random_gguf as rg
     root = tmp_path_factory.mktemp("tiny-gguf")
     paths = {}
 

@@ -10,7 +10,7 @@ import pytest
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "bench", "decode", "--model", "smollm2",
-                           "--depths", "0,600", "--pool", "448", "--n-gen", "16", "--threads", "2",
+                           "--depths", "0,600", "--kvflash", "448", "--n-gen", "16", "--threads", "2",
                            "--no-llama-bench", "--policy", "qk", "--tau", "64", "--json", str(out), "--plot", ""],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -256,7 +256,7 @@ def test_cli(checkpoints, tmp_path):
     assert _core.Model(str(out), backend="cpu", n_threads=1).hparams.arch == "qwen2"
     r = run_cli(checkpoints["qwen2"], out)
     assert r.returncode == 1 and "already exists (pass --force" in r.stderr
-    from kvflash_ggml.cli import main as kvflash_main
+    from kvflash_ggml.commands import main as kvflash_main
     assert kvflash_main(["convert", str(checkpoints["qwen2"]), str(out), "--force", "--quiet"]) == 0
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from greedy_check import assert_greedy_matches_argmax
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
 
 pytestmark = pytest.mark.skipif(not _core.gpu_devices(), reason="no GPU backend compiled in or no GPU present")
 

@@ -9,10 +9,12 @@ import pytest
 
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
+from kvflash_ggml.companion import Companion
 from kvflash_ggml.drafter import DrafterPolicy
 from kvflash_ggml.options import PoolConfig
-from kvflash_ggml.policy import SessionView, make_policy
+from kvflash_ggml.engine import make_policy
+from kvflash_ggml.policy import SessionView
 
 N_THREADS = 1
 C = 64
@@ -113,14 +115,14 @@ def spec_scores(attention: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> n
 
 
 def test_scores_follow_the_spec(target, tok, paths):
-    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy="drafter",
-                     drafter_model=paths["same"])
+    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+                     drafter_model=paths["same"]))
     history = tok.encode(TEXT * 12)[:900]
     eng.prefill(history)
     policy = eng.policy
-    assert policy.same_vocab and policy.session.tokens.tolist() == history
-    attention = policy.session.attention_capture().max(axis=0)
-    view = SessionView(eng.session, eng.history)
+    assert policy.companion.same_vocab and policy.companion.session.tokens.tolist() == history
+    attention = policy.companion.session.attention_capture().max(axis=0)
+    view = SessionView(eng.session)
     scores = policy.scores(view)
     assert scores.shape == (view.n_chunks,) == (15,)
     np.testing.assert_allclose(scores, spec_scores(attention, np.arange(900) // C, 15), rtol=1e-4, atol=1e-5)
@@ -129,27 +131,29 @@ def test_scores_follow_the_spec(target, tok, paths):
 # -- (c) incremental ----------------------------------------------------------------------------------
 
 def test_drafter_runs_only_new_tokens_and_follows_truncation(target, tok, paths):
-    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy="drafter",
-                     drafter_model=paths["same"], tau=64)
+    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+                     drafter_model=paths["same"], tau=64))
     policy = eng.policy
     prompt = tok.encode(TEXT * 12)[:700]
     logits = eng.prefill(prompt)
-    assert policy.n_forwarded == 700
+    assert policy.companion.n_forwarded == 700
     for _ in range(64):   # adaptive tau: max(64, 764 // 45) = 64, one reselect
         logits = eng.decode_one(int(logits.argmax()))
-    assert eng.stats()["reselects"] == 2 and policy.n_forwarded == 764
-    assert policy.session.tokens.tolist() == eng.history
+    assert eng.stats()["reselects"] == 2 and policy.companion.n_forwarded == 764
+    assert policy.companion.session.tokens.tolist() == eng.session.tokens.tolist()
     eng.reselect()        # nothing new: the capture is reused
-    assert policy.n_forwarded == 764
+    assert policy.companion.n_forwarded == 764
     # A prompt that leaves the history after 300 tokens: the engine truncates, so does the drafter.
     other = prompt[:300] + tok.encode(" Something else entirely, said the fox." * 20)[1:400]
     eng.prefill(other)
-    assert 300 <= eng.n_reused < 310 and policy.n_forwarded == 764 + len(other) - eng.n_reused
-    assert policy.session.tokens.tolist() == eng.history == other
+    assert 300 <= eng.n_reused < 310 and policy.companion.n_forwarded == 764 + len(other) - eng.n_reused
+    assert policy.companion.session.tokens.tolist() == eng.session.tokens.tolist() == other
     # Fewer new tokens than the 8 the capture needs: the last 8 run again.
-    before = policy.n_forwarded
-    policy.scores(SessionView(eng.session, other + [5, 6, 7]))
-    assert policy.n_forwarded == before + 8 and policy.session.n_tokens == len(other) + 3
+    before = policy.companion.n_forwarded
+    for t in (5, 6, 7):   # fewer than tau: no reselect, so the drafter has not seen them
+        eng.decode_one(t)
+    policy.scores(SessionView(eng.session))
+    assert policy.companion.n_forwarded == before + 8 and policy.companion.session.n_tokens == len(other) + 3
 
 
 # -- (d) different vocabularies -------------------------------------------------------------------------
@@ -157,15 +161,14 @@ def test_drafter_runs_only_new_tokens_and_follows_truncation(target, tok, paths)
 def test_vocab_with_extra_unused_tokens_maps_one_to_one(target, tok, paths):
     """n_vocab 1009 vs 1000: the tables differ, so the text path runs, and must give what the position
     path would: the same tokens (BOS included, written out and parsed back) and the same scores."""
-    policy = make_policy("drafter", drafter_model=paths["v1009"], tokenizer=tok, n_ctx=2048, backend="cpu",
-                         n_threads=N_THREADS)
-    assert not policy.same_vocab
+    policy = DrafterPolicy(Companion(paths["v1009"], tok, n_ctx=2048, backend="cpu", n_threads=N_THREADS))
+    assert not policy.companion.same_vocab
     history = tok.encode(TEXT * 10)[:700]
     session = _core.Session(target, _core.SessionConfig(max_tokens=2048))
     session.forward(np.asarray(history, np.int32), 0)
-    scores = policy.scores(SessionView(session, history))
-    assert policy.session.tokens.tolist() == history
-    attention = policy.session.attention_to_positions()
+    scores = policy.scores(SessionView(session))
+    assert policy.companion.session.tokens.tolist() == history
+    attention = policy.companion.session.attention_to_positions()
     np.testing.assert_allclose(scores, spec_scores(attention, np.arange(700) // C, 11), rtol=1e-4, atol=1e-5)
 
 
@@ -183,7 +186,7 @@ class SpikeAt(DrafterPolicy):
 
     def attention(self, tokens):
         real = super().attention(tokens)
-        starts = byte_starts(self.tokenizer, tokens)
+        starts = byte_starts(self.companion.tokenizer, tokens)
         spike = np.zeros_like(real)
         spike[np.searchsorted(starts, self.at, side="right") - 1] = 1.0
         return spike
@@ -196,18 +199,18 @@ def test_other_vocab_maps_scores_to_chunks_by_byte_offsets(target, tok, paths):
     at = len((TEXT * 6).encode()) + 1                 # the needle's first letter
     t_starts = byte_starts(tok, history)
     needle_chunk = int(np.searchsorted(t_starts, at, side="right") - 1) // C
-    policy = SpikeAt(paths["v300"], tok, n_ctx=2048, backend="cpu", n_threads=N_THREADS)
+    policy = SpikeAt(Companion(paths["v300"], tok, n_ctx=2048, backend="cpu", n_threads=N_THREADS))
     policy.at = at
     session = _core.Session(target, _core.SessionConfig(max_tokens=2048))
     session.forward(np.asarray(history, np.int32), 0)
-    view = SessionView(session, history)
+    view = SessionView(session)
     scores = policy.scores(view)
-    d_tokens = policy.session.tokens.tolist()
-    assert not policy.same_vocab and len(d_tokens) != len(history)    # other tokens for the same text
-    assert policy.tokenizer.decode(d_tokens) == tok.decode(history)
+    d_tokens = policy.companion.session.tokens.tolist()
+    assert not policy.companion.same_vocab and len(d_tokens) != len(history)    # other tokens for the same text
+    assert policy.companion.tokenizer.decode(d_tokens) == tok.decode(history)
     assert int(np.argmax(scores)) == needle_chunk and scores.shape == (view.n_chunks,)
     # Every chunk against the spec with the assignment done one drafter token at a time.
-    d_starts = byte_starts(policy.tokenizer, d_tokens)
+    d_starts = byte_starts(policy.companion.tokenizer, d_tokens)
     chunk_of = np.array([(np.searchsorted(t_starts, b, side="right") - 1) // C for b in d_starts])
     spike = np.zeros(len(d_tokens))
     spike[np.searchsorted(d_starts, at, side="right") - 1] = 1.0
@@ -227,7 +230,7 @@ def test_engine_reselects_the_drafters_top_chunks(paths):
         pager = eng.session.pager
         pager.check_invariants()
         eng.reselect()
-        scores = eng.policy.scores(SessionView(eng.session, eng.history))
+        scores = eng.policy.scores(SessionView(eng.session))
         free = ~pager.protected_chunks()
         resident = np.array([pager.is_resident(c) for c in range(pager.n_chunks())])
         n_free = int((resident & free).sum())
@@ -238,7 +241,9 @@ def test_engine_reselects_the_drafters_top_chunks(paths):
 def test_model_shares_weights_with_itself_as_drafter(paths):
     with kvf.Model(paths["target"], n_ctx=1024, pool_tokens=448, policy="drafter", drafter_model=paths["target"],
                    backend="cpu", n_threads=N_THREADS) as llm:
-        assert llm.engine.policy.model is llm._core_model and llm.engine.policy.same_vocab
+        companion = llm.engine.companion
+        assert llm.engine.policy.companion is companion   # the engine's, lent to the policy
+        assert companion.model is llm._core_model and companion.same_vocab
 
 
 # -- (f) errors -------------------------------------------------------------------------------------------
@@ -247,16 +252,16 @@ def test_bad_input_raises(target, tok, paths):
     with pytest.raises(ValueError, match="drafter_model"):
         make_policy("drafter")
     with pytest.raises(ValueError, match="drafter_model"):
-        kvf.Engine(target, tok, PoolConfig(n_ctx=1024, pool_tokens=448), policy="drafter")
+        kvf.Engine(target, tok, PoolConfig(n_ctx=1024, pool_tokens=448), kvf.ResidencyConfig(policy="drafter"))
     with pytest.raises(ValueError, match="too small"):   # trained for 1024 tokens, asked for 2048
-        kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy="drafter",
-                   drafter_model=paths["short"])
+        kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+                   drafter_model=paths["short"]))
     with pytest.raises(FileNotFoundError):
-        make_policy("drafter", drafter_model="/nonexistent.gguf")
+        Companion("/nonexistent.gguf", tok, n_ctx=1024)
 
 
 def test_command_lines(paths, capsys):
-    from kvflash_ggml import generate
+    from kvflash_ggml.commands import generate
     from kvflash_ggml.bench.retrieval import cli
     rc = generate.main(["--model", paths["target"], "--n-ctx", "2048", "--kvflash", "448", "--policy", "drafter",
                         "--drafter-model", paths["same"], "--threads", "1", "--backend", "cpu", "--max-tokens", "4",
@@ -272,15 +277,15 @@ def test_command_lines(paths, capsys):
 # -- another vocabulary: the drafter's context follows its own token count (issue 18) ---------------------
 
 def test_other_vocab_context_grows_with_the_retokenised_history(target, tok, paths):
-    policy = DrafterPolicy(paths["v300"], tok, n_ctx=128, backend="cpu", n_threads=N_THREADS)
+    policy = DrafterPolicy(Companion(paths["v300"], tok, n_ctx=128, backend="cpu", n_threads=N_THREADS))
     history = tok.encode(TEXT * 3)[:120]
-    n_drafter = len(policy.retokenise(np.asarray(history, np.int32))[0])
+    n_drafter = len(policy.companion.retokenise(np.asarray(history, np.int32))[0])
     assert n_drafter > 128                                  # more than the model's n_ctx once retokenised
     session = _core.Session(target, _core.SessionConfig(max_tokens=256))
     session.forward(np.asarray(history, np.int32), 0)
-    scores = policy.scores(SessionView(session, history))
+    scores = policy.scores(SessionView(session))
     assert scores.shape == (2,) and np.isfinite(scores).all()
-    assert n_drafter <= policy.n_ctx <= 64 * -(-int(n_drafter * 1.25) // 64)
+    assert n_drafter <= policy.companion.n_ctx <= 64 * -(-int(n_drafter * 1.25) // 64)
 
 
 def test_other_vocab_prompt_longer_for_the_drafter(paths):
@@ -291,9 +296,9 @@ def test_other_vocab_prompt_longer_for_the_drafter(paths):
     with kvf.Model(paths["target"], n_ctx=1024, pool_tokens=448, policy="drafter", drafter_model=paths["v300"],
                    backend="cpu", n_threads=N_THREADS) as llm:
         prompt = llm.tokenize(text)[:1000]
-        assert len(llm.engine.policy.retokenise(np.asarray(prompt, np.int32))[0]) > 1024
+        assert len(llm.engine.companion.retokenise(np.asarray(prompt, np.int32))[0]) > 1024
         out = llm.create_completion(prompt, max_tokens=4, temperature=0.0)
-        assert out["usage"]["kvflash"]["reselects"] >= 1 and llm.engine.policy.n_ctx > 1024
+        assert out["usage"]["kvflash"]["reselects"] >= 1 and llm.engine.companion.n_ctx > 1024
     with kvf.Model(paths["target"], n_ctx=1024, pool_tokens=448, policy="drafter",
                    drafter_model=paths["v300short"], backend="cpu", n_threads=N_THREADS) as llm:
         eng = llm.engine
@@ -302,17 +307,17 @@ def test_other_vocab_prompt_longer_for_the_drafter(paths):
         held, computes = eng.session.tokens.tolist(), eng.session.timings.n_computes
         with pytest.raises(ValueError, match=r"tokens for the drafter .* more than it was trained for \(1024\)"):
             llm.create_completion(prompt, max_tokens=4, temperature=0.0)
-        assert eng.session.tokens.tolist() == held == eng.history
+        assert eng.session.tokens.tolist() == held
         assert eng.session.timings.n_computes == computes
 
 
 def test_generation_outgrowing_the_drafter_goes_on_unscored(target, tok, paths, caplog):
-    policy = DrafterPolicy(paths["v300short"], tok, n_ctx=1024, backend="cpu", n_threads=N_THREADS)
+    policy = DrafterPolicy(Companion(paths["v300short"], tok, n_ctx=1024, backend="cpu", n_threads=N_THREADS))
     history = tok.encode(TEXT * 14)[:1000]
     session = _core.Session(target, _core.SessionConfig(max_tokens=1024))
     session.forward(np.asarray(history, np.int32), 0)
     with caplog.at_level("WARNING", logger="kvflash_ggml.drafter"):
-        assert policy.scores(SessionView(session, history)) is None
-        assert policy.scores(SessionView(session, history)) is None
+        assert policy.scores(SessionView(session)) is None
+        assert policy.scores(SessionView(session)) is None
     warnings = [r for r in caplog.records if "more than it was trained for" in r.getMessage()]
     assert len(warnings) == 1

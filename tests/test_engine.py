@@ -110,8 +110,8 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     # transient full cache then takes the history back from the pool and the host store). A model that is
     # its own drafter lends the drafter's full cache instead: no transient session, each token run once.
     pool = PoolConfig(n_ctx=2048, pool_tokens=448, attention="matmul")
-    exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, prefill="exact", policy=policy,
-                       drafter_model=llm._core_model if policy == "drafter" else None)
+    exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, kvf.ResidencyConfig(prefill="exact", policy=policy,
+                       drafter_model=llm._core_model if policy == "drafter" else None))
     full = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, attention="matmul"))
     transient = []
     real_make_session = kvf.engine.make_session
@@ -120,7 +120,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     first = llm.tokenize(text)[:700]
     second = first + llm.tokenize(" The last item was", add_bos=False) + llm.tokenize(text, add_bos=False)[:500]
     for prompt in (first, second):
-        held, ran = len(exact.history), getattr(exact.policy, "n_forwarded", 0)
+        held, ran = exact.session.n_tokens, exact.companion.n_forwarded if exact.companion else 0
         exact.prefill(prompt)
         full.prefill(prompt)
         s, f = exact.session, full.session
@@ -130,7 +130,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
             mine = s.kv.read_block(s.pager.slot_of(c * 64) // 64) if s.pager.is_resident(c) else s.kv.host_image(c)
             assert mine == f.kv.read_block(c), f"chunk {c} of a {len(prompt)}-token prompt"
         if policy == "drafter":   # the drafter's last 8 tokens run again, for the post-prompt rescore's capture
-            assert not transient and exact.policy.n_forwarded - ran <= len(prompt) - held + 8
+            assert not transient and exact.companion.n_forwarded - ran <= len(prompt) - held + 8
         else:
             assert len(transient) == (prompt is second) + 1
 

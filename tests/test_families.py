@@ -1,6 +1,6 @@
 """Every supported family (llama, qwen2, qwen3) against libllama, on tiny random-weight GGUFs.
 
-The models come from kvflash_ggml.bench.random_gguf, so this is the one runner for every family
+The models come from kvflash_ggml.testing.random_gguf, so this is the one runner for every family
 (DESIGN.md rule 12): a prompt of N_PROMPT random tokens, then N_DECODE greedy steps where our argmax
 is fed to both us and libllama's llama_decode (LlamaReference), comparing every logit row on the way.
 Also: pooled == full cache, tied embeddings, the tokenizer the writer embeds, and bad files.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from greedy_check import assert_greedy_matches_argmax
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
 
 N_PROMPT = 300
 N_DECODE = 32

@@ -116,7 +116,7 @@ def del_key(g: dict, key: str) -> dict:
 
 def write_base(path: Path, arch: str = "llama") -> Path:
     """The smallest model the fuzz needs: 2 layers, 32-wide, 300 tokens (byte tokens + merges + specials)."""
-    from kvflash_ggml.bench.random_gguf import write_random_gguf
+    from kvflash_ggml.testing.random_gguf import write_random_gguf
     return write_random_gguf(path, arch, n_layer=2, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=64,
                              n_vocab=300, n_ctx_train=256, weight_type="f16")
 

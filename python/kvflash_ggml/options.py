@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
-CHUNK_TOKENS = 64
+from . import _core
+
 AUTO_POOL_TOKENS = 4096
+# Adaptive tau: decode tokens between reselects are max(tau, held tokens // TAU_CONTEXT_DIVISOR), so a long
+# context is rescored less often (each rescore costs more) while a short one follows tau.
+TAU_CONTEXT_DIVISOR = 45
+# Prompt tokens recomputed after the post-prompt reselect pages evidence in: one chunk. Measured on SmolLM2
+# passkeys at 8K (scripts/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
+# 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
+# the evidence it should read back out).
+REFRESH_TOKENS = _core.CHUNK_TOKENS
+PREFILL_MODES = ("pooled", "exact")
 
 
 @dataclass(frozen=True)
@@ -30,20 +41,24 @@ class PoolConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        pool = self.resolved_pool_tokens()
+        if pool:   # the core's own rules (a multiple of a chunk, at least the minimum), before any weight loads
+            self._pager_config(pool).validate()
+
+    def _pager_config(self, pool_tokens: int) -> _core.PagerConfig:
+        return _core.PagerConfig(chunk_tokens=_core.CHUNK_TOKENS, pool_tokens=pool_tokens, max_tokens=self.n_ctx,
+                                 sink_chunks=self.sink_chunks, tail_chunks=self.tail_chunks)
 
     def resolved_pool_tokens(self) -> int:
-        """0 for full cache, else the pool size in tokens (a multiple of 64)."""
+        """0 for full cache, else the pool size in tokens (a multiple of the chunk size)."""
         p = self.pool_tokens
         if p is None or p == "off":
             return 0
         if p == "auto":
-            ctx = -(-self.n_ctx // CHUNK_TOKENS) * CHUNK_TOKENS
-            minimum = (self.sink_chunks + self.tail_chunks + 2) * CHUNK_TOKENS
-            return max(min(ctx, AUTO_POOL_TOKENS), minimum)
+            C = _core.CHUNK_TOKENS
+            return max(min(-(-self.n_ctx // C) * C, AUTO_POOL_TOKENS), self._pager_config(0).min_pool_tokens())
         if isinstance(p, bool) or not isinstance(p, int):
             raise ValueError(f"pool_tokens must be None, 'auto' or an int, not {p!r}")
-        if p <= 0:
-            raise ValueError(f"pool_tokens must be positive (got {p}); use None for full cache")
         return p
 
     def prefill_batch(self) -> int:
@@ -55,7 +70,40 @@ class PoolConfig:
         pool = self.resolved_pool_tokens()
         if pool == 0:
             return self.n_batch
-        return min(self.n_batch, max(CHUNK_TOKENS, pool // 8 // CHUNK_TOKENS * CHUNK_TOKENS))
+        C = _core.CHUNK_TOKENS
+        return min(self.n_batch, max(C, pool // 8 // C * C))
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    """Which chunks stay in the pool, and how a prompt is computed.
+    policy: "lru" | "qk" | "quest" | "drafter", a Policy, or a callable view -> one score per chunk.
+    tau: decode tokens between reselects (adaptive: see TAU_CONTEXT_DIVISOR).
+    prefill_reselect: reselect before each prefill batch (the previous batch's queries pick what stays).
+    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
+    prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
+    saw it; "exact" computes the new part of a prompt in a full-cache session and the pool adopts its K/V:
+    the K/V equal a full-cache run's, at the price of context-sized KV memory while the prompt runs.
+    drafter_model: the GGUF path, short name or loaded _core.Model that policy="drafter" runs beside the model."""
+
+    policy: Union[str, Callable] = "lru"
+    tau: int = 64
+    prefill_reselect: bool = False
+    refresh_tokens: int = REFRESH_TOKENS
+    prefill: str = "pooled"
+    drafter_model: Union[None, str, os.PathLike, _core.Model] = None
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if not _is_int(self.tau) or self.tau <= 0:
+            raise ValueError(f"tau must be positive, got {self.tau}")
+        if not _is_int(self.refresh_tokens) or self.refresh_tokens < 0:
+            raise ValueError(f"refresh_tokens must be >= 0, got {self.refresh_tokens}")
+
+    def reselect_every(self, n_tokens: int) -> int:
+        """Decode tokens between reselects with n_tokens held (adaptive tau)."""
+        return max(self.tau, n_tokens // TAU_CONTEXT_DIVISOR)
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,23 @@ what moves (protected chunks always stay; the rest by score) and the engine deci
 from __future__ import annotations
 
 from dataclasses import dataclass
-import os
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from . import _core
 
-if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
-
 
 @dataclass
 class SessionView:
-    """What a user policy may look at; arrays are computed on demand."""
+    """What a user policy may look at; arrays (the tokens too) are read from the session on demand."""
 
     session: _core.Session
-    history: Sequence[int]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The tokens whose K/V the session holds, in order."""
+        return self.session.tokens
 
     @property
     def n_chunks(self) -> int:
@@ -54,15 +54,6 @@ class Policy:
     needs_summaries = False    # must the session summarise sealed chunks?
 
     def scores(self, view: SessionView) -> Optional[np.ndarray]:
-        return None
-
-    def check_prompt(self, tokens: Sequence[int]) -> None:
-        """Raise (ValueError) if this policy cannot follow a history of these tokens; the engine asks
-        before it changes anything for a prompt."""
-
-    def full_cache_for(self, model: _core.Model, tokens: Sequence[int]) -> Optional[_core.Session]:
-        """A full-cache session of `model` that this policy keeps anyway, brought to hold exactly `tokens`;
-        exact prefill adopts from it instead of computing the prompt a second time. None: it keeps none."""
         return None
 
 
@@ -95,30 +86,3 @@ class CallablePolicy(Policy):
             raise ValueError(f"policy {self.name!r} returned {s.shape} scores; expected ({view.n_chunks},), "
                              "one per chunk")
         return s
-
-
-POLICY_NAMES = ("lru", "qk", "quest", "drafter")
-
-
-def make_policy(spec: Union[str, Policy, Callable], *,
-                drafter_model: Union[None, str, os.PathLike, _core.Model] = None,
-                tokenizer: Optional["Tokenizer"] = None, n_ctx: int = 4096, backend: str = "auto",
-                n_threads: Optional[int] = None) -> Policy:
-    """drafter_model (a GGUF path, short name or loaded _core.Model) is for spec="drafter" and unused by
-    the others; tokenizer is the target's (the drafter maps by text when their vocabularies differ)."""
-    if spec == "drafter":
-        if drafter_model is None:
-            raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
-                             "with the same tokenizer, or the model itself)")
-        from .drafter import DrafterPolicy   # it imports the engine, which imports this module
-        return DrafterPolicy(drafter_model, tokenizer, n_ctx=n_ctx, backend=backend, n_threads=n_threads)
-    if isinstance(spec, Policy):
-        return spec
-    if callable(spec):
-        return CallablePolicy(spec)
-    if spec == "lru":
-        return LRU()
-    if spec in ("qk", "quest"):
-        return BuiltinScorer(spec)
-    raise ValueError(f"policy {spec!r} is not available (available: {', '.join(POLICY_NAMES)}, or a callable "
-                     "view -> scores per chunk)")

@@ -1,1 +1,1 @@
-"""Benchmark helpers: random-weight GGUF models of any supported family and size."""
+"""Benchmarks behind `kvflash bench`: decode speed, snapshot restore, retrieval (niah, ruler)."""

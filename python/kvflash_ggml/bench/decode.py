@@ -11,6 +11,7 @@ prefill rates and, on a GPU, the device memory each session took) and a PNG plot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-CHUNK = 64
+from .. import _core
+from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
+from ..engine import Engine
+from ..known_models import resolve_model_path
+from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
+from ..tokenizer import Tokenizer
+
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
 
@@ -42,24 +49,20 @@ def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
 
 
 def gpu_free_bytes() -> Optional[int]:
-    from .. import _core
     devices = _core.gpu_devices()
     return devices[0]["memory_free"] if devices else None
 
 
-def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[int], kv_type: str,
-                attention: str, policy: str, tau: int, seed: int, reps: int = REPS) -> dict:
+def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, residency: ResidencyConfig, seed: int,
+                reps: int = REPS) -> dict:
     """Prefill `depth` random tokens, then WARMUP untimed steps, then `reps` timed windows of n_gen decode
     steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
     reruns its last token, untimed); tok/s is the median of the windows' rates."""
-    from ..engine import Engine
-    from ..options import PoolConfig
-    n_ctx = -(-(depth + max(WARMUP, n_gen) + 1) // CHUNK) * CHUNK
-    pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
-                      allow_beyond_train_ctx=True)
+    C = _core.CHUNK_TOKENS
+    pool = dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
     free0 = gpu_free_bytes() if model.on_gpu else None
-    engine = Engine(model, tokenizer, pool, policy=policy, tau=tau)
+    engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32).tolist()
     t0 = time.perf_counter()
@@ -75,7 +78,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
         for _ in range(n_gen):   # greedy, as generate() decodes at temperature 0
             token = engine.decode_one_greedy(token)
         rates.append(n_gen / (time.perf_counter() - t0))
-        # A window rarely reaches the cadence (max(tau, context / 45) tokens), so one reselect with the
+        # A window rarely reaches the cadence (max(tau, context / TAU_CONTEXT_DIVISOR) tokens), so one reselect with the
         # window's last queries is timed apart (scoring and paging): its share of decode time is its cost
         # over the decode time of the tokens between two reselects.
         t0 = time.perf_counter()
@@ -83,7 +86,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool_tokens: Optional[
         reselect_ms.append((time.perf_counter() - t0) * 1e3)
     after = engine.stats()
     tok_s = float(np.median(rates))
-    cadence = max(tau, (depth + n_gen) // 45)
+    cadence = residency.reselect_every(depth + n_gen)
     out = {"tok_s": tok_s, "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
            "device_kv_bytes": after["device_kv_bytes"], "host_kv_bytes": after["host_kv_bytes"],
            "flash_attn": engine.session.flash_attn, "reselect_ms": float(np.median(reselect_ms)),
@@ -114,17 +117,12 @@ def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kvflash bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="GGUF path or known short name")
+    add_model_flags(ap, threads=os.cpu_count())
+    add_pool_flags(ap, pool="512", n_ctx=None)
+    add_residency_flags(ap)
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
-    ap.add_argument("--pool", type=int, default=512, help="KVFlash pool in tokens (default 512)")
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
     ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
-    ap.add_argument("--policy", default="lru", help="residency policy of the pooled run (lru, qk, quest)")
-    ap.add_argument("--tau", type=int, default=64, help="decode tokens between reselects (adaptive minimum)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
     ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
     ap.add_argument("--json", default="bench-out/decode.json", help="where to write the JSON")
@@ -134,13 +132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
         ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
-    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.pool <= 0 or args.reps <= 0:
-        ap.error("depths must be >= 0, --n-gen, --reps and --pool positive")
-
-    from .. import _core
-    from ..model import resolve_model_path
-    from ..policy import make_policy
-    from ..tokenizer import Tokenizer
+    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0:
+        ap.error("depths must be >= 0, --n-gen and --reps positive, --kvflash a pool (not off)")
+    if args.policy == "drafter" and not args.drafter_model:
+        ap.error("--policy drafter needs --drafter-model PATH")
 
     binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
     if not args.no_llama_bench and binary is None:
@@ -148,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
         return 2
     try:
-        make_policy(args.policy)
+        pooled, residency = pool_config(args), residency_config(args)
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
         tokenizer = Tokenizer(path)
@@ -158,13 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
     # initialisation (llama-bench warms up before each test too).
-    time_decode(model, tokenizer, 0, 8, None, args.kv_type, args.attention, "lru", args.tau, seed=0)
+    full, full_residency = dataclasses.replace(pooled, pool_tokens=None), ResidencyConfig(tau=residency.tau)
+    time_decode(model, tokenizer, 0, 8, full, full_residency, seed=0)
     rows = []
     for d in depths:
         row = {"depth": d}
-        for name, pool, policy in (("full", None, "lru"), ("pooled", args.pool, args.policy)):
-            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, args.kv_type, args.attention, policy,
-                                    args.tau, seed=d, reps=args.reps)
+        for name, pool, res in (("full", full, full_residency), ("pooled", pooled, residency)):
+            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, res, seed=d, reps=args.reps)
         rows.append(row)
         print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
@@ -174,7 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
     gpus = _core.gpu_devices() if model.on_gpu else []
-    report = {"model": path, "pool": args.pool, "policy": args.policy, "tau": args.tau, "kv_type": args.kv_type,
+    report = {"model": path, "pool": pooled.pool_tokens, "policy": residency.policy, "tau": residency.tau,
+              "kv_type": pooled.kv_type,
               "reps": args.reps,
               "threads": args.threads, "n_gen": args.n_gen,
               "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
@@ -201,7 +197,8 @@ def print_table(report: dict) -> None:
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
     print(f"tok/s: median of {report['reps']} timed windows of n_gen tokens (llama-bench: of -r {report['reps']}); ratios are against "
           "llama-bench's best (flash attention on or off) at the same depth; reselect % is one reselect (scoring "
-          "and paging) over the pooled decode time between two, at the cadence max(tau, context / 45)")
+          f"and paging) over the pooled decode time between two, at the cadence max(tau, context / "
+          f"{TAU_CONTEXT_DIVISOR})")
 
 
 def write_outputs(report: dict, json_path: str, plot_path: str) -> None:

@@ -21,7 +21,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-CHUNK = 64
+from .. import _core
+from ..commands.flags import add_model_flags, add_pool_flags, pool_config
+from ..known_models import resolve_model_path
+from ..testing.prose import prose
+
+CHUNK = _core.CHUNK_TOKENS
 
 
 def greedy(session, logits, n_gen: int) -> list[int]:
@@ -38,8 +43,6 @@ def make_prompt(model, args, n: int) -> np.ndarray:
     if args.prompt == "random":
         rng = np.random.default_rng(args.seed)
         return rng.integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
-    from .. import _core
-    from .prose import prose
     vocab = _core.Vocab(model.path)
     n_sentences = n // 10 + 8   # a sentence is ~15 tokens
     while len(tokens := vocab.tokenize(prose(n_sentences, seed=args.seed), add_special=True)) < n:
@@ -48,9 +51,8 @@ def make_prompt(model, args, n: int) -> np.ndarray:
 
 
 def run(model, args, snapshot: Path) -> dict:
-    from .. import _core
-    cfg = _core.SessionConfig(max_tokens=args.n_ctx, pool_tokens=args.pool, kv_type=args.kv_type,
-                              attention=args.attention, allow_beyond_train_ctx=True)
+    cfg = _core.SessionConfig(max_tokens=args.n_ctx, pool_tokens=pool_config(args).resolved_pool_tokens(),
+                              kv_type=args.kv_type, attention=args.attention, allow_beyond_train_ctx=True)
     n_prompt = args.n_ctx - args.n_gen - 1
     n_prefix = (n_prompt - args.suffix) // CHUNK * CHUNK
     prompt = make_prompt(model, args, n_prompt)
@@ -92,27 +94,20 @@ def run(model, args, snapshot: Path) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kvflash bench restore", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="GGUF path or known short name")
-    ap.add_argument("--n-ctx", type=int, default=8192, help="context: the prompt is n-ctx - n-gen - 1 tokens")
-    ap.add_argument("--pool", type=int, default=512, help="KVFlash pool in tokens (0 = full cache)")
-    ap.add_argument("--suffix", type=int, default=64, help="tokens after the saved prefix (at least)")
+    add_model_flags(ap, threads=os.cpu_count())
+    add_pool_flags(ap, pool="512", n_ctx=8192)
+    ap.add_argument("--suffix", type=int, default=CHUNK, help="tokens after the saved prefix (at least)")
     ap.add_argument("--n-gen", type=int, default=32, help="greedy tokens compared after the prompt")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"])
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "matmul"])
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt", default="prose", choices=["prose", "random"], help="prompt text (default prose)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the snapshot is written (default: a temporary folder)")
     ap.add_argument("--json", default="bench-out/restore.json", help="where to write the JSON ('' = none)")
     args = ap.parse_args(argv)
-    if args.n_ctx < 4 * CHUNK or args.suffix <= 0 or args.n_gen <= 0 or args.pool < 0:
-        ap.error(f"--n-ctx must be >= {4 * CHUNK}, --suffix and --n-gen positive, --pool >= 0")
+    if args.n_ctx < 4 * CHUNK or args.suffix <= 0 or args.n_gen <= 0:
+        ap.error(f"--n-ctx must be >= {4 * CHUNK}, --suffix and --n-gen positive")
     if args.n_ctx - args.n_gen - 1 - args.suffix < CHUNK:
         ap.error("--n-ctx leaves no whole chunk before the suffix")
 
-    from .. import _core
-    from ..model import resolve_model_path
     try:
         path = resolve_model_path(args.model)
         model = _core.Model(path, backend=args.backend, n_threads=args.threads)
@@ -121,9 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         r = run(model, args, Path(tmp) / "prefix.kvf")
-    report = {"model": path, "n_ctx": args.n_ctx, "pool": args.pool, "kv_type": args.kv_type, "prompt": args.prompt,
+    report = {"model": path, "n_ctx": args.n_ctx, "pool": args.kvflash, "kv_type": args.kv_type, "prompt": args.prompt,
               "threads": args.threads, "device": model.backend_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **r}
-    print(f"model {Path(path).name}, n_ctx {args.n_ctx}, pool {args.pool or 'full'}, kv {args.kv_type}, "
+    print(f"model {Path(path).name}, n_ctx {args.n_ctx}, pool {args.kvflash or 'full'}, kv {args.kv_type}, "
           f"{args.threads} threads, {model.backend_name}")
     print(f"prompt {r['n_prompt']} tokens = saved prefix {r['n_prefix']} + suffix {r['n_suffix']}; snapshot "
           f"{r['snapshot_bytes'] / 2**20:.1f} MiB written in {r['t_save_s']:.3f} s")

@@ -9,11 +9,13 @@ libllama tokenizes as the Hugging Face tokenizer does.
     hparams.py     architecture detection, hyperparameters and their cross-checks, tensor names
     vocab.py       tokenizer.json / tokenizer_config.json -> tokenizer.ggml.* keys, chat template
     writer.py      output types, the GGUF itself (two passes: metadata, then one tensor at a time)
-    command.py     the command line
+    pipeline.py    convert(): every check, then the writer
+
+The command line is kvflash_ggml.commands.convert.
 """
 from __future__ import annotations
 
-from .command import convert, main
 from .errors import ConversionError
+from .pipeline import convert
 
-__all__ = ["convert", "main", "ConversionError"]
+__all__ = ["convert", "ConversionError"]

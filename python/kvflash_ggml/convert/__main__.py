@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from ..commands.convert import main
 
 sys.exit(main())

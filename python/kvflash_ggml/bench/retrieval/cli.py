@@ -8,6 +8,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ...commands.flags import add_model_flags, add_pool_flags, add_residency_flags
+from ...known_models import resolve_model_path
+from ...tokenizer import Tokenizer
 from . import filler, tasks
 from .cases import FORMATS, Renderer, load_jsonl
 from .grid import Policy, format_paired, format_table, make_configs, run_grid, write_json, write_plot
@@ -25,23 +28,14 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
         prog=f"kvflash bench {bench}",
         description=f"Retrieval recall ({bench}) over context lengths x pool sizes x policies, against the "
                     "full-cache control. Prints a table, writes JSON and a PNG plot of recall vs residency.")
-    ap.add_argument("--model", default="smollm2", help="GGUF path or known short name (default smollm2)")
+    add_model_flags(ap, threads=os.cpu_count())
+    add_pool_flags(ap, pool="512,1024", n_ctx=None, several=True)
     ap.add_argument("--lengths", default="8192", help="comma-separated context lengths in tokens (default 8192)")
-    ap.add_argument("--pools", default="512,1024", help="comma-separated pool sizes in tokens (default 512,1024)")
     ap.add_argument("--policies", default="lru",
                     help="comma-separated policies passed to Model(policy=...): names (lru, qk, quest, drafter, ...) "
                          "or module:function for a Python callable; 'full' adds the control (default lru)")
-    ap.add_argument("--drafter-model", default=None,
-                    help="GGUF path or short name of the drafter for the 'drafter' policy (the model itself: "
-                         "--drafter-model smollm2 with --model smollm2)")
+    add_residency_flags(ap, grid=True)
     ap.add_argument("--no-full", action="store_true", help="skip the full-cache control")
-    ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
-                    help="query-aware prefill (reselect before each prefill batch) for policies that reselect: "
-                         "the engine's default, on, off, or both variants side by side (labelled +pf)")
-    ap.add_argument("--prefill", default="default", choices=["default", "pooled", "exact", "both"],
-                    help="prompt computation: in the pool (pooled), in a transient full cache whose K/V the pool "
-                         "adopts (exact), the engine's default, or both side by side (labelled +exact)")
-    ap.add_argument("--tau", type=int, default=None, help="decode tokens between reselects (engine default)")
     ap.add_argument("--tasks", default=",".join(default_tasks),
                     help=f"comma-separated tasks from {', '.join(tasks.TASKS)} (default {','.join(default_tasks)})")
     ap.add_argument("--cases", type=int, default=default_cases, help=f"cases per task and length ({default_cases})")
@@ -54,7 +48,6 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     ap.add_argument("--format", default="chat", choices=FORMATS,
                     help="prompt through the GGUF's chat template (chat) or as plain text (default chat)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all cores)")
     ap.add_argument("--json", default=f"bench-out/{bench}.json", help="where to write the JSON ('' = none)")
     ap.add_argument("--plot", default=f"bench-out/{bench}.png", help="where to write the PNG ('' = none)")
     ap.add_argument("--quiet", action="store_true", help="no per-case progress lines")
@@ -119,7 +112,7 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser(bench)
     args = ap.parse_args(argv)
     lengths = parse_ints(ap, "--lengths", args.lengths)
-    pools = parse_ints(ap, "--pools", args.pools) if args.pools.strip() else []
+    pools = parse_ints(ap, "--kvflash", args.pools) if args.pools.strip() else []
     policies, full_named = parse_policies(ap, args.policies)
     if "drafter" in policies and not args.drafter_model:
         ap.error("--policies drafter needs --drafter-model PATH")
@@ -129,8 +122,6 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     if not policies and not include_full:
         ap.error("nothing to run: no policies and --no-full")
 
-    from ...model import resolve_model_path
-    from ...tokenizer import Tokenizer
     try:
         path = resolve_model_path(args.model)
         renderer = Renderer(Tokenizer(path), args.format)
@@ -144,12 +135,13 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     cfgs = make_configs(pools if policies else [], policies, include_full=include_full,
                         prefill_reselect=variants, tau=args.tau, drafter_model=args.drafter_model,
                         prefill={"default": (None,), "pooled": ("pooled",), "exact": ("exact",),
-                                 "both": ("pooled", "exact")}[args.prefill])
+                                 "both": ("pooled", "exact")}[args.prefill],
+                        kv_type=args.kv_type, attention=args.attention)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     given = list(argv) if argv is not None else sys.argv[1:]
     meta = {"bench": bench, "command": " ".join(["kvflash", "bench", bench, *given]), "seed": args.seed}
     try:
-        report = run_grid(path, cases, renderer, cfgs, n_threads=args.threads, log=log, meta=meta,
+        report = run_grid(path, cases, renderer, cfgs, n_threads=args.threads, backend=args.backend, log=log, meta=meta,
                           on_cell=(lambda r: write_json(r, args.json)) if args.json else None)
     except ValueError as e:   # an unknown policy or a pool the engine refuses, found before any cell ran
         print(f"kvflash bench {bench}: {e}", file=sys.stderr)

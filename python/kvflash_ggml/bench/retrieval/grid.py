@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from ...options import CHUNK_TOKENS
+from ... import _core
+from ...engine import make_policy
+from ...model import Model
 from .cases import Case, Renderer
 from .scoring import run_case
 
@@ -29,6 +31,8 @@ class Config:
     tau: Optional[int] = None                 # None = the engine's default
     drafter_model: Optional[str] = None       # the drafter policy's model (unused by other policies)
     prefill: Optional[str] = None             # None = the engine's default; "exact" adds "+exact"
+    kv_type: Optional[str] = None             # None = PoolConfig's default; the control's too
+    attention: Optional[str] = None           # None = PoolConfig's default; the control's too
 
     @property
     def label(self) -> str:
@@ -38,10 +42,12 @@ class Config:
             ("+exact" if self.prefill == "exact" else "")
 
     def model_options(self) -> dict:
-        """Keywords for Model beyond pool and policy: only those chosen, so engine defaults rule."""
-        opts = {"prefill_reselect": self.prefill_reselect, "tau": self.tau, "prefill": self.prefill,
-                "drafter_model": self.drafter_model if self.policy == "drafter" else None}
-        return {k: v for k, v in opts.items() if v is not None and self.pool is not None}
+        """Keywords for Model (which builds PoolConfig and ResidencyConfig from them) beyond pool and policy:
+        only those chosen, so the dataclasses' defaults rule; the control takes no residency options."""
+        residency = {"prefill_reselect": self.prefill_reselect, "tau": self.tau, "prefill": self.prefill,
+                     "drafter_model": self.drafter_model if self.policy == "drafter" else None}
+        opts = {"kv_type": self.kv_type, "attention": self.attention, **(residency if self.pool is not None else {})}
+        return {k: v for k, v in opts.items() if v is not None}
 
 
 def policy_label(policy: Policy) -> str:
@@ -52,38 +58,40 @@ def reselects(policy: Policy) -> bool:
     """Whether the engine would ask this policy to reselect (unknown names: assume so, and let
     check_configs report them)."""
     try:
-        from ...policy import make_policy
         return bool(make_policy(policy).reselects)
-    except (ImportError, ValueError):
+    except ValueError:
         return True
 
 
 def make_configs(pools: Sequence[int], policies: Sequence[Policy], *, include_full: bool = True,
                  prefill_reselect: Sequence[Optional[bool]] = (None,), tau: Optional[int] = None,
-                 drafter_model: Optional[str] = None, prefill: Sequence[Optional[str]] = (None,)) -> list[Config]:
+                 drafter_model: Optional[str] = None, prefill: Sequence[Optional[str]] = (None,),
+                 kv_type: Optional[str] = None, attention: Optional[str] = None) -> list[Config]:
     """The full-cache control first (its recall B is what every pooled cell is judged against), then
     every pool x policy x prefill-reselect variant x prefill mode; a policy that never reselects gets one
     prefill-reselect variant."""
-    out = [Config("lru", None)] if include_full else []
+    pool_options = dict(kv_type=kv_type, attention=attention)
+    out = [Config("lru", None, **pool_options)] if include_full else []
     for pool in pools:
         for p in policies:
             variants = prefill_reselect if reselects(p) else (None,)
-            out += [Config(p, pool, pf, tau, drafter_model, mode) for mode in prefill for pf in variants]
+            out += [Config(p, pool, pf, tau, drafter_model, mode, **pool_options)
+                    for mode in prefill for pf in variants]
     return out
 
 
-def open_model(model_path: str, cfg: Config, n_ctx: int, n_threads: Optional[int]):
-    from ...model import Model
+def open_model(model_path: str, cfg: Config, n_ctx: int, n_threads: Optional[int], backend: str = "auto"):
     return Model(model_path, n_ctx=n_ctx, pool_tokens=cfg.pool, policy=cfg.policy, n_threads=n_threads,
-                 **cfg.model_options())
+                 backend=backend, **cfg.model_options())
 
 
-def check_configs(model_path: str, cfgs: Sequence[Config], n_ctx: int, n_threads: Optional[int]) -> None:
+def check_configs(model_path: str, cfgs: Sequence[Config], n_ctx: int, n_threads: Optional[int],
+                  backend: str = "auto") -> None:
     """Construct every configuration once before the long run, so an unknown policy or a bad pool
     fails in a second, not after an hour of cells. Raises ValueError naming the configuration."""
     for cfg in cfgs:
         try:
-            open_model(model_path, cfg, n_ctx, n_threads).close()
+            open_model(model_path, cfg, n_ctx, n_threads, backend).close()
         except (ValueError, RuntimeError) as e:
             what = "full cache" if cfg.pool is None else f"policy {cfg.label!r} with pool {cfg.pool}"
             raise ValueError(f"{what}: {e}") from None
@@ -109,24 +117,25 @@ def prepare(cases_by_length: dict[int, list[Case]], renderer: Renderer) -> list[
 def context_for(items: Sequence[Prepared]) -> int:
     """n_ctx that holds the longest prompt plus its answer budget, in whole chunks."""
     need = max(len(p.prompt) + max(p.case.max_new_tokens, len(p.answer)) for p in items)
-    return -(-need // CHUNK_TOKENS) * CHUNK_TOKENS
+    return -(-need // _core.CHUNK_TOKENS) * _core.CHUNK_TOKENS
 
 
 def run_grid(model_path: str, cases_by_length: dict[int, list[Case]], renderer: Renderer, cfgs: Sequence[Config], *,
-             n_threads: Optional[int] = None, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+             n_threads: Optional[int] = None, backend: str = "auto",
+             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
              meta: Optional[dict] = None, on_cell: Optional[Callable[[dict], None]] = None) -> dict:
     """Run every case under every configuration; returns the report (cells with per-case results).
     on_cell(report so far) is called after each cell, so a long run can save partial results."""
     items = prepare(cases_by_length, renderer)
     n_ctx = context_for(items)
-    check_configs(model_path, cfgs, n_ctx, n_threads)
+    check_configs(model_path, cfgs, n_ctx, n_threads, backend)
     report = {**(meta or {}), "model": model_path, "format": renderer.fmt, "n_ctx": n_ctx, "threads": n_threads,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "lengths": list(cases_by_length),
               "configs": [{"policy": c.label, "pool": c.pool, **c.model_options()} for c in cfgs],
               "cases": {str(length): [c.to_json() for c in cs] for length, cs in cases_by_length.items()},
               "cells": []}
     for cfg in cfgs:
-        llm = open_model(model_path, cfg, n_ctx, n_threads)
+        llm = open_model(model_path, cfg, n_ctx, n_threads, backend)
         try:
             for length in cases_by_length:
                 if cfg.pool is not None and cfg.pool >= length:

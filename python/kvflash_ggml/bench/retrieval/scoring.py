@@ -43,7 +43,6 @@ def reset(engine) -> None:
         engine.reset()
         return
     engine.session.truncate(0)
-    engine.history.clear()
 
 
 def generate_free(engine, prompt: Sequence[int], case: Case) -> str:
@@ -62,8 +61,7 @@ def teacher_forced(engine, prompt: Sequence[int], answer: Sequence[int]) -> floa
     preds = [int(np.argmax(logits))]
     if len(answer) > 1:
         fed = np.asarray(answer[:-1], dtype=np.int32)
-        rows = engine.session.forward(fed, len(engine.history), all_logits=True)
-        engine.history.extend(int(t) for t in fed)   # the session holds them now: keep Engine in step
+        rows = engine.session.forward(fed, engine.session.n_tokens, all_logits=True)
         preds += [int(i) for i in np.asarray(rows).reshape(len(fed), -1).argmax(axis=1)]
     return float(np.mean(np.asarray(preds) == np.asarray(answer)))
 

@@ -1,4 +1,4 @@
-"""kvflash bench <name>: one module per benchmark, each with main()."""
+"""kvflash bench <name>: one module of kvflash_ggml.bench per benchmark (and `merge`), each with main()."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ BENCHES = {
     "restore": "kvflash_ggml.bench.restore",
     "niah": "kvflash_ggml.bench.niah",
     "ruler": "kvflash_ggml.bench.ruler",
+    "merge": "kvflash_ggml.bench.merge",
 }
 
 

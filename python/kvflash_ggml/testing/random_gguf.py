@@ -3,7 +3,9 @@
     write_random_gguf("m.gguf", "qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
                       n_ff=128, n_vocab=1000, n_ctx_train=4096)
     write_preset("m.gguf", "llama3-8b", weight_type="q4_0")
-    python -m kvflash_ggml.bench.random_gguf OUT.gguf --shape llama3-8b --type q4_0
+    python -m kvflash_ggml.testing.random_gguf OUT.gguf --shape llama3-8b --type q4_0
+
+(Moved from kvflash_ggml.bench.random_gguf: a test fixture, not a benchmark; the command line moved along.)
 
 The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 (tensor names from gguf-py's
 constants, the same metadata keys), so libllama loads them too and is the reference in tests. Each
@@ -411,7 +413,7 @@ def write_preset(path: str | Path, shape: str, **overrides) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvflash_ggml.bench.random_gguf",
+    ap = argparse.ArgumentParser(prog="python -m kvflash_ggml.testing.random_gguf",
                                  description="Write a GGUF model with random weights (llama / qwen2 / qwen3).")
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--shape", default="tiny-llama", choices=sorted(SHAPES), help="named shape (default tiny-llama)")

@@ -1,0 +1,123 @@
+"""The flags every command that loads a model shares, defined once: model flags, pool flags (PoolConfig),
+residency flags (ResidencyConfig) and sampling flags (SamplingParams), with the builders that turn parsed
+flags into those dataclasses. A flag left at None takes the dataclass's own default, so defaults too are
+declared once (in options.py).
+
+The pool is `--kvflash` everywhere: one pool (N, 'auto' or 'off'), or, for the retrieval grids that run
+several, a comma list of sizes (`--pools` is an alias there)."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Union
+
+from .. import _core
+from ..engine import POLICY_NAMES
+from ..options import PREFILL_MODES, PoolConfig, ResidencyConfig, SamplingParams
+
+def parse_pool(value: str) -> Union[None, int, str]:
+    if value in ("off", "none", "full"):
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N, 'auto' or 'off', got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"pool must be positive, got {n}")
+    return n
+
+
+def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = None) -> None:
+    ap.add_argument("--model", default="smollm2", help="GGUF path or a known short name (default: smollm2)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=threads,
+                    help=f"CPU threads (default: {threads or 'all cores'})")
+
+
+def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Optional[int] = 4096,
+                   several: bool = False) -> None:
+    """pool: the --kvflash default; n_ctx None: the command sets the context itself (no --n-ctx);
+    several: --kvflash is a comma list of pool sizes (a grid), --pools its alias."""
+    if n_ctx is not None:
+        ap.add_argument("--n-ctx", type=int, default=n_ctx, help=f"logical context in tokens (default {n_ctx})")
+    if several:
+        ap.add_argument("--kvflash", "--pools", dest="pools", default=pool,
+                        help=f"comma-separated KV pool sizes in tokens, one grid column each ('' = none; --pools "
+                             f"is an alias; default {pool})")
+    else:
+        ap.add_argument("--kvflash", default=pool, type=parse_pool,
+                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto', or 'off' for full "
+                             f"cache (default {pool})")
+    ap.add_argument("--kv-type", default=PoolConfig.kv_type, choices=["f16", "q8_0", "q4_0"], help="KV cache type")
+    ap.add_argument("--attention", default=PoolConfig.attention, choices=["auto", "flash", "matmul"],
+                    help="attention path")
+
+
+def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> None:
+    """grid: --policies, --prefill and --prefill-reselect name the variants a retrieval grid runs side by side."""
+    if not grid:
+        ap.add_argument("--policy", default=None, choices=POLICY_NAMES,
+                        help=f"residency policy when --kvflash pools the KV (default {ResidencyConfig.policy})")
+    ap.add_argument("--drafter-model", default=None,
+                    help="GGUF path or short name of the smaller model that the drafter policy runs beside the "
+                         "model (the model itself works too)")
+    ap.add_argument("--tau", type=int, default=None,
+                    help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
+    if grid:
+        ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both"],
+                        help="prompt computation: in the pool (pooled), in a transient full cache whose K/V the "
+                             "pool adopts (exact), the engine's default, or both side by side (labelled +exact)")
+        ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
+                        help="query-aware prefill (reselect before each prefill batch) for policies that "
+                             "reselect: the engine's default, on, off, or both side by side (labelled +pf)")
+        return
+    ap.add_argument("--prefill", default=None, choices=PREFILL_MODES,
+                    help="compute a prompt larger than the pool in the pool (pooled, the default: bounded memory) "
+                         "or in a transient full cache whose K/V the pool adopts (exact: better recall, "
+                         "context-sized KV memory while the prompt runs)")
+    ap.add_argument("--prefill-reselect", action="store_const", const=True, default=None,
+                    help="reselect before each prefill batch (query-aware prefill)")
+    ap.add_argument("--refresh-tokens", type=int, default=None,
+                    help="prompt tokens run again after the post-prompt reselect paged anything in (default "
+                         f"{ResidencyConfig.refresh_tokens})")
+
+
+def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--min-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+
+
+def given(**options: object) -> dict:
+    """The options a command was given (None: the dataclass's default)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
+    options = given(n_ctx=getattr(args, "n_ctx", None), pool_tokens=getattr(args, "kvflash", None),
+                    kv_type=args.kv_type, attention=args.attention)
+    return PoolConfig(**{**options, **overrides})
+
+
+def residency_config(args: argparse.Namespace, **overrides: object) -> ResidencyConfig:
+    options = given(policy=getattr(args, "policy", None), tau=args.tau, drafter_model=args.drafter_model,
+                    prefill=getattr(args, "prefill", None), prefill_reselect=getattr(args, "prefill_reselect", None),
+                    refresh_tokens=getattr(args, "refresh_tokens", None))
+    return ResidencyConfig(**{**options, **overrides})
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**given(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
+                                  top_p=args.top_p, min_p=args.min_p, seed=args.seed))
+
+
+def model_keywords(args: argparse.Namespace) -> dict:
+    """Model(...) keywords for the parsed model, pool and residency flags (Model builds the dataclasses)."""
+    return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, backend=args.backend,
+                      n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
+                      prefill=args.prefill, prefill_reselect=args.prefill_reselect,
+                      refresh_tokens=args.refresh_tokens), pool_tokens=args.kvflash)

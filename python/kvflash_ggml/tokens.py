@@ -1,0 +1,69 @@
+"""Token lists and the forward steps that feed them: what the engine, the companion session and the
+drafter share (no module of the package below this one)."""
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Sequence, Union
+
+import numpy as np
+
+from . import _core
+
+
+def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
+                     between: Callable[[], None] = lambda: None) -> np.ndarray:
+    """session.forward(tokens, start), one forward call per step the session would take anyway (n_batch
+    tokens, fewer where the pool cannot place more), with between() called between them: a long prompt is
+    then many short C calls, and Python runs its signal handlers (Ctrl-C) after each rather than after the
+    whole prompt. Same steps, so the same numbers as one call. The logits after the last token."""
+    n, done = len(tokens), 0
+    n_batch = session.config.n_batch
+    while True:
+        # 0 (no room) goes to forward whole, which raises the session's own error
+        step = session.pager.max_span_tokens(min(n - done, n_batch)) or n - done
+        if done + step >= n:
+            return session.forward(tokens[done:], start + done)
+        session.forward(tokens[done:done + step], start + done)
+        done += step
+        between()
+
+
+def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
+    """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
+    out = []
+    for i, t in enumerate(tokens):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"prompt[{i}] is {t!r}: a prompt is text (str or UTF-8 bytes), chat messages, "
+                             f"or token ids (ints)")
+        out.append(int(t))
+    bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < n_vocab]
+    if bad:
+        i, t = bad[0]
+        raise ValueError(f"token id {t} (prompt[{i}]) is outside the vocabulary [0, {n_vocab})"
+                         + (f" ({len(bad)} ids are)" if len(bad) > 1 else ""))
+    return out
+
+
+def utf8_text(data: Union[bytes, bytearray]) -> str:
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"a bytes prompt is UTF-8 text, but this one is not valid UTF-8 ({e})") from None
+
+
+def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) batches of at most `step` tokens that end on chunk boundaries (but the last)."""
+    batches, lo = [], start
+    while lo < end:
+        hi = min(lo + step - lo % _core.CHUNK_TOKENS, end)
+        batches.append((lo, hi))
+        lo = hi
+    return batches
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
