@@ -12,7 +12,7 @@ import argparse
 import kvflash_ggml as kvf
 from kvflash_ggml.bench.retrieval import tasks
 from kvflash_ggml.bench.retrieval.cases import Renderer
-from kvflash_ggml.model import resolve_model_path
+from kvflash_ggml.known_models import resolve_model_path
 
 C = 64
 TAIL_CHUNKS = 5   # the engine's 4 protected tail chunks plus the partial last one

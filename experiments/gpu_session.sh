@@ -60,7 +60,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 need_model() {
-    [ -f "$MODEL" ] || python3 -m kvflash_ggml.bench.random_gguf "$MODEL" --shape llama3-8b --type q4_0 2>&1 | tee -a "$OUT/session.log"
+    [ -f "$MODEL" ] || python3 -m kvflash_ggml.testing.random_gguf "$MODEL" --shape llama3-8b --type q4_0 2>&1 | tee -a "$OUT/session.log"
 }
 
 for phase in "$@"; do
@@ -82,11 +82,11 @@ for phase in "$@"; do
         python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py -k "${CHECK_K:-}" 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
     bench-small)
         need_model
-        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --pool "$POOL" --n-gen 32 \
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --kvflash "$POOL" --n-gen 32 \
             --json "$OUT/decode-small.json" --plot "" 2>&1 | tee -a "$OUT/bench.log" ;;
     bench)
         need_model
-        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --pool "$POOL" --n-gen "$N_GEN" \
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
             --reps "$REPS" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     order)
         need_model
@@ -105,13 +105,13 @@ for phase in "$@"; do
             "$lb" -m "$MODEL" -p 0 -n 2 -r 1 -ngl 99 -fa 1 > "$OUT/ncu-llama.log" 2>&1; tail -3 "$OUT/ncu-llama.log" ;;
     niah)
         SMOL=${SMOL:-/tmp/smollm2.gguf}
-        python3 -m kvflash_ggml bench niah --model "$SMOL" --lengths 8192 --pools 512,1024 \
+        python3 -m kvflash_ggml bench niah --model "$SMOL" --lengths 8192 --kvflash 512,1024 \
             --policies "${NIAH_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${NIAH_CASES:-20}" \
             --prefill-reselect "${PREFILL_RESELECT:-default}" --prefill "${PREFILL:-default}" --threads 16 \
             --json "$OUT/niah.json" --plot "" 2>"$OUT/niah.err" | tee -a "$OUT/retrieval.log" ;;
     ruler)
         SMOL=${SMOL:-/tmp/smollm2.gguf}
-        python3 -m kvflash_ggml bench ruler --model "$SMOL" --lengths 8192 --pools 1024 \
+        python3 -m kvflash_ggml bench ruler --model "$SMOL" --lengths 8192 --kvflash 1024 \
             --policies "${RULER_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${RULER_CASES:-10}" \
             --tasks "${RULER_TASKS:-niah,multikey,multivalue,multiquery,vt,cwe}" --prefill "${PREFILL:-default}" \
             ${RULER_ARGS:-} --threads 16 --json "$OUT/ruler.json" --plot "" 2>"$OUT/ruler.err" | tee -a "$OUT/retrieval.log" ;;

@@ -9,7 +9,7 @@ import kvflash_ggml as kvf
 from kvflash_ggml import _core
 from kvflash_ggml.bench.retrieval import Case, tasks
 from kvflash_ggml.bench.retrieval.cases import Renderer
-from kvflash_ggml.model import resolve_model_path
+from kvflash_ggml.known_models import resolve_model_path
 
 
 def add_arguments(ap: argparse.ArgumentParser, *, task: str, n: int, cases: str = "all") -> None:
@@ -28,7 +28,7 @@ class Reference:
     renderer: Renderer
     cases: list[Case]
     picked: list[int]              # the indices --cases chose
-    llama: _core.LlamaReference    # libllama, context --length
+    llama: _core.testing.LlamaReference    # libllama, context --length
 
 
 def load(args: argparse.Namespace) -> Reference:
@@ -37,4 +37,4 @@ def load(args: argparse.Namespace) -> Reference:
     r = Renderer(tok, args.format)
     cases = tasks.generate(args.task, r, args.length, args.n, seed=0)
     picked = list(range(args.n)) if args.cases == "all" else [int(x) for x in args.cases.split(",")]
-    return Reference(tok, r, cases, picked, _core.LlamaReference(path, n_ctx=args.length, n_threads=args.threads))
+    return Reference(tok, r, cases, picked, _core.testing.LlamaReference(path, n_ctx=args.length, n_threads=args.threads))

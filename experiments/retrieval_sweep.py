@@ -45,7 +45,7 @@ def main() -> None:
 
     def oracle(view):
         C = view.chunk_tokens
-        hist = list(view.history)
+        hist = list(view.tokens)
         s = np.zeros(view.n_chunks, np.float32)
         for c in range(view.n_chunks):
             text = tok.decode(hist[c * C:(c + 1) * C + 8])

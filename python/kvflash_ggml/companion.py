@@ -106,19 +106,15 @@ class Companion:
 
     def hold(self, tokens: np.ndarray, *, tail: int = 0) -> None:
         """Make the session hold `tokens` (its own), keeping the K/V of the prefix it shares with them and
-        running the rest, with at least the last `tail` of them run in its last step (the one the attention
-        capture covers)."""
+        running at least the last `tail` of them again. The session captures attention, so its own step split
+        (Session.step_tokens) runs the last CAPTURE_TOKENS of them in its last step, the one the capture covers."""
         tokens = np.asarray(tokens, dtype=np.int32)
         keep = min(common_prefix(self.session.tokens, tokens), len(tokens) - tail)
         if keep < self.session.n_tokens:
             self.session.truncate(keep)
         self.version += 1
         new = tokens[keep:]
-        # forward_in_steps: a long history is many short calls, so Ctrl-C is honoured between them
-        if 0 < len(new) % self.session.config.n_batch < tail:   # the session's last step would be short
-            forward_in_steps(self.session, new[:len(new) - tail], keep)
-            self.session.forward(new[len(new) - tail:], len(tokens) - tail)
-        elif len(new):
+        if len(new):   # in steps: a long history is many short calls, so Ctrl-C is honoured between them
             forward_in_steps(self.session, new, keep)
         self.n_forwarded += len(new)
 

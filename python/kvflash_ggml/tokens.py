@@ -12,15 +12,14 @@ from . import _core
 
 def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
                      between: Callable[[], None] = lambda: None) -> np.ndarray:
-    """session.forward(tokens, start), one forward call per step the session would take anyway (n_batch
-    tokens, fewer where the pool cannot place more), with between() called between them: a long prompt is
-    then many short C calls, and Python runs its signal handlers (Ctrl-C) after each rather than after the
-    whole prompt. Same steps, so the same numbers as one call. The logits after the last token."""
+    """session.forward(tokens, start), one forward call per step the session would take anyway
+    (Session.step_tokens: n_batch tokens, fewer where the pool cannot place more, and a last step that holds
+    the captured tokens whole), with between() called between them: a long prompt is then many short C calls,
+    and Python runs its signal handlers (Ctrl-C) after each rather than after the whole prompt. Same steps,
+    so the same numbers as one call. The logits after the last token."""
     n, done = len(tokens), 0
-    n_batch = session.config.n_batch
     while True:
-        # 0 (no room) goes to forward whole, which raises the session's own error
-        step = session.pager.max_span_tokens(min(n - done, n_batch)) or n - done
+        step = session.step_tokens(n - done)
         if done + step >= n:
             return session.forward(tokens[done:], start + done)
         session.forward(tokens[done:done + step], start + done)
