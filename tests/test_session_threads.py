@@ -57,6 +57,16 @@ def _run_threads(targets):
         raise errors[0]
 
 
+def _append(s, tok):
+    """Append tok at the head, retrying when another thread moved the head first; (start, logits)."""
+    while True:
+        start = s.n_tokens
+        try:
+            return start, s.forward(tok, start)
+        except ValueError as e:   # another thread appended between n_tokens and forward
+            assert "start=" in str(e), e
+
+
 def one_session_many_threads(path: str) -> None:
     """N threads append tokens to one session (retrying when another thread moved the head first) while a
     reader polls its pager, pool, tokens and scores. Every logit vector must equal the twin's at that
@@ -70,15 +80,8 @@ def one_session_many_threads(path: str) -> None:
         rng = np.random.default_rng(seed)
         for _ in range(STEPS):
             tok = np.array([rng.integers(0, 1000)], np.int32)
-            while True:
-                start = s.n_tokens
-                try:
-                    logits = s.forward(tok, start)
-                except ValueError as e:   # another thread appended between n_tokens and forward
-                    assert "start=" in str(e), e
-                    continue
-                got[start] = logits
-                break
+            start, logits = _append(s, tok)
+            got[start] = logits
 
     def reader():
         while not done.is_set():
@@ -171,12 +174,7 @@ def pin_while_computing(path: str) -> None:
         rng = np.random.default_rng(seed)
         for _ in range(STEPS):
             tok = np.array([rng.integers(0, 1000)], np.int32)
-            while True:
-                try:
-                    s.forward(tok, s.n_tokens)
-                    break
-                except ValueError as e:   # another thread appended between n_tokens and forward
-                    assert "start=" in str(e), e
+            _append(s, tok)
 
     errors, n_pins = [], [0]
 
