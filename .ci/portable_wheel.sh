@@ -27,7 +27,10 @@ python -m pip install -q --no-deps --target "$out/site" "$repaired"
 model=$(python -c 'import kvflash_ggml; print(kvflash_ggml.resolve_model_path("smollm2"))')
 for cpu in Nehalem Haswell; do   # SSE4.2 only (no AVX at all), and AVX2 without AVX-512
     start=$(date +%s)
-    PYTHONPATH="$out/site" timeout 900 qemu-x86_64 -cpu "$cpu" "$(python -c 'import sys; print(sys.executable)')" -c "
+    # numpy's bundled OpenBLAS picks AVX kernels under qemu-user's emulated Nehalem on this AVX-512 host and
+    # dies with SIGILL inside `import numpy`, before our code runs (numpy 2.2 and 2.4 alike; fine with
+    # +xsave,+avx). Naming its core, as one would on such a machine, keeps the check about our wheel.
+    PYTHONPATH="$out/site" OPENBLAS_CORETYPE="$cpu" timeout 900 qemu-x86_64 -cpu "$cpu" "$(python -c 'import sys; print(sys.executable)')" -c "
 import kvflash_ggml as kvf, kvflash_ggml._core as c
 print('portable: $cpu ->', c.cpu_variant().split(':')[0], c.cpu_variant().split(':')[1][:60].strip(), '...')
 with kvf.Model(model_path='$model', n_ctx=1024, pool_tokens=512, backend='cpu', n_threads=2) as llm:
