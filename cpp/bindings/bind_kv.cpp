@@ -56,7 +56,7 @@ template <typename H> void def_kv_queries(py::class_<H> & c) {
 void bind_testing_kv(py::module_ & testing) {
     py::class_<PooledKV> pooled(testing, "PooledKV");
     def_kv_queries(pooled);
-    pooled.def("execute", &PooledKV::execute, py::arg("plan"))
+    pooled.def("execute", [](PooledKV & kv, const Plan & plan) { kv.execute(plan); }, py::arg("plan"))
         .def("write_block", [](PooledKV & kv, int64_t b, const py::bytes & data) {
             const std::string s = data;
             kv.write_block(b, std::vector<uint8_t>(s.begin(), s.end()));

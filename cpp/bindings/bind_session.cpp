@@ -3,6 +3,7 @@
 #include "runtime/session.h"
 
 #include <pybind11/numpy.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -97,6 +98,27 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "forward(), returning only the argmax after the last token (computed on the backend)")
         .def("truncate", &Session::truncate, py::arg("n_tokens"), released)
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
+        .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, std::optional<py::function> between) {
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 std::function<void()> cb;
+                 if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
+                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, cb); });
+                 return py::make_tuple(float_array(r.logits), float_array(r.attention));
+             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("between") = py::none(),
+             "layer-major exact prefill: append the tokens at `start` (a chunk boundary, = n_tokens) with the K/V a "
+             "full-cache run writes, in device memory set by the pool; between() runs after each layer and may "
+             "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
+             "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
+        .def("memory", [](const Session & s) {
+                 const SessionMemory m = without_gil([&] { return s.memory(); });
+                 py::dict d;
+                 d["pool_bytes"] = m.pool_bytes;
+                 d["compute_bytes"] = m.compute_bytes;
+                 d["prefill_peak_bytes"] = m.prefill_peak_bytes;
+                 d["prefill_host_bytes"] = m.prefill_host_bytes;
+                 return d;
+             }, "device bytes besides the weights: the pool, the step graphs' compute buffer, the largest layer-major "
+                "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers")
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
                  const std::vector<float> v(scores.data(), scores.data() + scores.size());

@@ -151,13 +151,17 @@ void PooledKV::release_image(int64_t chunk) {
     host_.erase(it);
 }
 
-template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn) const {
+template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn, int64_t only_layer) const {
     if (block < 0 || block >= layout_.pool_tokens / layout_.chunk_tokens) {
         throw std::out_of_range("PooledKV: block " + std::to_string(block) + " outside the pool");
+    }
+    if (only_layer >= layout_.n_layer) {
+        throw std::out_of_range("PooledKV: layer " + std::to_string(only_layer) + " outside the pool");
     }
     const int64_t C = layout_.chunk_tokens;
     size_t image_off = 0;
     for (int64_t il = 0; il < layout_.n_layer; ++il) {
+        if (only_layer >= 0 && il != only_layer) continue;
         for (ggml_tensor * t : {k_[il], v_[il]}) {
             // A transposed V chunk is one run of C values per channel: one 2D copy, not one copy per
             // channel (per-channel copies cost ~6000 synchronous transfers a chunk on a GPU).
@@ -178,9 +182,13 @@ void PooledKV::image_from_rows(const uint8_t * rows, uint8_t * native) const {
     transpose_v_images(layout_, rows, native, false);
 }
 
-void PooledKV::execute(const Plan & plan) {
+void PooledKV::execute(const Plan & plan, int64_t uncomputed_from) {
     // Queued on the backend's stream (plain copies on the CPU backend); see the header.
     for (const ChunkMove & m : plan.page_outs) {
+        if (m.chunk >= uncomputed_from) {
+            image_for(m.chunk);
+            continue;
+        }
         if (!m.copy) {
             if (!host_.count(m.chunk)) {
                 throw std::logic_error("PooledKV: page-out without copy of chunk " + std::to_string(m.chunk) +
@@ -205,6 +213,25 @@ void PooledKV::execute(const Plan & plan) {
     for (int64_t c : plan.dropped) release_image(c);
     // A chunk being (re)written invalidates its image; the pager forgets it too (copy=true next time).
     for (const ChunkMove & m : plan.fresh) release_image(m.chunk);
+}
+
+void PooledKV::get_layer_async(int64_t block, int64_t il, uint8_t * out) const {
+    if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+        ggml_backend_tensor_get_2d_async(backend_, t, out + img_off, off, size, n, stride, size);
+    }, il);
+}
+
+void PooledKV::set_layer_async(int64_t block, int64_t il, const uint8_t * in) {
+    if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
+    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+        ggml_backend_tensor_set_2d_async(backend_, t, in + img_off, off, size, n, stride, size);
+    }, il);
+}
+
+uint8_t * PooledKV::image_layer(int64_t chunk, int64_t il) {
+    if (il < 0 || il >= layout_.n_layer) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
+    return image_for(chunk) + il * layer_chunk_bytes();   // every layer's part of an image has the same size
 }
 
 void PooledKV::get_block(int64_t block, uint8_t * out) const {

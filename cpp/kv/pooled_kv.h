@@ -71,7 +71,18 @@ public:
 
     // Carry out a pager plan on the tensors: page-outs (block -> host image) first, then page-ins
     // (host image -> block); dropped chunks lose their host image. Call before KvPager::apply(plan).
-    void execute(const Plan & plan);
+    // Chunks >= uncomputed_from have no K/V yet (layer-major prefill places a prompt before computing it):
+    // their page-outs only reserve the image, which the prefill fills layer by layer.
+    void execute(const Plan & plan, int64_t uncomputed_from = INT64_MAX);
+
+    // ---- one layer of one chunk (layer-major prefill): K then V, in the pool's native layout ----
+    int64_t layer_chunk_bytes() const { return chunk_bytes() / layout_.n_layer; }
+    // Layer il of `block` to or from host memory of layer_chunk_bytes(); queued on the backend's stream
+    // like paging (the caller synchronizes before it reads `out` or reuses `in`).
+    void get_layer_async(int64_t block, int64_t il, uint8_t * out) const;
+    void set_layer_async(int64_t block, int64_t il, const uint8_t * in);
+    // Layer il inside the chunk's host image; the image is made (its bytes undefined) if it has none.
+    uint8_t * image_layer(int64_t chunk, int64_t il);
 
     // Raw bytes of one block (all layers, K then V per layer) and of a host image: for tests and snapshots.
     std::vector<uint8_t> read_block(int64_t block) const;
@@ -103,7 +114,8 @@ public:
 private:
     // Visit every region of one block, as ggml's 2D copies take them: fn(tensor, byte offset, run size, runs,
     // run stride in the tensor, offset in image); in the image the runs lie back to back.
-    template <typename Fn> void for_each_region(int64_t block, Fn && fn) const;
+    // only_layer >= 0: that layer's regions alone, image offsets counted from the layer's start.
+    template <typename Fn> void for_each_region(int64_t block, Fn && fn, int64_t only_layer = -1) const;
     uint8_t * image_for(int64_t chunk);   // the chunk's image slot, taken from the free slots if new
     void release_image(int64_t chunk);
     void get_block(int64_t block, uint8_t * out) const;      // chunk_bytes() bytes, as read_block

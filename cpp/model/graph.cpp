@@ -48,6 +48,20 @@ ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
     return best;
 }
 
+// Flash attention never materialises its probabilities: the captured queries' own softmax, as the
+// mul_mat path computes it (qp [head_dim, n_tokens, n_head], kp [head_dim, n_kv, n_head_kv]), laid out
+// like its kq so capture_head_max reads the last rows: F32 [n_kv, n_attn_tokens, n_head].
+ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, float kq_scale) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_q = g.n_attn_tokens, off = g.n_tokens - n_q;
+    ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
+    ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * mask = g.in.kv.mask;
+    ggml_tensor * mask_last = ggml_view_2d(ctx, mask, mask->ne[0], n_q, mask->nb[1], off * mask->nb[1]);
+    return ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f);
+}
+
 }  // namespace
 
 ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
@@ -55,8 +69,9 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
     ggml_context * ctx = g.ctx;
     const PooledKV & kv = *g.kv;
     const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1];
-    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, g.in.kv, il, k));
-    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, g.in.kv, il, v));
+    const int64_t kl = g.kv_layer(il);
+    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, g.in.kv, kl, k));
+    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, g.in.kv, kl, v));
     if (g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
         const int64_t n_q = g.n_query_tokens;
         ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
@@ -66,12 +81,13 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
         g.queries.push_back(last);
     }
 
-    ggml_tensor * kk = get_k(ctx, kv, g.in.kv, il, g.n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
+    ggml_tensor * kk = get_k(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n_tokens, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
     ggml_tensor * out;
     if (g.flash_attn) {
-        ggml_tensor * vv = get_v(ctx, kv, g.in.kv, il, g.n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
+        if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, kq_scale)));
+        ggml_tensor * vv = get_v(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
         ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
         out = ggml_flash_attn_ext(ctx, qp, kp, vp, g.in.kv.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
         ggml_prec_set_acc(out, GGML_PREC_F32);
@@ -81,7 +97,7 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
         ggml_prec_set_acc(kq, GGML_PREC_F32);
         kq = ggml_soft_max_ext(ctx, kq, g.in.kv.mask, kq_scale, 0.0f);
         if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, kq));
-        ggml_tensor * vt = get_v_trans(ctx, kv, g.in.kv, il, g.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
+        ggml_tensor * vt = get_v_trans(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
         ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n_tokens, n_head]
         out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, g.n_tokens);
     }
@@ -96,20 +112,34 @@ ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x) {
 
 namespace kvf {
 
-ggml_tensor * build_decoder(GraphCtx & g, const Model & m, AttentionFn attention) {
+ggml_tensor * embed_tokens(GraphCtx & g, const Model & m) {
+    return ggml_get_rows(g.ctx, m.tok_embd, g.in.tokens);   // [n_embd, n_tokens]
+}
+
+ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention) {
     const ModelHparams & hp = m.hparams();
-    ggml_tensor * x = ggml_get_rows(g.ctx, m.tok_embd, g.in.tokens);   // [n_embd, n_tokens]
-    for (int il = 0; il < hp.n_layer; ++il) {
-        const LayerWeights & w = m.layers[il];
-        ggml_tensor * attn = attention(g, m, il, rms_norm(g, x, w.attn_norm, hp.rms_eps));
-        if (il == hp.n_layer - 1) {   // only the output rows go through the last FFN
-            attn = select_outputs(g, attn);
-            x = select_outputs(g, x);
-        }
-        x = ggml_add(g.ctx, x, attn);
-        x = ggml_add(g.ctx, x, ffn_swiglu(g, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+    const LayerWeights & w = m.layers[il];
+    ggml_tensor * attn = attention(g, m, il, rms_norm(g, x, w.attn_norm, hp.rms_eps));
+    if (il == hp.n_layer - 1) {   // only the output rows go through the last FFN
+        attn = select_outputs(g, attn);
+        x = select_outputs(g, x);
     }
+    x = ggml_add(g.ctx, x, attn);
+    return ggml_add(g.ctx, x, ffn_swiglu(g, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+}
+
+ggml_tensor * build_stack(GraphCtx & g, const Model & m) {
+    ggml_tensor * x = m.arch().embed(g, m);
+    for (int il = 0; il < m.hparams().n_layer; ++il) x = m.arch().layer(g, m, il, x);
     return x;
+}
+
+ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h) {
+    ggml_tensor * logits = ggml_mul_mat(g.ctx, m.output, rms_norm(g, h, m.output_norm, m.hparams().rms_eps));
+    ggml_set_name(logits, "logits");
+    ggml_set_output(logits);
+    ggml_build_forward_expand(g.gf, logits);
+    return logits;
 }
 
 }  // namespace kvf

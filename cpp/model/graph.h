@@ -21,6 +21,10 @@ struct GraphCtx {
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
     const PooledKV * kv = nullptr;
+    // The pool holds only the layer being built (layer-major prefill's one-layer staging): every layer
+    // reads and writes its layer 0.
+    bool one_layer_kv = false;
+    int64_t kv_layer(int il) const { return one_layer_kv ? 0 : il; }
     StepInputs in;
     int64_t n_tokens = 0;
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
@@ -50,13 +54,20 @@ ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x);
 
 namespace kvf {
 
-// The pre-norm decoder stack shared by the llama-like families: embeddings, per layer
-// x += attention(rms_norm(x)); x += ffn_swiglu(rms_norm(x)), then the output rows.
-// `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 // The tensors every llama-like layer has (norms, q/k/v/o projections, SwiGLU FFN).
 void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
 
+// The token embeddings of the step: [n_embd, n_tokens].
+ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
+// The pre-norm decoder layer shared by the llama-like families: x += attention(rms_norm(x));
+// x += ffn_swiglu(rms_norm(x)); on the last layer only the output rows go through the FFN.
+// `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
-ggml_tensor * build_decoder(GraphCtx & g, const Model & m, AttentionFn attention);
+ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);
+
+// The whole stack of a step: the family's embed, then each of its layers; [n_embd, n_outputs].
+ggml_tensor * build_stack(GraphCtx & g, const Model & m);
+// The output norm and head: logits [n_vocab, n_rows] of the final hidden state, marked as an output.
+ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h);
 
 }  // namespace kvf

@@ -67,13 +67,17 @@ public:
     virtual ggml_tensor * optional(const std::string & name, std::vector<int64_t> shape) = 0;
 };
 
-// One model family: how its layers are named and how its forward graph is built.
+// One model family: how its layers are named and how its graph is built, one layer at a time, so a
+// step can run the whole stack (build_stack in graph.h) or one layer of many tokens (layer-major prefill).
 struct ArchSpec {
     const char * name;
     int rope_type;
     void (*load_layer)(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
-    // Builds the decoder stack; returns the final hidden state [n_embd, n_outputs] before the output norm.
-    ggml_tensor * (*build)(GraphCtx & g, const Model & model);
+    // The input hidden state of the step's tokens: [n_embd, n_tokens].
+    ggml_tensor * (*embed)(GraphCtx & g, const Model & model);
+    // Layer il: hidden state in ([n_embd, n_tokens]), hidden state out; the last layer keeps only the
+    // output rows ([n_embd, n_outputs]).
+    ggml_tensor * (*layer)(GraphCtx & g, const Model & model, int il, ggml_tensor * x);
 };
 
 const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupported

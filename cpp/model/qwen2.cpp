@@ -23,11 +23,11 @@ ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) 
     return pooled_attention(g, w, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
 }
 
-ggml_tensor * build(GraphCtx & g, const Model & m) { return build_decoder(g, m, attention); }
+ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { return decoder_layer(g, m, il, x, attention); }
 
 }  // namespace
 
 extern const ArchSpec arch_qwen2;   // registered in registry.cpp
-const ArchSpec arch_qwen2 = {"qwen2", GGML_ROPE_TYPE_NEOX, load_layer, build};
+const ArchSpec arch_qwen2 = {"qwen2", GGML_ROPE_TYPE_NEOX, load_layer, embed_tokens, layer};
 
 }  // namespace kvf

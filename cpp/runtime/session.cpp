@@ -100,6 +100,12 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
         summaries_ = std::make_unique<ChunkSummaries>(SummaryShape{hp.n_layer, hp.n_head_kv, hp.head_dim_k});
     }
 
+    sched_ = new_sched();
+}
+
+size_t Session::graph_size() const { return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64); }
+
+ggml_backend_sched_t Session::new_sched() const {
     std::vector<ggml_backend_t> backends = {model_->backend()};
     std::vector<ggml_backend_buffer_type_t> bufts = {ggml_backend_get_default_buffer_type(model_->backend())};
     if (model_->on_gpu()) {
@@ -109,9 +115,29 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
         backends.push_back(model_->cpu_backend());
         bufts.push_back(host ? host : ggml_backend_get_default_buffer_type(model_->cpu_backend()));
     }
-    const size_t graph_size = std::max<size_t>(4096, (size_t) hp.n_layer * 64);
-    sched_ = ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), graph_size, false, true);
-    if (!sched_) throw std::runtime_error("could not create the ggml scheduler");
+    ggml_backend_sched_t sched =
+        ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), graph_size(), false, true);
+    if (!sched) throw std::runtime_error("could not create the ggml scheduler");
+    return sched;
+}
+
+void Session::check_tokens(const int32_t * tokens, int64_t n, int64_t start) const {
+    if (n <= 0) throw std::invalid_argument("forward needs at least one token");
+    if (start != pager_->n_tokens()) {
+        throw std::invalid_argument("forward start=" + std::to_string(start) + " but the session holds " +
+                                    std::to_string(pager_->n_tokens()) + " tokens (truncate first to rewrite)");
+    }
+    if (start + n > cfg_.max_tokens) {
+        throw std::invalid_argument("forward of " + std::to_string(n) + " tokens at " + std::to_string(start) +
+                                    " exceeds max_tokens=" + std::to_string(cfg_.max_tokens));
+    }
+    const int64_t n_vocab = model_->hparams().n_vocab;
+    for (int64_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            throw std::invalid_argument("token id " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
+                                        std::to_string(n_vocab) + ")");
+        }
+    }
 }
 
 Session::~Session() {
@@ -159,22 +185,8 @@ int32_t Session::forward_greedy(const int32_t * tokens, int64_t n, int64_t start
 }
 
 void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy) {
-    if (n <= 0) throw std::invalid_argument("forward needs at least one token");
-    if (start != pager_->n_tokens()) {
-        throw std::invalid_argument("forward start=" + std::to_string(start) + " but the session holds " +
-                                    std::to_string(pager_->n_tokens()) + " tokens (truncate first to rewrite)");
-    }
-    if (start + n > cfg_.max_tokens) {
-        throw std::invalid_argument("forward of " + std::to_string(n) + " tokens at " + std::to_string(start) +
-                                    " exceeds max_tokens=" + std::to_string(cfg_.max_tokens));
-    }
+    check_tokens(tokens, n, start);
     const int64_t n_vocab = model_->hparams().n_vocab;
-    for (int64_t i = 0; i < n; ++i) {
-        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
-            throw std::invalid_argument("token id " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
-                                        std::to_string(n_vocab) + ")");
-        }
-    }
     for (int64_t done = 0; done < n;) {
         const int64_t step = step_tokens(n - done);
         const Plan plan = pager_->plan_alloc(start + done, step);
@@ -197,6 +209,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
         build_graph(n, order.n_kv, n_outputs, order.gathered);
     }
     set_inputs(tokens, n, alloc, n_outputs, order);
+    prefill_queries_ = StepQueries{};   // queries() reads this step's from now on
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
@@ -209,14 +222,11 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
 
 void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered) {
     if (graph_ctx_) ggml_free(graph_ctx_);
-    const size_t graph_size = std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64);
-    ggml_init_params params = {ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false),
-                               nullptr, true};
-    graph_ctx_ = ggml_init(params);
+    graph_ctx_ = new_graph_ctx();
     graph_ = GraphCtx{};
     GraphCtx & g = graph_;
     g.ctx = graph_ctx_;
-    g.gf = ggml_new_graph_custom(graph_ctx_, graph_size, false);
+    g.gf = ggml_new_graph_custom(graph_ctx_, graph_size(), false);
     g.kv = kv_.get();
     g.n_tokens = n_tokens;
     g.n_kv = n_kv;
@@ -236,12 +246,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     g.in.kv = kv_step_inputs_new(g.ctx, kv_->layout(), n_tokens, n_kv, gathered);
 
     const Model & m = *model_;
-    ggml_tensor * h = m.arch().build(g, m);   // [n_embd, n_outputs]
-    h = rms_norm(g, h, m.output_norm, m.hparams().rms_eps);
-    logits_ = ggml_mul_mat(g.ctx, m.output, h);   // [n_vocab, n_outputs]
-    ggml_set_name(logits_, "logits");
-    ggml_set_output(logits_);
-    ggml_build_forward_expand(g.gf, logits_);
+    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n_outputs]
     greedy_ = {};
     if (n_outputs == 1) build_greedy(g);   // prefill graphs with every row's logits skip it
 
@@ -255,6 +260,14 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     shape_[2] = n_outputs;
     shape_[3] = gathered;
     timings_.n_graph_builds++;
+}
+
+ggml_context * Session::new_graph_ctx() const {
+    const size_t n = graph_size();
+    ggml_init_params params = {ggml_tensor_overhead() * n + ggml_graph_overhead_custom(n, false), nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    if (!ctx) throw std::runtime_error("could not create a graph context");
+    return ctx;
 }
 
 void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs,
@@ -332,6 +345,7 @@ void Session::seal_chunks(int64_t start, int64_t n) {
 
 StepQueries Session::queries() const {
     const SessionLock held = lock();
+    if (prefill_queries_.n_layer > 0) return prefill_queries_;   // the latest step was a layer-major prefill
     StepQueries q;
     if (graph_.queries.empty() || shape_[0] < 0) return q;
     const ggml_tensor * t0 = graph_.queries[0];   // [head_dim, n_head, n_q]
@@ -388,6 +402,7 @@ void Session::reset() {
     pager_->reset();
     kv_->clear_host();
     tokens_.clear();
+    prefill_queries_ = StepQueries{};
     if (summaries_) summaries_->clear();
 }
 

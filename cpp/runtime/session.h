@@ -22,6 +22,7 @@
 #include "pager/kv_pager.h"
 #include "scorer/chunk_summaries.h"
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -66,6 +67,23 @@ struct AttentionCapture {
     std::vector<float> max_over_queries() const;   // [n_positions]
 };
 
+// What Session::prefill_exact returns.
+struct ExactPrefill {
+    std::vector<float> logits;      // [n_vocab] after the last token
+    // Per position held: the attention the last (up to k_capture_tokens) prompt tokens pay it, max over
+    // those queries, heads and layers: the target model's own exact attention, for post-prompt scoring.
+    std::vector<float> attention;
+};
+
+// Device memory a session holds besides the weights (bytes). On the CPU backend "device" is host RAM.
+struct SessionMemory {
+    int64_t pool_bytes = 0;            // the K/V pool
+    int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
+    int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
+                                       // one-layer staging K/V + its compute buffer (freed after each prompt)
+    int64_t prefill_host_bytes = 0;    // ... and its host buffers (hidden states, bounce), largest so far
+};
+
 struct SessionTimings {
     double t_paging_ms  = 0;   // executing page-outs/page-ins
     double t_compute_ms = 0;   // graph build/alloc + compute + logits read
@@ -101,6 +119,16 @@ public:
     // pool ends as a pooled prefill would leave it. n_tokens() must be a chunk boundary (blocks are
     // written whole); src may hold the chunks in its pool or its host store.
     void adopt(const Session & src, int64_t n);
+    // Layer-major exact prefill (session_prefill.cpp): append tokens [start, start+n) with the K/V a
+    // full-cache run writes, in device memory set by the pool. Every new position is placed first, as a
+    // pooled prefill would leave the pager; then, layer by layer, the whole prompt runs through one layer
+    // in steps of n_batch, attending a one-layer staging copy of every position's K/V (held chunks come
+    // from the pool or the host store), the hidden states waiting in host memory between layers, and the
+    // layer's new K/V go to their blocks or host images. start must be a chunk boundary and equal
+    // n_tokens(). between() runs after each layer (the caller's interrupt point); if anything throws, the
+    // session forgets the new positions and holds its first `start` tokens again.
+    ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+                               const std::function<void()> & between = {});
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.
@@ -138,6 +166,7 @@ public:
     PooledKV & kv() { return *kv_; }
     const PooledKV & kv() const { return *kv_; }
     SessionTimings timings() const;   // a copy: the live counters change under the lock
+    SessionMemory memory() const;   // session_prefill.cpp
 
     // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
     static constexpr uint32_t k_state_version = 1;
@@ -151,6 +180,12 @@ public:
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
+    void check_tokens(const int32_t * tokens, int64_t n, int64_t start) const;   // forward's argument checks
+    size_t graph_size() const;
+    ggml_backend_sched_t new_sched() const;   // the session's backends (a GPU's inputs in pinned memory)
+    ggml_context * new_graph_ctx() const;     // a no_alloc context for one graph
+    // ---- layer-major prefill (session_prefill.cpp) ----
+    void place_prompt(const int32_t * tokens, int64_t n, int64_t start);
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
     // Allocate, compute and read back in steps of at most n_batch tokens; either output may be null.
     void run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy);
@@ -190,6 +225,8 @@ private:
     std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step
     int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
+    StepQueries prefill_queries_;      // the last prompt tokens' queries after a layer-major prefill
+    SessionMemory prefill_memory_;     // its workspace peaks
     std::vector<uint8_t> input_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;

@@ -8,9 +8,21 @@
 namespace kvf {
 
 void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
-    const SummaryShape & s = shape_;
     const KvLayout & L = kv.layout();
-    if (L.n_embd_k != s.n_head_kv * s.head_dim || L.n_layer != s.n_layer) {
+    if (L.n_layer != shape_.n_layer) throw std::logic_error("ChunkSummaries: shape does not match the pool");
+    std::vector<uint8_t> raw;
+    for (int64_t il = 0; il < shape_.n_layer; ++il) {
+        ggml_tensor * k = kv.k(il);
+        const size_t row_bytes = k->nb[1];
+        raw.resize(row_bytes * L.chunk_tokens);
+        ggml_backend_tensor_get(k, raw.data(), (size_t) block * L.chunk_tokens * row_bytes, raw.size());
+        seal_layer(chunk, il, L, raw.data());
+    }
+}
+
+void ChunkSummaries::seal_layer(int64_t chunk, int64_t il, const KvLayout & L, const uint8_t * k_rows) {
+    const SummaryShape & s = shape_;
+    if (L.n_embd_k != s.n_head_kv * s.head_dim || il < 0 || il >= s.n_layer) {
         throw std::logic_error("ChunkSummaries: shape does not match the pool");
     }
     if (chunk >= n_chunks()) {
@@ -20,40 +32,32 @@ void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
         max_.resize((chunk + 1) * s.per_chunk());
     }
     const int64_t n_rows = L.chunk_tokens, width = L.n_embd_k;
-    const auto * traits = ggml_get_type_traits(L.type_k);
-    std::vector<uint8_t> raw;
     std::vector<float> rows((size_t) (n_rows * width));
-    for (int64_t il = 0; il < s.n_layer; ++il) {
-        ggml_tensor * k = kv.k(il);
-        const size_t row_bytes = k->nb[1];
-        raw.resize(row_bytes * n_rows);
-        ggml_backend_tensor_get(k, raw.data(), (size_t) block * n_rows * row_bytes, raw.size());
-        if (L.type_k == GGML_TYPE_F32) {
-            std::copy_n(reinterpret_cast<const float *>(raw.data()), rows.size(), rows.data());
-        } else {
-            traits->to_float(raw.data(), rows.data(), n_rows * width);   // rows are contiguous: one call
-        }
-        for (int64_t h = 0; h < s.n_head_kv; ++h) {
-            const size_t off = (size_t) (((chunk * s.n_layer + il) * s.n_head_kv + h) * s.head_dim);
-            float * mean = &mean_[off], * mn = &min_[off], * mx = &max_[off];
-            std::fill_n(mean, s.head_dim, 0.0f);
-            std::fill_n(mn, s.head_dim, std::numeric_limits<float>::infinity());
-            std::fill_n(mx, s.head_dim, -std::numeric_limits<float>::infinity());
-            for (int64_t r = 0; r < n_rows; ++r) {
-                const float * x = &rows[(size_t) (r * width + h * s.head_dim)];
-                for (int64_t i = 0; i < s.head_dim; ++i) {
-                    mean[i] += x[i];
-                    mn[i] = std::min(mn[i], x[i]);
-                    mx[i] = std::max(mx[i], x[i]);
-                }
-            }
-            double norm = 0.0;
-            for (int64_t i = 0; i < s.head_dim; ++i) norm += (double) mean[i] * mean[i];
-            const float inv = norm > 0.0 ? (float) (1.0 / std::sqrt(norm)) : 0.0f;
-            for (int64_t i = 0; i < s.head_dim; ++i) mean[i] *= inv;
-        }
+    if (L.type_k == GGML_TYPE_F32) {
+        std::copy_n(reinterpret_cast<const float *>(k_rows), rows.size(), rows.data());
+    } else {
+        ggml_get_type_traits(L.type_k)->to_float(k_rows, rows.data(), n_rows * width);   // contiguous rows: one call
     }
-    has_[chunk] = 1;
+    for (int64_t h = 0; h < s.n_head_kv; ++h) {
+        const size_t off = (size_t) (((chunk * s.n_layer + il) * s.n_head_kv + h) * s.head_dim);
+        float * mean = &mean_[off], * mn = &min_[off], * mx = &max_[off];
+        std::fill_n(mean, s.head_dim, 0.0f);
+        std::fill_n(mn, s.head_dim, std::numeric_limits<float>::infinity());
+        std::fill_n(mx, s.head_dim, -std::numeric_limits<float>::infinity());
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const float * x = &rows[(size_t) (r * width + h * s.head_dim)];
+            for (int64_t i = 0; i < s.head_dim; ++i) {
+                mean[i] += x[i];
+                mn[i] = std::min(mn[i], x[i]);
+                mx[i] = std::max(mx[i], x[i]);
+            }
+        }
+        double norm = 0.0;
+        for (int64_t i = 0; i < s.head_dim; ++i) norm += (double) mean[i] * mean[i];
+        const float inv = norm > 0.0 ? (float) (1.0 / std::sqrt(norm)) : 0.0f;
+        for (int64_t i = 0; i < s.head_dim; ++i) mean[i] *= inv;
+    }
+    if (il == s.n_layer - 1) has_[chunk] = 1;   // layers are sealed in order; the last completes the chunk
 }
 
 // Per layer: (score - mean) / std over the chunks that have a summary.

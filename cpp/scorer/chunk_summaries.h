@@ -47,6 +47,9 @@ public:
 
     // Summarise `chunk` from the K rows of `block` in the pool (all pooled layers).
     void seal(int64_t chunk, int64_t block, const PooledKV & kv);
+    // The same for one layer, from that layer's K rows of the chunk (layout L's type and width): layer-major
+    // prefill seals layer by layer; the chunk counts as summarised once its last layer is sealed.
+    void seal_layer(int64_t chunk, int64_t il, const KvLayout & L, const uint8_t * k_rows);
     void forget_from(int64_t chunk);   // truncate: chunks >= chunk lose their summary
     void clear() { has_.clear(); mean_.clear(); min_.clear(); max_.clear(); }
 

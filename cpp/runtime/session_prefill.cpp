@@ -1,0 +1,244 @@
+// Session's layer-major exact prefill: the K/V of a prompt of any length, equal to a full-cache run's, in
+// device memory set by the pool plus one layer's K/V of the prompt.
+//
+// A full-cache prefill is token-major: each step takes a batch of tokens through every layer, so every
+// layer's K/V of all earlier positions must be on the device. Layer-major turns the loops around: layer l
+// takes the whole prompt, in the steps a full-cache session takes (n_batch tokens; same shapes, so the
+// same kernels), before layer l+1 starts. Layer l then needs only its own K/V of every position, in a
+// one-layer staging pool; the hidden states wait in host memory between layers. Weights are still read
+// once per step per layer, as in any prefill.
+#include "runtime/session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace kvf {
+
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Host memory a GPU copies to and from by DMA (pinned) where the backend offers it; plain memory otherwise.
+class HostBuffer {
+public:
+    HostBuffer(ggml_backend_t backend, bool on_gpu, size_t bytes) {
+        ggml_backend_buffer_type_t host =
+            on_gpu ? ggml_backend_dev_host_buffer_type(ggml_backend_get_device(backend)) : nullptr;
+        if (host && bytes > 0) buf_ = ggml_backend_buft_alloc_buffer(host, bytes);
+        if (buf_) {
+            data_ = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf_));
+        } else {
+            plain_.resize(bytes);   // std::bad_alloc if the host has no room: before any state changes
+            data_ = plain_.data();
+        }
+    }
+    ~HostBuffer() { if (buf_) ggml_backend_buffer_free(buf_); }
+    HostBuffer(const HostBuffer &) = delete;
+    HostBuffer & operator=(const HostBuffer &) = delete;
+    uint8_t * data() { return data_; }
+
+private:
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<uint8_t> plain_;
+    uint8_t * data_ = nullptr;
+};
+
+using SchedPtr = std::unique_ptr<ggml_backend_sched, decltype(&ggml_backend_sched_free)>;
+using CtxPtr = std::unique_ptr<ggml_context, decltype(&ggml_free)>;
+
+}  // namespace
+
+void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
+    // The pager places every new position chunk by chunk, evicting as a pooled prefill would; a new chunk
+    // that is paged out again before the prompt ends only reserves its host image (nothing computed yet).
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t C = cfg_.chunk_tokens;
+    for (int64_t p = start; p < start + n; p += C) {
+        const Plan plan = pager_->plan_alloc(p, std::min(C, start + n - p));
+        kv_->execute(plan, start / C);
+        pager_->apply(plan);
+    }
+    tokens_.insert(tokens_.end(), tokens, tokens + n);
+    kv_->synchronize();   // held chunks' page-outs have read their blocks before any block is rewritten
+    timings_.t_paging_ms += ms_since(t0);
+}
+
+ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+                                    const std::function<void()> & between) {
+    const SessionLock held = lock();
+    check_tokens(tokens, n, start);
+    const int64_t C = cfg_.chunk_tokens, end = start + n;
+    if (start % C != 0) {
+        throw std::invalid_argument("prefill_exact: start=" + std::to_string(start) + " is not a chunk boundary " +
+                                    "(truncate to a multiple of " + std::to_string(C) + ")");
+    }
+    const Model & m = *model_;
+    const ModelHparams & hp = m.hparams();
+    ggml_backend_t backend = m.backend();
+
+    // ---- the workspace, allocated before any state changes ----
+    PagerConfig spc = pager_->config();   // staging: identity mapping over positions [0, end)
+    spc.pool_tokens = std::max(round_up(round_up(end, kv_pad_), C), spc.min_pool_tokens());
+    spc.max_tokens = spc.pool_tokens;
+    KvLayout sl = kv_->layout();
+    sl.n_layer = 1;
+    sl.pool_tokens = spc.pool_tokens;
+    PooledKV stage(backend, sl);
+    spc.chunk_bytes = stage.chunk_bytes();
+    KvPager stage_pager(spc);
+    const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
+    HostBuffer hidden_buf(backend, m.on_gpu(), (size_t) (n * n_embd) * sizeof(float));
+    HostBuffer bounce_buf(backend, m.on_gpu(), (size_t) (pager_->n_blocks() * lcb));
+    float * hidden = reinterpret_cast<float *>(hidden_buf.data());
+    uint8_t * bounce = bounce_buf.data();
+    SchedPtr sched(new_sched(), ggml_backend_sched_free);
+
+    ExactPrefill out;
+    out.logits.resize((size_t) hp.n_vocab);
+    out.attention.assign((size_t) end, 0.0f);
+    StepQueries queries;
+    int64_t peak_compute = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        place_prompt(tokens, n, start);
+        const std::vector<int64_t> blocks = pager_->chunk_blocks();   // where each chunk ends: block, or -1 (host)
+        const int64_t c_new = start / C, c_end = (end + C - 1) / C;
+        std::vector<int32_t> pos;
+        for (int il = 0; il < hp.n_layer; ++il) {
+            const bool last_layer = il == hp.n_layer - 1;
+            // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
+            stage_pager.reset();
+            if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
+            int64_t n_bounced = 0;
+            for (int64_t c = 0; c < c_new; ++c) {
+                if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], il, bounce + (n_bounced++) * lcb);
+            }
+            kv_->synchronize();
+            n_bounced = 0;
+            for (int64_t c = 0; c < c_new; ++c) {
+                stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
+            }
+
+            for (int64_t p0 = start; p0 < end;) {
+                const int64_t mt = std::min(cfg_.n_batch, end - p0);
+                const bool final_step = p0 + mt == end;
+                const Plan plan = stage_pager.plan_alloc(p0, mt);
+                stage_pager.apply(plan);
+                const KvKeyOrder order = kv_key_order(stage_pager, sl, false, kv_pad_);
+
+                CtxPtr ctx(new_graph_ctx(), ggml_free);
+                GraphCtx g;
+                g.ctx = ctx.get();
+                g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
+                g.kv = &stage;
+                g.one_layer_kv = true;
+                g.n_tokens = mt;
+                g.n_kv = order.n_kv;
+                g.n_outputs = last_layer ? 1 : mt;
+                g.flash_attn = flash_attn_;
+                g.n_attn_tokens = final_step ? std::min(mt, k_capture_tokens) : 0;
+                g.n_query_tokens = final_step && summaries_ ? std::min(mt, k_capture_tokens) : 0;
+                g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
+                g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
+                g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
+                ggml_tensor * h_in = il == 0 ? nullptr : ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n_embd, mt);
+                for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids, h_in}) {
+                    if (t) ggml_set_input(t);
+                }
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false);
+                ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
+                if (last_layer) {
+                    y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
+                } else {
+                    ggml_set_output(y);
+                    ggml_build_forward_expand(g.gf, y);
+                }
+                ggml_backend_sched_reset(sched.get());
+                if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
+                    throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
+                }
+                peak_compute = std::max(peak_compute, (int64_t) ggml_backend_sched_get_buffer_size(sched.get(), backend));
+
+                pos.resize((size_t) mt);
+                for (int64_t i = 0; i < mt; ++i) pos[i] = (int32_t) (p0 + i);
+                if (g.in.tokens) ggml_backend_tensor_set(g.in.tokens, tokens + (p0 - start), 0, mt * sizeof(int32_t));
+                ggml_backend_tensor_set(g.in.positions, pos.data(), 0, mt * sizeof(int32_t));
+                if (g.in.out_ids) {
+                    const int32_t last = (int32_t) (mt - 1);
+                    ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
+                }
+                if (h_in) ggml_backend_tensor_set(h_in, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(h_in));
+                kv_step_inputs_set(g.in.kv, sl, order, plan, pos.data(), input_scratch_);
+                if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
+                    throw std::runtime_error("ggml graph compute failed");
+                }
+                timings_.n_computes++;
+
+                if (!last_layer) ggml_backend_tensor_get(y, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(y));
+                if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
+                if (final_step) {
+                    // The last tokens' attention, staging slot j = position j: max over queries and layers.
+                    const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
+                    std::vector<float> rows((size_t) ggml_nelements(a));
+                    ggml_backend_tensor_get(a, rows.data(), 0, ggml_nbytes(a));
+                    const int64_t n_kv = a->ne[0];
+                    for (int64_t i = 0; i < a->ne[1]; ++i) {
+                        for (int64_t j = 0; j < std::min(n_kv, end); ++j) {
+                            out.attention[j] = std::max(out.attention[j], rows[(size_t) (i * n_kv + j)]);
+                        }
+                    }
+                    if (g.n_query_tokens > 0) {   // the qk / quest scorers' queries, as a forward step keeps them
+                        const ggml_tensor * q = g.queries.at(0);   // [head_dim, n_head, n_q]
+                        if (il == 0) {
+                            queries = StepQueries{hp.n_layer, q->ne[2], q->ne[1], q->ne[0], {}};
+                            queries.data.resize((size_t) (hp.n_layer * ggml_nelements(q)));
+                        }
+                        ggml_backend_tensor_get(q, queries.data.data() + il * ggml_nelements(q), 0, ggml_nbytes(q));
+                    }
+                }
+                p0 += mt;
+            }
+
+            // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
+            // evicted chunks straight into their host images.
+            n_bounced = 0;
+            for (int64_t c = c_new; c < c_end; ++c) {
+                stage.get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
+            }
+            stage.synchronize();
+            n_bounced = 0;
+            for (int64_t c = c_new; c < c_end; ++c) {
+                const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il);
+                if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], il, layer);
+                if (summaries_ && (c + 1) * C <= end) summaries_->seal_layer(c, il, kv_->layout(), layer);   // K first
+            }
+            if (between) between();
+        }
+        kv_->synchronize();
+    } catch (...) {
+        kv_->synchronize();
+        truncate(start);   // no new position is complete before its last layer is written: forget them all
+        throw;
+    }
+    timings_.t_compute_ms += ms_since(t0);
+    prefill_queries_ = std::move(queries);
+    prefill_memory_.prefill_peak_bytes = std::max(prefill_memory_.prefill_peak_bytes, stage.device_bytes() + peak_compute);
+    prefill_memory_.prefill_host_bytes =
+        std::max(prefill_memory_.prefill_host_bytes, (int64_t) ((size_t) (n * n_embd) * sizeof(float)) + pager_->n_blocks() * lcb);
+    return out;
+}
+
+SessionMemory Session::memory() const {
+    const SessionLock held = lock(false);
+    SessionMemory mem = prefill_memory_;
+    mem.pool_bytes = kv_->device_bytes();
+    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
+    return mem;
+}
+
+}  // namespace kvf
