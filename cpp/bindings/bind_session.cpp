@@ -98,15 +98,17 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "forward(), returning only the argmax after the last token (computed on the backend)")
         .def("truncate", &Session::truncate, py::arg("n_tokens"), released)
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
-        .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, std::optional<py::function> between) {
+        .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
+                                 std::optional<py::function> between) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
                  std::function<void()> cb;
                  if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
-                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, cb); });
+                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb); });
                  return py::make_tuple(float_array(r.logits), float_array(r.attention));
-             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("between") = py::none(),
+             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
              "layer-major exact prefill: append the tokens at `start` (a chunk boundary, = n_tokens) with the K/V a "
-             "full-cache run writes, in device memory set by the pool; between() runs after each layer and may "
+             "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
+             "session's); between() runs after each layer and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
         .def("memory", [](const Session & s) {

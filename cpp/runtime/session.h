@@ -125,9 +125,11 @@ public:
     // in steps of n_batch, attending a one-layer staging copy of every position's K/V (held chunks come
     // from the pool or the host store), the hidden states waiting in host memory between layers, and the
     // layer's new K/V go to their blocks or host images. start must be a chunk boundary and equal
-    // n_tokens(). between() runs after each layer (the caller's interrupt point); if anything throws, the
-    // session forgets the new positions and holds its first `start` tokens again.
-    ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+    // n_tokens(). n_batch: tokens per step (0: the session's; a pooled session's steps are small to keep the
+    // pool's window wide, which exactness does not need). between() runs after each layer (the caller's
+    // interrupt point); if anything throws, the session forgets the new positions and holds its first
+    // `start` tokens again.
+    ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
                                const std::function<void()> & between = {});
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected

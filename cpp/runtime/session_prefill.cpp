@@ -68,10 +68,12 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
     timings_.t_paging_ms += ms_since(t0);
 }
 
-ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
                                     const std::function<void()> & between) {
     const SessionLock held = lock();
     check_tokens(tokens, n, start);
+    if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
+    if (n_batch == 0) n_batch = cfg_.n_batch;
     const int64_t C = cfg_.chunk_tokens, end = start + n;
     if (start % C != 0) {
         throw std::invalid_argument("prefill_exact: start=" + std::to_string(start) + " is not a chunk boundary " +
@@ -125,7 +127,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             }
 
             for (int64_t p0 = start; p0 < end;) {
-                const int64_t mt = std::min(cfg_.n_batch, end - p0);
+                const int64_t mt = std::min(n_batch, end - p0);
                 const bool final_step = p0 + mt == end;
                 const Plan plan = stage_pager.plan_alloc(p0, mt);
                 stage_pager.apply(plan);

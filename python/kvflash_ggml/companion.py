@@ -1,6 +1,6 @@
 """The companion: a full-cache session of a second model (or of the model itself) that the Engine keeps
-holding its history. The drafter policy scores from its attention capture; exact prefill adopts its K/V
-when it runs the engine's own model, so the prompt is computed once.
+holding its history. The drafter policy scores from its attention capture. Its K/V is a full cache of the
+history (not bounded by the pool): stats() reports its device bytes as such.
 
 It runs only the tokens it does not hold (after the history diverged: from where it did). Its tokens are
 the target's when both vocabularies are the same; otherwise the target history is detokenised and
@@ -117,12 +117,3 @@ class Companion:
         if len(new):   # in steps: a long history is many short calls, so Ctrl-C is honoured between them
             forward_in_steps(self.session, new, keep)
         self.n_forwarded += len(new)
-
-    def lend(self, model: _core.Model, kv_type: str, tokens: np.ndarray) -> Optional[_core.Session]:
-        """Its session brought to hold `tokens`, if it computes exactly what a full cache of `model` with K/V of
-        `kv_type` would (it runs that model, in the same vocabulary and KV type); None otherwise."""
-        if model is not self.model or not self.same_vocab or len(tokens) > self.n_ctx \
-                or self.session.config.kv_type != kv_type:
-            return None
-        self.hold(tokens)
-        return self.session

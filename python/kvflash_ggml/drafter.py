@@ -62,6 +62,14 @@ def token_at_byte(offsets: np.ndarray, at: np.ndarray) -> np.ndarray:
     return np.clip(np.searchsorted(offsets[:-1], at, side="right") - 1, 0, max(n - 1, 0))
 
 
+def prompt_attention_scores(attention: np.ndarray, n_chunks: int) -> np.ndarray:
+    """Chunk scores from the attention the last prompt tokens paid each position during an exact prefill
+    (Session.prefill_exact): the target model's own attention, scored as the drafter's is."""
+    s = position_scores(np.asarray(attention, dtype=np.float32))
+    out, _ = chunk_means(s, np.arange(len(s)) // _core.CHUNK_TOKENS, n_chunks)
+    return out
+
+
 class DrafterPolicy(Policy):
     """Scores from the attention capture of `companion`, the full-cache session of the drafter model that
     the Engine keeps beside the model."""

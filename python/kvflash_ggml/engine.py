@@ -13,7 +13,6 @@ from another prompt's context. Streams on one Engine therefore cannot interleave
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -26,7 +25,7 @@ import numpy as np
 
 from . import _core
 from .companion import Companion
-from .drafter import DrafterPolicy
+from .drafter import DrafterPolicy, prompt_attention_scores
 from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler
@@ -205,16 +204,39 @@ class Engine:
         return common_prefix(self.session.tokens, tokens)
 
     def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
-        start = self._exact_prefill(tokens, n_keep) if self.residency.prefill == "exact" else n_keep
+        if self._layer_major(tokens):
+            return self._exact_prefill(tokens, n_keep)
         logits = None
-        for lo, hi in self._prefill_batches(start, len(tokens)):
-            if lo > start and self.residency.prefill_reselect:
+        for lo, hi in self._prefill_batches(n_keep, len(tokens)):
+            if lo > n_keep and self.residency.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
             logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.residency.refresh_tokens:
-            logits = self._recompute_tail(tokens, start)
+            logits = self._recompute_tail(tokens, n_keep)
+        return logits
+
+    def _layer_major(self, tokens: list[int]) -> bool:
+        """Exact prefill of a prompt the pool cannot hold whole (one it holds runs as ordinary forward steps,
+        which then see every earlier position anyway)."""
+        return self.residency.prefill == "exact" and not self.session.full_cache and \
+            len(tokens) > self.session.pager.config().pool_tokens
+
+    def _exact_prefill(self, tokens: list[int], n_keep: int) -> np.ndarray:
+        """Run the prompt from the last chunk boundary at or before n_keep layer-major: every position gets the
+        K/V a full cache writes, and the pager ends as a pooled prefill leaves it. The post-prompt reselect then
+        pages in what the prompt's last tokens attended to (prompt_scores="attention"), or what the policy
+        scores. The logits already saw every position: nothing is recomputed."""
+        start = n_keep // _core.CHUNK_TOKENS * _core.CHUNK_TOKENS
+        if start < self.session.n_tokens:
+            self.session.truncate(start)
+        logits, attention = self.session.prefill_exact(np.asarray(tokens[start:], dtype=np.int32), start,
+                                                       n_batch=self.pool.n_batch, between=self._between_prefill_steps)
+        if self.residency.prompt_scores == "policy":
+            self.reselect()
+        else:
+            self._reselect_by(lambda: prompt_attention_scores(attention, self.session.pager.n_chunks()))
         return logits
 
     def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
@@ -235,36 +257,12 @@ class Engine:
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()
 
-    def _exact_prefill(self, tokens: list[int], n_keep: int) -> int:
-        """Compute tokens[n_keep:-1] as a full cache would and adopt their K/V; returns where the pooled
-        forward goes on: the last prompt token runs in the pool, so the post-prompt reselect has this
-        session's queries, and after it that token alone is recomputed (refresh stops at the adopted K/V).
-        The full-cache session is the companion when it runs this model (a model that is its own drafter: no
-        second full-cache run), else a transient one that lives only for this call and first adopts what
-        the pool and the host store hold, bit-exact. A prompt the pool holds whole gains nothing: it is
-        prefilled as usual."""
-        C = _core.CHUNK_TOKENS
-        done, last = n_keep // C * C, len(tokens) - 1
-        if self.session.full_cache or last <= done or len(tokens) <= self.pool.resolved_pool_tokens():
-            return n_keep
-        self.session.truncate(done)
-        shared = None if self.companion is None else \
-            self.companion.lend(self.model, self.session.config.kv_type, np.asarray(tokens[:last], dtype=np.int32))
-        if shared is not None:
-            self.session.adopt(shared, last)
-        else:
-            scratch = make_session(self.model, dataclasses.replace(self.pool, pool_tokens=None))
-            scratch.adopt(self.session, done)
-            self._forward_prompt(scratch, tokens[done:last], done)
-            self.session.adopt(scratch, last)
-        return last
-
     def _recompute_tail(self, tokens: list[int], floor: int) -> np.ndarray:
         """The logits of the last prompt token were computed before the reselect brought the evidence in:
         run the last refresh_tokens prompt tokens again (the question, at the end of a long document), so the
         first generated token and the K/V of the question, which later tokens attend to, see the chunks the
         reselect paged in. At most the protected tail, so the recompute cannot push the evidence out, and
-        nothing before `floor` (K/V adopted from an exact prefill are better than any recompute)."""
+        nothing before `floor` (what this prompt reused)."""
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
         lo = max(len(tokens) - min(self.residency.refresh_tokens, tail), floor, 1)
         self.session.truncate(lo)
@@ -307,21 +305,24 @@ class Engine:
             self.reselect()
 
     # -- reselect --------------------------------------------------------------------------------
-    def _can_reselect(self) -> bool:
-        s = self.session
-        return self.policy.reselects and not s.full_cache and s.pager.n_chunks() > s.pager.n_blocks()
-
     def reselect(self) -> None:
         """Resident set := protected chunks + the policy's top-scored chunks that fit."""
         with self._turn():
-            self._since_reselect = 0
-            if not self._can_reselect():
-                return
-            t0 = time.perf_counter()
-            scores = self.policy.scores(SessionView(self.session))
-            self._t_policy_ms += (time.perf_counter() - t0) * 1e3
-            if scores is not None:
-                self.session.reselect(scores)
+            if self.policy.reselects:
+                self._reselect_by(lambda: self.policy.scores(SessionView(self.session)))
+            else:
+                self._since_reselect = 0
+
+    def _reselect_by(self, scores: Callable[[], Optional[np.ndarray]]) -> None:
+        self._since_reselect = 0
+        s = self.session
+        if s.full_cache or s.pager.n_chunks() <= s.pager.n_blocks():
+            return
+        t0 = time.perf_counter()
+        chosen = scores()
+        self._t_policy_ms += (time.perf_counter() - t0) * 1e3
+        if chosen is not None:
+            s.reselect(chosen)
 
     # -- generate --------------------------------------------------------------------------------
     def generate(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]],
@@ -397,6 +398,28 @@ class Engine:
         with self._turn():
             return self._stats()
 
+    def _device_bytes(self) -> dict:
+        """Every device byte the configuration holds besides the pool (on the CPU backend, host RAM): weights,
+        the step graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
+        one layer's staging K/V + its compute buffer), and the drafter's full-cache session (not bounded by
+        the pool). device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
+        buffer)."""
+        mem = self.session.memory()
+        drafter = 0
+        if self.companion is not None:
+            dm = self.companion.session.memory()
+            drafter = dm["pool_bytes"] + dm["compute_bytes"] + \
+                (self.companion.model.weight_bytes if self.companion.model is not self.model else 0)
+        weights = self.model.weight_bytes
+        return {
+            "device_weight_bytes": weights,
+            "device_compute_bytes": mem["compute_bytes"],
+            "device_prefill_peak_bytes": mem["prefill_peak_bytes"],
+            "device_drafter_bytes": drafter,
+            "device_peak_bytes": weights + mem["pool_bytes"] + mem["compute_bytes"] + mem["prefill_peak_bytes"] + drafter,
+            "host_prefill_peak_bytes": mem["prefill_host_bytes"],
+        }
+
     def _stats(self) -> dict:
         s = self.session
         pager, kv, t = s.pager, s.kv, s.timings
@@ -408,6 +431,7 @@ class Engine:
             "tokens": s.n_tokens,
             "resident_chunks": pager.n_resident(),
             "device_kv_bytes": kv.device_bytes,
+            **self._device_bytes(),
             "host_kv_bytes": pager.host_bytes(),
             "page_outs": ps.page_outs,
             "page_ins": ps.page_ins,

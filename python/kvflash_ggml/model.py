@@ -49,14 +49,16 @@ class Model:
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike] = ResidencyConfig.drafter_model,
-                 refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill) -> None:
+                 refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill,
+                 prompt_scores: str = ResidencyConfig.prompt_scores) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
                                n_batch=n_batch)
         self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
-                                         refresh_tokens=refresh_tokens, prefill=prefill, drafter_model=drafter_model)
+                                         refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
+                                         drafter_model=drafter_model)
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
         self.tokenizer = Tokenizer(self.model_path)
         if drafter_model is not None and not isinstance(drafter_model, _core.Model) \

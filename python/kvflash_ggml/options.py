@@ -18,7 +18,11 @@ TAU_CONTEXT_DIVISOR = 45
 # 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
-PREFILL_MODES = ("pooled", "exact")
+PREFILL_MODES = ("exact", "pooled")
+# How the post-prompt reselect scores chunks after an exact prefill: the attention the prompt's last tokens
+# paid each chunk, captured during the prefill (the target model's own attention: no second model), or the
+# residency policy's scores.
+PROMPT_SCORES = ("attention", "policy")
 
 
 @dataclass(frozen=True)
@@ -80,22 +84,28 @@ class ResidencyConfig:
     policy: "lru" | "qk" | "quest" | "drafter", a Policy, or a callable view -> one score per chunk.
     tau: decode tokens between reselects (adaptive: see TAU_CONTEXT_DIVISOR).
     prefill_reselect: reselect before each prefill batch (the previous batch's queries pick what stays).
-    refresh_tokens: prompt tokens run again after the post-prompt reselect paged anything in (0 = none).
-    prefill: "pooled" computes a prompt in the pool, so a K/V written after its evidence was paged out never
-    saw it; "exact" computes the new part of a prompt in a full-cache session and the pool adopts its K/V:
-    the K/V equal a full-cache run's, at the price of context-sized KV memory while the prompt runs.
+    refresh_tokens: prompt tokens run again after a pooled prefill's post-prompt reselect paged anything in
+    (0 = none).
+    prefill: "exact" (default) gives every prompt position the K/V a full-cache run writes: a prompt larger than
+    the pool runs layer-major (Session.prefill_exact), in device memory of the pool plus one layer's K/V of the
+    prompt. "pooled" computes a prompt in the pool: cheaper, but a K/V written after its evidence was paged out
+    never saw it.
+    prompt_scores: how the post-prompt reselect after an exact prefill scores chunks (see PROMPT_SCORES).
     drafter_model: the GGUF path, short name or loaded _core.Model that policy="drafter" runs beside the model."""
 
     policy: Union[str, Callable] = "lru"
     tau: int = 64
     prefill_reselect: bool = False
     refresh_tokens: int = REFRESH_TOKENS
-    prefill: str = "pooled"
+    prefill: str = "exact"
+    prompt_scores: str = "attention"
     drafter_model: Union[None, str, os.PathLike, _core.Model] = None
 
     def __post_init__(self) -> None:
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if self.prompt_scores not in PROMPT_SCORES:
+            raise ValueError(f"prompt_scores must be one of {PROMPT_SCORES}, got {self.prompt_scores!r}")
         if not _is_int(self.tau) or self.tau <= 0:
             raise ValueError(f"tau must be positive, got {self.tau}")
         if not _is_int(self.refresh_tokens) or self.refresh_tokens < 0:

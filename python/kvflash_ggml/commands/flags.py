@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from .. import _core
 from ..engine import POLICY_NAMES
-from ..options import PREFILL_MODES, PoolConfig, ResidencyConfig, SamplingParams
+from ..options import PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig, SamplingParams
 
 def parse_pool(value: str) -> Union[None, int, str]:
     if value in ("off", "none", "full"):
@@ -66,16 +66,19 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                     help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
     if grid:
         ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both"],
-                        help="prompt computation: in the pool (pooled), in a transient full cache whose K/V the "
-                             "pool adopts (exact), the engine's default, or both side by side (labelled +exact)")
+                        help="prompt computation: layer-major with full-cache K/V (exact), in the pool (pooled), "
+                             "the engine's default, or both side by side (labelled +exact)")
         ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
                         help="query-aware prefill (reselect before each prefill batch) for policies that "
                              "reselect: the engine's default, on, off, or both side by side (labelled +pf)")
         return
     ap.add_argument("--prefill", default=None, choices=PREFILL_MODES,
-                    help="compute a prompt larger than the pool in the pool (pooled, the default: bounded memory) "
-                         "or in a transient full cache whose K/V the pool adopts (exact: better recall, "
-                         "context-sized KV memory while the prompt runs)")
+                    help="compute a prompt larger than the pool layer-major, every K/V as a full cache writes it "
+                         "(exact, the default; device memory: the pool + one layer's K/V of the prompt) or in the "
+                         "pool (pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
+    ap.add_argument("--prompt-scores", default=None, choices=PROMPT_SCORES,
+                    help="after an exact prefill, page in what the prompt's last tokens attended to (attention, "
+                         "the default) or what the policy scores (policy)")
     ap.add_argument("--prefill-reselect", action="store_const", const=True, default=None,
                     help="reselect before each prefill batch (query-aware prefill)")
     ap.add_argument("--refresh-tokens", type=int, default=None,
@@ -106,7 +109,8 @@ def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
 def residency_config(args: argparse.Namespace, **overrides: object) -> ResidencyConfig:
     options = given(policy=getattr(args, "policy", None), tau=args.tau, drafter_model=args.drafter_model,
                     prefill=getattr(args, "prefill", None), prefill_reselect=getattr(args, "prefill_reselect", None),
-                    refresh_tokens=getattr(args, "refresh_tokens", None))
+                    refresh_tokens=getattr(args, "refresh_tokens", None),
+                    prompt_scores=getattr(args, "prompt_scores", None))
     return ResidencyConfig(**{**options, **overrides})
 
 
@@ -120,4 +124,4 @@ def model_keywords(args: argparse.Namespace) -> dict:
     return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, backend=args.backend,
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
-                      refresh_tokens=args.refresh_tokens), pool_tokens=args.kvflash)
+                      refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores), pool_tokens=args.kvflash)
