@@ -115,7 +115,7 @@ def spec_scores(attention: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> n
 
 
 def test_scores_follow_the_spec(target, tok, paths):
-    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter", prompt_scores="policy",
                      drafter_model=paths["same"]))
     history = tok.encode(TEXT * 12)[:900]
     eng.prefill(history)
@@ -131,7 +131,7 @@ def test_scores_follow_the_spec(target, tok, paths):
 # -- (c) incremental ----------------------------------------------------------------------------------
 
 def test_drafter_runs_only_new_tokens_and_follows_truncation(target, tok, paths):
-    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+    eng = kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter", prompt_scores="policy",
                      drafter_model=paths["same"], tau=64))
     policy = eng.policy
     prompt = tok.encode(TEXT * 12)[:700]
@@ -252,9 +252,9 @@ def test_bad_input_raises(target, tok, paths):
     with pytest.raises(ValueError, match="drafter_model"):
         make_policy("drafter")
     with pytest.raises(ValueError, match="drafter_model"):
-        kvf.Engine(target, tok, PoolConfig(n_ctx=1024, pool_tokens=448), kvf.ResidencyConfig(policy="drafter"))
+        kvf.Engine(target, tok, PoolConfig(n_ctx=1024, pool_tokens=448), kvf.ResidencyConfig(policy="drafter", prompt_scores="policy"))
     with pytest.raises(ValueError, match="too small"):   # trained for 1024 tokens, asked for 2048
-        kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter",
+        kvf.Engine(target, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy="drafter", prompt_scores="policy",
                    drafter_model=paths["short"]))
     with pytest.raises(FileNotFoundError):
         Companion("/nonexistent.gguf", tok, n_ctx=1024)

@@ -91,6 +91,22 @@ def test_exact_prefill_extends_a_held_prefix_from_the_pool_and_the_host_store(ti
         np.testing.assert_allclose(mine, theirs, atol=2e-3, err_msg=f"chunk {c}")
 
 
+@pytest.mark.parametrize("held", [600, 601, 639])
+def test_exact_prefill_extends_a_prefix_that_ends_inside_a_chunk(tiny, held):
+    # The chunk the held tokens end in keeps its held rows (it may even be paged out while the prompt is
+    # placed) and takes the new ones: equal bytes again, the same steps as the full cache's from `held`.
+    model = tiny("qwen2")
+    tokens = prompt(model, 1000, seed=7)
+    full = session(model, 0, attention="flash", kv_type="q8_0")
+    full.forward(tokens[:held], 0)
+    logits_full = full.forward(tokens[held:], held)
+    sess = session(model, POOL, attention="flash", kv_type="q8_0")
+    sess.prefill_exact(tokens[:held], 0)
+    logits, _ = sess.prefill_exact(tokens[held:], held)
+    np.testing.assert_array_equal(logits, logits_full)
+    assert_same_chunks(sess, full, len(tokens))
+
+
 def test_exact_prefill_then_decode_equals_a_pooled_session_that_adopted_the_full_cache(tiny):
     # After the prompt both pools hold the same bytes in the same blocks, so decode steps agree exactly.
     model = tiny("qwen3")
@@ -150,7 +166,7 @@ def test_an_interrupted_exact_prefill_leaves_what_was_held(tiny):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda s, t: s.prefill_exact(t[:100], 10), "start=10"),
+    (lambda s, t: s.prefill_exact(t[:100], 10), "start=10"),   # the session holds nothing
     (lambda s, t: s.prefill_exact(t[:100], 0, n_batch=-1), "n_batch"),
     (lambda s, t: s.prefill_exact(np.zeros(MAX_TOKENS + 1, np.int32), 0), "exceeds max_tokens"),
     (lambda s, t: s.prefill_exact(np.array([1, 10**6], np.int32), 0), "outside the vocabulary"),

@@ -87,9 +87,9 @@ def test_callable_policy_pulls_its_favourite_chunk_back(smollm2, smollm2_path):
 
 @pytest.mark.parametrize("refresh", [64, 0])
 def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2, smollm2_path, refresh):
-    # Reference: after prefill, run the last prompt token again; it attends to the residency the reselect
-    # left. With the refresh, prefill's logits already are those (the batched recompute and this one-token
-    # step run different CPU kernels: tolerance); without it they were computed before the page-in.
+    # Pooled prefill. Reference: after prefill, run the last prompt token again; it attends to the residency
+    # the reselect left. With the refresh, prefill's logits already are those (the batched recompute and this
+    # one-token step run different CPU kernels: tolerance); without it they were computed before the page-in.
     tok = kvf.Tokenizer(smollm2_path)
 
     def prefer_chunk_2(view):
@@ -98,7 +98,7 @@ def test_prompt_logits_see_the_chunks_the_post_prompt_reselect_paged_in(smollm2,
         return scores
 
     eng = kvf.Engine(smollm2, tok, PoolConfig(n_ctx=2048, pool_tokens=448), kvf.ResidencyConfig(policy=prefer_chunk_2,
-                     refresh_tokens=refresh))
+                     refresh_tokens=refresh, prefill="pooled"))
     prompt = tok.encode(prose(200, seed=6))[:1500]
     logits = eng.prefill(prompt)
     assert eng.stats()["page_ins"] >= 1

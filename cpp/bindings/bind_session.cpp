@@ -106,7 +106,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb); });
                  return py::make_tuple(float_array(r.logits), float_array(r.attention));
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
-             "layer-major exact prefill: append the tokens at `start` (a chunk boundary, = n_tokens) with the K/V a "
+             "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's); between() runs after each layer and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "

@@ -57,11 +57,14 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
     // The pager places every new position chunk by chunk, evicting as a pooled prefill would; a new chunk
     // that is paged out again before the prompt ends only reserves its host image (nothing computed yet).
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t C = cfg_.chunk_tokens;
-    for (int64_t p = start; p < start + n; p += C) {
-        const Plan plan = pager_->plan_alloc(p, std::min(C, start + n - p));
-        kv_->execute(plan, start / C);
+    // A chunk the held tokens end inside keeps those rows: it counts as computed (its page-out copies them).
+    const int64_t C = cfg_.chunk_tokens, end = start + n;
+    for (int64_t p = start; p < end;) {
+        const int64_t step = std::min(C - p % C, end - p);   // up to the next chunk boundary
+        const Plan plan = pager_->plan_alloc(p, step);
+        kv_->execute(plan, (start + C - 1) / C);
         pager_->apply(plan);
+        p += step;
     }
     tokens_.insert(tokens_.end(), tokens, tokens + n);
     kv_->synchronize();   // held chunks' page-outs have read their blocks before any block is rewritten
@@ -75,10 +78,6 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (n_batch == 0) n_batch = cfg_.n_batch;
     const int64_t C = cfg_.chunk_tokens, end = start + n;
-    if (start % C != 0) {
-        throw std::invalid_argument("prefill_exact: start=" + std::to_string(start) + " is not a chunk boundary " +
-                                    "(truncate to a multiple of " + std::to_string(C) + ")");
-    }
     const Model & m = *model_;
     const ModelHparams & hp = m.hparams();
     ggml_backend_t backend = m.backend();
@@ -109,7 +108,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     try {
         place_prompt(tokens, n, start);
         const std::vector<int64_t> blocks = pager_->chunk_blocks();   // where each chunk ends: block, or -1 (host)
-        const int64_t c_new = start / C, c_end = (end + C - 1) / C;
+        // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held
+        // tokens end inside is both: it goes into staging whole and comes back whole).
+        const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
         std::vector<int32_t> pos;
         for (int il = 0; il < hp.n_layer; ++il) {
             const bool last_layer = il == hp.n_layer - 1;
@@ -117,12 +118,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             stage_pager.reset();
             if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
             int64_t n_bounced = 0;
-            for (int64_t c = 0; c < c_new; ++c) {
+            for (int64_t c = 0; c < c_held; ++c) {
                 if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], il, bounce + (n_bounced++) * lcb);
             }
             kv_->synchronize();
             n_bounced = 0;
-            for (int64_t c = 0; c < c_new; ++c) {
+            for (int64_t c = 0; c < c_held; ++c) {
                 stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
             }
 

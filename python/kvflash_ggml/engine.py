@@ -224,16 +224,15 @@ class Engine:
             len(tokens) > self.session.pager.config().pool_tokens
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> np.ndarray:
-        """Run the prompt from the last chunk boundary at or before n_keep layer-major: every position gets the
-        K/V a full cache writes, and the pager ends as a pooled prefill leaves it. The post-prompt reselect then
-        pages in what the prompt's last tokens attended to (prompt_scores="attention"), or what the policy
-        scores. The logits already saw every position: nothing is recomputed."""
-        start = n_keep // _core.CHUNK_TOKENS * _core.CHUNK_TOKENS
-        if start < self.session.n_tokens:
-            self.session.truncate(start)
-        logits, attention = self.session.prefill_exact(np.asarray(tokens[start:], dtype=np.int32), start,
+        """Run tokens[n_keep:] layer-major: every position gets the K/V a full cache writes, and the pager ends
+        as a pooled prefill leaves it. The post-prompt reselect then pages in what the prompt's last tokens
+        attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
+        position: nothing is recomputed."""
+        logits, attention = self.session.prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
                                                        n_batch=self.pool.n_batch, between=self._between_prefill_steps)
-        if self.residency.prompt_scores == "policy":
+        by_policy = self.residency.prompt_scores == "policy" or \
+            (self.residency.prompt_scores == "auto" and self.residency.policy not in POLICY_NAMES)
+        if by_policy:
             self.reselect()
         else:
             self._reselect_by(lambda: prompt_attention_scores(attention, self.session.pager.n_chunks()))

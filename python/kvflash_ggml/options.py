@@ -19,10 +19,11 @@ TAU_CONTEXT_DIVISOR = 45
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
 PREFILL_MODES = ("exact", "pooled")
-# How the post-prompt reselect scores chunks after an exact prefill: the attention the prompt's last tokens
-# paid each chunk, captured during the prefill (the target model's own attention: no second model), or the
-# residency policy's scores.
-PROMPT_SCORES = ("attention", "policy")
+# How the post-prompt reselect scores chunks after an exact prefill: "attention", the attention the prompt's
+# last tokens paid each chunk, captured during the prefill (the target model's own attention: no second
+# model), or "policy", the residency policy's scores. "auto": attention for the built-in policies, the
+# policy for your own (a callable or Policy object is asked whenever the engine reselects).
+PROMPT_SCORES = ("auto", "attention", "policy")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class ResidencyConfig:
     prefill_reselect: bool = False
     refresh_tokens: int = REFRESH_TOKENS
     prefill: str = "exact"
-    prompt_scores: str = "attention"
+    prompt_scores: str = "auto"
     drafter_model: Union[None, str, os.PathLike, _core.Model] = None
 
     def __post_init__(self) -> None:

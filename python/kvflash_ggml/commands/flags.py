@@ -77,8 +77,8 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                          "(exact, the default; device memory: the pool + one layer's K/V of the prompt) or in the "
                          "pool (pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
     ap.add_argument("--prompt-scores", default=None, choices=PROMPT_SCORES,
-                    help="after an exact prefill, page in what the prompt's last tokens attended to (attention, "
-                         "the default) or what the policy scores (policy)")
+                    help="after an exact prefill, page in what the prompt's last tokens attended to (attention; "
+                         "auto, the default, uses it) or what the policy scores (policy)")
     ap.add_argument("--prefill-reselect", action="store_const", const=True, default=None,
                     help="reselect before each prefill batch (query-aware prefill)")
     ap.add_argument("--refresh-tokens", type=int, default=None,
