@@ -7,6 +7,8 @@
 #                  a pytest -k expression, e.g. "paging or adopt")
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the grid (DEPTHS, N_GEN)
+#     prefill      kvflash bench prefill on the 8B shape: full / exact / pooled vs llama-bench -p N, with the
+#                  device memory each held (PREFILL_LENGTHS, PREFILL_REPS, POOL)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
 #                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS (more flags, split
@@ -88,6 +90,10 @@ for phase in "$@"; do
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
             --reps "$REPS" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+    prefill)
+        need_model
+        python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${PREFILL_LENGTHS:-4096,32768,131072}" \
+            --kvflash "$POOL" --reps "${PREFILL_REPS:-2}" --json "$OUT/prefill.json" 2>&1 | tee -a "$OUT/bench.log" ;;
     order)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;

@@ -97,21 +97,30 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     return out
 
 
-def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
-                    on_gpu: bool, reps: int = REPS) -> dict:
-    """{(depth, fa): tok/s} from one llama-bench call."""
-    cmd = [binary, "-m", model_path, "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
-           "-t", str(threads), "-r", str(reps), "-o", "json"]
-    # CPU: both attention paths (the faster one differs with depth). GPU: all layers offloaded and flash
-    # attention on, what the CUDA backend prefers and what our backend="auto" runs.
+def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threads: int, on_gpu: bool,
+                        reps: int = REPS) -> list[dict]:
+    """llama-bench's JSON records for one call with the test flags `test` (e.g. -p 0 -n 32 -d 0,2048). CPU: both
+    attention paths (the faster one differs with depth). GPU: all layers offloaded and flash attention on, what
+    the CUDA backend prefers and what our backend="auto" runs. A record's tok/s: median_ts(record)."""
+    cmd = [binary, "-m", model_path, *test, "-t", str(threads), "-r", str(reps), "-o", "json"]
     cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
-    # the median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)
-    return {(int(r["n_depth"]), bool(r["flash_attn"])):
-            float(np.median(r["samples_ts"])) if r.get("samples_ts") else float(r["avg_ts"])
-            for r in json.loads(proc.stdout)}
+    return json.loads(proc.stdout)
+
+
+def median_ts(record: dict) -> float:
+    """The median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)."""
+    return float(np.median(record["samples_ts"])) if record.get("samples_ts") else float(record["avg_ts"])
+
+
+def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
+                    on_gpu: bool, reps: int = REPS) -> dict:
+    """{(depth, fa): decode tok/s} from one llama-bench call."""
+    records = llama_bench_results(binary, model_path, ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))],
+                                  threads, on_gpu, reps)
+    return {(int(r["n_depth"]), bool(r["flash_attn"])): median_ts(r) for r in records}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 BENCHES = {
     "decode": "kvflash_ggml.bench.decode",
+    "prefill": "kvflash_ggml.bench.prefill",
     "restore": "kvflash_ggml.bench.restore",
     "niah": "kvflash_ggml.bench.niah",
     "ruler": "kvflash_ggml.bench.ruler",

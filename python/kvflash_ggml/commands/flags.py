@@ -66,8 +66,8 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                     help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
     if grid:
         ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both"],
-                        help="prompt computation: layer-major with full-cache K/V (exact), in the pool (pooled), "
-                             "the engine's default, or both side by side (labelled +exact)")
+                        help="prompt computation: layer-major with full-cache K/V (exact, the engine's default), in "
+                             "the pool (pooled, labelled +pooled), the default, or both side by side")
         ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
                         help="query-aware prefill (reselect before each prefill batch) for policies that "
                              "reselect: the engine's default, on, off, or both side by side (labelled +pf)")

@@ -1,0 +1,175 @@
+"""kvflash bench prefill: prompt tok/s and device memory vs prompt length, ours next to llama-bench.
+
+For each length, one run on one machine: our full cache, our exact prefill (layer-major: every K/V as a full
+cache writes it, device memory of the pool plus one layer's K/V of the prompt) and our pooled prefill (in the
+pool) each prefill a prompt of that many random tokens from an empty session, --reps times (median tok/s);
+llama-bench runs `-p LENGTH -n 0` on the same GGUF with the same threads (flash attention on and off on the
+CPU; on a GPU all layers offloaded, flash attention on). Beside each of ours: the device bytes it held, as
+stats() reports them (weights + pool + compute buffers + the prefill workspace), and on a GPU the driver's
+free memory sampled every few milliseconds while the prompt ran (the most taken). Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .. import _core
+from ..commands.flags import add_model_flags, add_pool_flags, pool_config
+from ..engine import Engine
+from ..known_models import resolve_model_path
+from ..options import PoolConfig, ResidencyConfig
+from ..tokenizer import Tokenizer
+from .decode import find_llama_bench, gpu_free_bytes, llama_bench_results, median_ts
+
+REPS = 3
+MODES = ("full", "exact", "pooled")
+
+
+class FreeMemorySampler:
+    """The most device memory taken (driver's free memory below the start) while the block runs."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.taken = interval_s, 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "FreeMemorySampler":
+        self.start_free = gpu_free_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():   # the prefill releases the GIL while it computes
+            self.taken = max(self.taken, self.start_free - gpu_free_bytes())
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.taken = max(self.taken, self.start_free - gpu_free_bytes())
+
+
+def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, reps: int, seed: int) -> dict:
+    """Median prompt tok/s over `reps` prefills of the same `length` random tokens, each from an empty session,
+    with the engine's own memory figures and (GPU) the driver's."""
+    C = _core.CHUNK_TOKENS
+    pool = dataclasses.replace(pool, n_ctx=-(-length // C) * C, allow_beyond_train_ctx=True)
+    prompt = np.random.default_rng(seed).integers(100, model.hparams.n_vocab - 100, length, dtype=np.int32).tolist()
+    free_before = gpu_free_bytes() if model.on_gpu else None
+    engine = Engine(model, tokenizer, pool, ResidencyConfig(prefill=prefill))
+    rates, taken = [], 0
+    for _ in range(reps):
+        engine.session.reset()
+        if free_before is not None:
+            with FreeMemorySampler() as sampler:
+                t0 = time.perf_counter()
+                engine.prefill(prompt)
+                elapsed = time.perf_counter() - t0
+            taken = max(taken, sampler.taken + (sampler.start_free - free_before))
+        else:
+            t0 = time.perf_counter()
+            engine.prefill(prompt)
+            elapsed = time.perf_counter() - t0
+        rates.append(length / elapsed)
+    stats = engine.stats()
+    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates,
+           **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))}}
+    if free_before is not None:
+        out["device_bytes_taken"] = taken   # by the session (pool, buffers, workspace): weights were loaded before
+    engine.close()
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvflash bench prefill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(ap, threads=os.cpu_count())
+    add_pool_flags(ap, pool="512", n_ctx=None)
+    ap.add_argument("--lengths", default="2048,8192", help="comma-separated prompt lengths")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"which of ours to run (of {','.join(MODES)})")
+    ap.add_argument("--reps", type=int, default=REPS, help="prefills per length and mode (llama-bench -r); median")
+    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
+    ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
+    ap.add_argument("--json", default="bench-out/prefill.json", help="where to write the JSON")
+    args = ap.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    modes = [m for m in args.modes.split(",") if m]
+    if any(n <= 0 for n in lengths) or args.reps <= 0 or args.kvflash is None or not set(modes) <= set(MODES):
+        ap.error(f"lengths and --reps must be positive, --kvflash a pool (not off), --modes of {','.join(MODES)}")
+    binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
+    if not args.no_llama_bench and binary is None:
+        print("kvflash bench prefill: llama-bench not found; build it with scripts/build_llama_bench.sh, pass "
+              "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
+        return 2
+    try:
+        pooled = pool_config(args)
+        path = resolve_model_path(args.model)
+        model = _core.Model(path, backend=args.backend, n_threads=args.threads)
+        tokenizer = Tokenizer(path)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"kvflash bench prefill: {e}", file=sys.stderr)
+        return 2
+
+    time_prefill(model, tokenizer, 256, dataclasses.replace(pooled, pool_tokens=None), "exact", 1, seed=0)   # warm-up
+    rows = []
+    for n in lengths:
+        row = {"length": n}
+        for mode in modes:
+            pool = dataclasses.replace(pooled, pool_tokens=None) if mode == "full" else pooled
+            row[mode] = time_prefill(model, tokenizer, n, pool, "pooled" if mode == "pooled" else "exact",
+                                     args.reps, seed=n)
+            print(f"length {n}: {mode} {row[mode]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        rows.append(row)
+    if binary:
+        records = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0"], args.threads,
+                                      model.on_gpu, args.reps)
+        for row in rows:
+            for r in records:
+                if int(r["n_prompt"]) == row["length"]:
+                    row["llama_fa1" if r["flash_attn"] else "llama_fa0"] = median_ts(r)
+    gpus = _core.gpu_devices() if model.on_gpu else []
+    report = {"model": path, "pool": pooled.pool_tokens, "kv_type": pooled.kv_type, "n_batch": pooled.n_batch,
+              "reps": args.reps, "threads": args.threads, "weight_bytes": model.weight_bytes,
+              "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    print_table(report, modes)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def print_table(report: dict, modes: Sequence[str]) -> None:
+    mib = lambda b: f"{b / 2**20:.0f}"
+    print(f"model {Path(report['model']).name} (weights {mib(report['weight_bytes'])} MiB), pool {report['pool']}, "
+          f"kv {report['kv_type']}, n_batch {report['n_batch']}, {report['threads']} threads, {report['device']}")
+    head = f"{'length':>7} " + " ".join(f"{m + ' tok/s':>13}" for m in modes) + f" {'llama tok/s':>12} " + \
+        " ".join(f"{m + '/llama':>13}" for m in modes) + "  device MiB (" + "/".join(modes) + ")"
+    print(head)
+    for r in report["rows"]:
+        best = max([x for x in (r.get("llama_fa0"), r.get("llama_fa1")) if x], default=None)
+        ratio = lambda m: f"{r[m]['tok_s'] / best:.2f}x" if best else "-"
+        held = "/".join(mib(r[m].get("device_bytes_taken", r[m]["device_peak_bytes"] - report["weight_bytes"]))
+                        for m in modes)
+        print(f"{r['length']:>7} " + " ".join(f"{r[m]['tok_s']:>13.1f}" for m in modes) +
+              f" {best or 0:>12.1f} " + " ".join(f"{ratio(m):>13}" for m in modes) + f"  {held}")
+    print(f"tok/s: median of {report['reps']} prefills from an empty session (llama-bench -p N -n 0, best of flash "
+          "attention on/off); device MiB besides the weights: on a GPU the driver's free memory sampled while the "
+          "prompt ran, else stats()' pool + compute buffers + prefill workspace")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
