@@ -47,19 +47,30 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
     return o;
 }
 
-KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t n_tokens, int64_t n_kv, bool gathered) {
+KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t n_tokens, int64_t n_kv, bool gathered,
+                                int64_t causal_from) {
     if (gathered && L.v_trans) {
         throw std::logic_error("a position-ordered copy gathers slot rows: it needs V in slot rows, not v_trans");
     }
     KvStepInputs in;
     in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     in.v_slots = L.v_trans ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
-    in.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    in.mask_on_backend = causal_from >= 0;
+    in.mask = in.mask_on_backend ? causal_mask(ctx, n_kv, n_tokens, causal_from)
+                                 : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
     in.kv_order = gathered ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.pool_tokens) : nullptr;
-    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask, in.kv_order}) {
+    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask_on_backend ? nullptr : in.mask, in.kv_order}) {
         if (t) ggml_set_input(t);
     }
     return in;
+}
+
+ggml_tensor * causal_mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) {
+    if (first_pos > INT32_MAX) throw std::invalid_argument("causal_mask: position beyond int32");
+    ggml_tensor * zero = ggml_arange(ctx, 0.0f, 1.0f, 1.0f);   // [1] = {0}: nothing to upload
+    ggml_tensor * rows = ggml_repeat_4d(ctx, zero, n_kv, n_tokens, 1, 1);
+    rows = ggml_diag_mask_inf_inplace(ctx, rows, (int) first_pos);   // -inf where slot j > first_pos + i
+    return ggml_cast(ctx, rows, GGML_TYPE_F16);
 }
 
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
@@ -82,11 +93,12 @@ void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKey
         ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
     }
 
+    if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
+    if (in.mask_on_backend) return;
     const int64_t n_kv = order.n_kv;
     scratch.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
     auto * mask = reinterpret_cast<ggml_fp16_t *>(scratch.data());
     build_slot_mask(order.key_pos.data(), n_kv, pos, n, 0, mask);
-    if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
     ggml_backend_tensor_set(in.mask, mask, 0, scratch.size());
 }
 

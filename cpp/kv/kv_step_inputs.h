@@ -23,6 +23,7 @@ struct KvStepInputs {
     ggml_tensor * mask     = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
     ggml_tensor * kv_order = nullptr;   // I64 [pool_tokens]  row of each slot in the position-ordered copy
                                         // (nullptr: attend the pool in slot order)
+    bool mask_on_backend = false;       // the mask is computed in the graph (causal_mask), not uploaded
 };
 
 // The key order of one step: per attended key, the position it holds, as attention sees the keys.
@@ -40,8 +41,15 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 
 // Creates (and marks as inputs) the tensors of a step of n_tokens tokens attending n_kv slots, in the
 // no_alloc graph context ctx. gathered: the step attends a position-ordered copy (KvKeyOrder::gathered).
+// causal_from >= 0: slot j holds position j (an identity pool filled up to the step) and the step's tokens
+// sit at positions causal_from, causal_from + 1, ...: the mask is then causal_mask's, built in the graph.
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int64_t n_tokens, int64_t n_kv,
-                                bool gathered);
+                                bool gathered, int64_t causal_from = -1);
+
+// The slot mask of an identity pool, computed on the backend: query i (position first_pos + i) sees slots
+// j <= first_pos + i. It equals build_slot_mask's for that pool; layer-major prefill uses it because uploading
+// an n_kv x n_tokens mask for every layer of every step cost more than the step's compute at 32K positions.
+ggml_tensor * causal_mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos);
 
 // Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos),
 // the V element indices, the slot mask over order's first n_kv keys and the key order. The tensors must

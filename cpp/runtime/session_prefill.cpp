@@ -153,7 +153,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids, h_in}) {
                     if (t) ggml_set_input(t);
                 }
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false);
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, /*causal_from =*/ p0);
                 ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
                 if (last_layer) {
                     y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
