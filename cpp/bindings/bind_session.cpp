@@ -66,7 +66,9 @@ void bind_config_and_timings(py::module_ & m) {
         .def_readonly("t_compute_ms", &SessionTimings::t_compute_ms)
         .def_readonly("t_scoring_ms", &SessionTimings::t_scoring_ms)
         .def_readonly("n_computes", &SessionTimings::n_computes)
-        .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds);
+        .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds)
+        .def_readonly("t_prefill_graph_ms", &SessionTimings::t_prefill_graph_ms)
+        .def_readonly("t_prefill_io_ms", &SessionTimings::t_prefill_io_ms);
 }
 
 }  // namespace

@@ -90,6 +90,10 @@ struct SessionTimings {
     double t_scoring_ms = 0;   // summarising sealed chunks (scoring itself is timed by the caller)
     int64_t n_computes  = 0;
     int64_t n_graph_builds = 0;
+    // layer-major prefill's share of t_compute_ms: building and allocating its one-layer graphs, and moving
+    // hidden states and K/V between host, staging and pool (the rest is the graphs' compute)
+    double t_prefill_graph_ms = 0;
+    double t_prefill_io_ms    = 0;
 };
 
 // Held by one thread: the session's mutex and, unless taken for bookkeeping only, its model's.

@@ -117,6 +117,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
             stage_pager.reset();
             if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
+            auto t_io = std::chrono::steady_clock::now();
             int64_t n_bounced = 0;
             for (int64_t c = 0; c < c_held; ++c) {
                 if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], il, bounce + (n_bounced++) * lcb);
@@ -126,6 +127,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             for (int64_t c = 0; c < c_held; ++c) {
                 stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
             }
+            timings_.t_prefill_io_ms += ms_since(t_io);
 
             for (int64_t p0 = start; p0 < end;) {
                 const int64_t mt = std::min(n_batch, end - p0);
@@ -134,6 +136,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 stage_pager.apply(plan);
                 const KvKeyOrder order = kv_key_order(stage_pager, sl, false, kv_pad_);
 
+                const auto t_graph = std::chrono::steady_clock::now();
                 CtxPtr ctx(new_graph_ctx(), ggml_free);
                 GraphCtx g;
                 g.ctx = ctx.get();
@@ -166,6 +169,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
                 }
                 peak_compute = std::max(peak_compute, (int64_t) ggml_backend_sched_get_buffer_size(sched.get(), backend));
+                timings_.t_prefill_graph_ms += ms_since(t_graph);
+                t_io = std::chrono::steady_clock::now();
 
                 pos.resize((size_t) mt);
                 for (int64_t i = 0; i < mt; ++i) pos[i] = (int32_t) (p0 + i);
@@ -177,11 +182,13 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 }
                 if (h_in) ggml_backend_tensor_set(h_in, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(h_in));
                 kv_step_inputs_set(g.in.kv, sl, order, plan, pos.data(), input_scratch_);
+                timings_.t_prefill_io_ms += ms_since(t_io);
                 if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
                     throw std::runtime_error("ggml graph compute failed");
                 }
                 timings_.n_computes++;
 
+                t_io = std::chrono::steady_clock::now();   // includes waiting for the compute to finish
                 if (!last_layer) ggml_backend_tensor_get(y, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(y));
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
                 if (final_step) {
@@ -204,11 +211,13 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                         ggml_backend_tensor_get(q, queries.data.data() + il * ggml_nelements(q), 0, ggml_nbytes(q));
                     }
                 }
+                timings_.t_prefill_io_ms += ms_since(t_io);
                 p0 += mt;
             }
 
             // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
             // evicted chunks straight into their host images.
+            t_io = std::chrono::steady_clock::now();
             n_bounced = 0;
             for (int64_t c = c_new; c < c_end; ++c) {
                 stage.get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
@@ -220,6 +229,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], il, layer);
                 if (summaries_ && (c + 1) * C <= end) summaries_->seal_layer(c, il, kv_->layout(), layer);   // K first
             }
+            timings_.t_prefill_io_ms += ms_since(t_io);
             if (between) between();
         }
         kv_->synchronize();

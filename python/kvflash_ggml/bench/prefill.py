@@ -74,15 +74,17 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
                 t0 = time.perf_counter()
                 engine.prefill(prompt)
                 elapsed = time.perf_counter() - t0
-            taken = max(taken, sampler.taken + (sampler.start_free - free_before))
+            taken = max(taken, sampler.taken + (free_before - sampler.start_free))   # + the pool the Engine made
         else:
             t0 = time.perf_counter()
             engine.prefill(prompt)
             elapsed = time.perf_counter() - t0
         rates.append(length / elapsed)
-    stats = engine.stats()
+    stats, timings = engine.stats(), engine.session.timings
     out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates,
-           **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))}}
+           **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))},
+           "prefill_ms": {"graphs": timings.t_prefill_graph_ms, "io": timings.t_prefill_io_ms,
+                          "compute": timings.t_compute_ms, "paging": timings.t_paging_ms}}
     if free_before is not None:
         out["device_bytes_taken"] = taken   # by the session (pool, buffers, workspace): weights were loaded before
     engine.close()
