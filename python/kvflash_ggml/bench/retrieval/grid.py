@@ -165,6 +165,7 @@ def run_cell(llm, cfg: Config, length: int, batch: Sequence[Prepared], log: Call
             f"{r.seconds:6.1f}s  {r.output.strip()[:60]!r}")
     after = llm.stats()
     stats = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in STAT_KEYS}
+    stats["device_peak_bytes"] = after.get("device_peak_bytes", 0)   # every device byte the cell held at once
     return make_cell(length, cfg.label, cfg.pool, results, stats)
 
 
@@ -203,7 +204,8 @@ def merge_reports(reports: Sequence[dict]) -> dict:
             into = cells.setdefault(key, {"results": [], "stats": {}})
             into["results"] += c["results"]
             for k, v in c["stats"].items():
-                into["stats"][k] = round(into["stats"].get(k, 0) + v, 3)
+                held = into["stats"].get(k, 0)
+                into["stats"][k] = max(held, v) if k.endswith("peak_bytes") else round(held + v, 3)
     first = reports[0]
     return {**{k: first[k] for k in ("bench", "model", "format", "n_ctx", "threads") if k in first},
             "commands": [r.get("command") for r in reports], "dates": [r.get("date") for r in reports],
@@ -213,20 +215,25 @@ def merge_reports(reports: Sequence[dict]) -> dict:
 
 # -- output ----------------------------------------------------------------------------------------
 
+def mib(n: Optional[int]) -> str:
+    return f"{n / 2**20:.0f}" if n else "-"
+
+
 def format_table(report: dict, group: str = "by_task") -> str:
     """One row per (length, configuration): recall, teacher-forced accuracy, recall relative to the
-    full cache at that length (x B), then recall per task or per depth."""
+    full cache at that length (x B), the device bytes held at once (weights, pool, compute buffers, the prefill
+    workspace, a drafter), then recall per task or per depth."""
     cells = report["cells"]
     groups = sorted({g for c in cells for g in c[group]}, key=_group_order)
     full = {c["length"]: c["recall"] for c in cells if c["pool"] is None}
-    head = f"| length | policy | pool | residency | recall | x B | teacher-forced | n |"
+    head = f"| length | policy | pool | residency | recall | x B | teacher-forced | n | device MiB |"
     head += "".join(f" {g} |" for g in groups)
-    lines = [head, "|" + "---:|" * (8 + len(groups))]
+    lines = [head, "|" + "---:|" * (9 + len(groups))]
     for c in sorted(cells, key=lambda c: (c["length"], c["pool"] is not None, c["pool"] or 0, c["policy"])):
         b = full.get(c["length"])
         xb = f"{c['recall'] / b:.2f}" if b else "-"
         row = (f"| {c['length']} | {c['policy']} | {c['pool'] or '-'} | {100 * c['residency']:.1f}% | "
-               f"{c['recall']:.3f} | {xb} | {c['tf']:.3f} | {c['n']} |")
+               f"{c['recall']:.3f} | {xb} | {c['tf']:.3f} | {c['n']} | {mib(c['stats'].get('device_peak_bytes'))} |")
         row += "".join(f" {c[group][g]:.2f} |" if g in c[group] else " - |" for g in groups)
         lines.append(row)
     return "\n".join(lines)
