@@ -23,28 +23,34 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Host memory a GPU copies to and from by DMA (pinned) where the backend offers it; plain memory otherwise.
+// Host memory as a ggml buffer, so graph tensors can live in it: pinned (DMA) where a GPU backend offers it,
+// else the CPU backend's.
 class HostBuffer {
 public:
-    HostBuffer(ggml_backend_t backend, bool on_gpu, size_t bytes) {
+    HostBuffer(const Model & m, size_t bytes) {
+        bytes = std::max<size_t>(bytes, 1);
         ggml_backend_buffer_type_t host =
-            on_gpu ? ggml_backend_dev_host_buffer_type(ggml_backend_get_device(backend)) : nullptr;
-        if (host && bytes > 0) buf_ = ggml_backend_buft_alloc_buffer(host, bytes);
-        if (buf_) {
-            data_ = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf_));
-        } else {
-            plain_.resize(bytes);   // std::bad_alloc if the host has no room: before any state changes
-            data_ = plain_.data();
+            m.on_gpu() ? ggml_backend_dev_host_buffer_type(ggml_backend_get_device(m.backend())) : nullptr;
+        if (host) buf_ = ggml_backend_buft_alloc_buffer(host, bytes);
+        if (!buf_) buf_ = ggml_backend_buft_alloc_buffer(ggml_backend_get_default_buffer_type(m.cpu_backend()), bytes);
+        if (!buf_) {   // before any state changes
+            throw std::runtime_error("could not allocate " + std::to_string(bytes) + " bytes of host memory for the prefill");
         }
+        data_ = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf_));
     }
-    ~HostBuffer() { if (buf_) ggml_backend_buffer_free(buf_); }
+    ~HostBuffer() { ggml_backend_buffer_free(buf_); }
     HostBuffer(const HostBuffer &) = delete;
     HostBuffer & operator=(const HostBuffer &) = delete;
     uint8_t * data() { return data_; }
+    // The graph reads `t` straight from here (a GPU's scheduler copies it in by DMA): no staging copy.
+    void place(ggml_tensor * t, void * at) {
+        if (ggml_backend_tensor_alloc(buf_, t, at) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("could not place a tensor in host memory");
+        }
+    }
 
 private:
     ggml_backend_buffer_t buf_ = nullptr;
-    std::vector<uint8_t> plain_;
     uint8_t * data_ = nullptr;
 };
 
@@ -93,8 +99,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     spc.chunk_bytes = stage.chunk_bytes();
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
-    HostBuffer hidden_buf(backend, m.on_gpu(), (size_t) (n * n_embd) * sizeof(float));
-    HostBuffer bounce_buf(backend, m.on_gpu(), (size_t) (pager_->n_blocks() * lcb));
+    HostBuffer hidden_buf(m, (size_t) (n * n_embd) * sizeof(float));
+    HostBuffer bounce_buf(m, (size_t) (pager_->n_blocks() * lcb));
     float * hidden = reinterpret_cast<float *>(hidden_buf.data());
     uint8_t * bounce = bounce_buf.data();
     SchedPtr sched(new_sched(), ggml_backend_sched_free);
@@ -153,9 +159,10 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
                 g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
                 ggml_tensor * h_in = il == 0 ? nullptr : ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n_embd, mt);
-                for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids, h_in}) {
+                for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
                     if (t) ggml_set_input(t);
                 }
+                if (h_in) hidden_buf.place(h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
                 g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, /*causal_from =*/ p0);
                 ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
                 if (last_layer) {
@@ -180,7 +187,6 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     const int32_t last = (int32_t) (mt - 1);
                     ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
                 }
-                if (h_in) ggml_backend_tensor_set(h_in, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(h_in));
                 kv_step_inputs_set(g.in.kv, sl, order, plan, pos.data(), input_scratch_);
                 timings_.t_prefill_io_ms += ms_since(t_io);
                 if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
