@@ -13,4 +13,6 @@ cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVFLASH_LL
       "$@" >/dev/null
 [ "${KVFLASH_CONFIGURE_ONLY:-0}" = 1 ] && exit 0   # tests: check that configuring works after the README's install
 cmake --build "$build" --target llama-bench -j "$(nproc)"
+# ggml looks for its CPU variant modules beside the executable (or in the working directory): link them there.
+for so in "$build"/lib/libggml-cpu-*.so; do [ -e "$so" ] && ln -sf "../lib/$(basename "$so")" "$build/bin/"; done
 find "$build" -name llama-bench -type f -perm -u+x -print -quit

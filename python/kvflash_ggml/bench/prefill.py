@@ -124,6 +124,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kvflash bench prefill: {e}", file=sys.stderr)
         return 2
 
+    reference = []   # llama-bench first: a broken one fails in seconds, not after our whole run
+    if binary:
+        try:
+            reference = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0"],
+                                            args.threads, model.on_gpu, args.reps)
+        except RuntimeError as e:
+            print(f"kvflash bench prefill: {e}", file=sys.stderr)
+            return 2
     time_prefill(model, tokenizer, 256, dataclasses.replace(pooled, pool_tokens=None), "exact", 1, seed=0)   # warm-up
     rows = []
     for n in lengths:
@@ -134,13 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      args.reps, seed=n)
             print(f"length {n}: {mode} {row[mode]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         rows.append(row)
-    if binary:
-        records = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0"], args.threads,
-                                      model.on_gpu, args.reps)
-        for row in rows:
-            for r in records:
-                if int(r["n_prompt"]) == row["length"]:
-                    row["llama_fa1" if r["flash_attn"] else "llama_fa0"] = median_ts(r)
+    for row in rows:
+        for r in reference:
+            if int(r["n_prompt"]) == row["length"]:
+                row["llama_fa1" if r["flash_attn"] else "llama_fa0"] = median_ts(r)
     gpus = _core.gpu_devices() if model.on_gpu else []
     report = {"model": path, "pool": pooled.pool_tokens, "kv_type": pooled.kv_type, "n_batch": pooled.n_batch,
               "reps": args.reps, "threads": args.threads, "weight_bytes": model.weight_bytes,
