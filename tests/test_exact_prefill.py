@@ -191,3 +191,18 @@ def test_memory_reports_the_prefill_workspace(tiny):
     one_layer_kv = 768 * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2   # staging: positions, padded
     assert mem["pool_bytes"] == sess.kv.device_bytes
     assert one_layer_kv <= mem["prefill_peak_bytes"] < one_layer_kv + 8 * 2**20
+
+
+def test_a_snapshot_after_exact_prefill_restores_and_continues_exactly(tiny):
+    # The pool and the host store after a layer-major prefill are ordinary state: a snapshot of it restores
+    # into a fresh session byte for byte, and both continue with the same logits.
+    model = tiny("qwen3")
+    tokens = prompt(model, 750, seed=8)
+    sess = session(model, POOL, attention="flash", kv_type="q8_0")
+    logits, _ = sess.prefill_exact(tokens, 0)
+    data = sess.to_bytes()
+    restored = session(model, POOL, attention="flash", kv_type="q8_0")
+    restored.load_bytes(data)
+    assert restored.to_bytes() == data
+    tok = np.array([int(logits.argmax())], np.int32)
+    np.testing.assert_array_equal(restored.forward(tok, len(tokens)), sess.forward(tok, len(tokens)))
