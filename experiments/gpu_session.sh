@@ -106,7 +106,7 @@ for phase in "$@"; do
         ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \
             python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --runs full:0 --steps 3 --cuda-profiler \
             > "$OUT/ncu-ours.log" 2>&1; tail -3 "$OUT/ncu-ours.log"
-        lb=$(python3 -c 'from kvflash_ggml.bench.decode import find_llama_bench; print(find_llama_bench(None))')
+        lb=$(python3 -c 'from kvflash_ggml.bench.reference import find_llama_bench; print(find_llama_bench(None))')
         ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
             "$lb" -m "$MODEL" -p 0 -n 2 -r 1 -ngl 99 -fa 1 > "$OUT/ncu-llama.log" 2>&1; tail -3 "$OUT/ncu-llama.log" ;;
     niah)

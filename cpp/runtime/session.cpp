@@ -209,7 +209,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
         build_graph(n, order.n_kv, n_outputs, order.gathered);
     }
     set_inputs(tokens, n, alloc, n_outputs, order);
-    prefill_queries_ = StepQueries{};   // queries() reads this step's from now on
+    if (prefill_queries_.n_layer > 0) prefill_queries_ = StepQueries{};   // queries() reads this step's from now on
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");

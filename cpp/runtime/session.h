@@ -231,7 +231,8 @@ private:
     int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
     StepQueries prefill_queries_;      // the last prompt tokens' queries after a layer-major prefill
-    SessionMemory prefill_memory_;     // its workspace peaks
+    int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
+    int64_t prefill_host_bytes_ = 0;   // ... and host buffers
     std::vector<uint8_t> input_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;

@@ -246,18 +246,15 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     }
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
-    prefill_memory_.prefill_peak_bytes = std::max(prefill_memory_.prefill_peak_bytes, stage.device_bytes() + peak_compute);
-    prefill_memory_.prefill_host_bytes =
-        std::max(prefill_memory_.prefill_host_bytes, (int64_t) ((size_t) (n * n_embd) * sizeof(float)) + pager_->n_blocks() * lcb);
+    prefill_peak_bytes_ = std::max(prefill_peak_bytes_, stage.device_bytes() + peak_compute);
+    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (n * n_embd * sizeof(float)) + pager_->n_blocks() * lcb);
     return out;
 }
 
 SessionMemory Session::memory() const {
     const SessionLock held = lock(false);
-    SessionMemory mem = prefill_memory_;
-    mem.pool_bytes = kv_->device_bytes();
-    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
-    return mem;
+    return SessionMemory{kv_->device_bytes(), (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()),
+                         prefill_peak_bytes_, prefill_host_bytes_};
 }
 
 }  // namespace kvf

@@ -14,8 +14,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,31 +24,12 @@ import numpy as np
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
 from ..engine import Engine
-from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
-from ..tokenizer import Tokenizer
+from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, median_ts, open_model,
+                        reference_binary)
 
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
-
-
-def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
-    """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed in the package beside its libraries and CPU
-    variants (KVFLASH_LLAMA_BENCH=ON builds), a build made by scripts/build_llama_bench.sh, or llama-bench on
-    PATH."""
-    candidates = [explicit, os.environ.get("KVFLASH_LLAMA_BENCH"),
-                  str(Path(__file__).resolve().parent.parent / "llama-bench")]
-    candidates += [str(p) for p in sorted(Path.cwd().glob("build/llama-bench/**/llama-bench"))]
-    candidates.append(shutil.which("llama-bench"))
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-def gpu_free_bytes() -> Optional[int]:
-    devices = _core.gpu_devices()
-    return devices[0]["memory_free"] if devices else None
 
 
 def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, residency: ResidencyConfig, seed: int,
@@ -97,24 +76,6 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     return out
 
 
-def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threads: int, on_gpu: bool,
-                        reps: int = REPS) -> list[dict]:
-    """llama-bench's JSON records for one call with the test flags `test` (e.g. -p 0 -n 32 -d 0,2048). CPU: both
-    attention paths (the faster one differs with depth). GPU: all layers offloaded and flash attention on, what
-    the CUDA backend prefers and what our backend="auto" runs. A record's tok/s: median_ts(record)."""
-    cmd = [binary, "-m", model_path, *test, "-t", str(threads), "-r", str(reps), "-o", "json"]
-    cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
-    return json.loads(proc.stdout)
-
-
-def median_ts(record: dict) -> float:
-    """The median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)."""
-    return float(np.median(record["samples_ts"])) if record.get("samples_ts") else float(record["avg_ts"])
-
-
 def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
                     on_gpu: bool, reps: int = REPS) -> dict:
     """{(depth, fa): decode tok/s} from one llama-bench call."""
@@ -132,33 +93,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
     ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
-    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
-    ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
+    add_reference_flags(ap)
     ap.add_argument("--json", default="bench-out/decode.json", help="where to write the JSON")
     ap.add_argument("--plot", default="bench-out/decode.png", help="where to write the PNG ('' = none)")
     args = ap.parse_args(argv)
-    try:
-        depths = [int(d) for d in args.depths.split(",") if d.strip()]
-    except ValueError:
-        ap.error(f"--depths must be comma-separated integers, got {args.depths!r}")
+    depths = int_list(ap, args.depths, "--depths")
     if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0:
         ap.error("depths must be >= 0, --n-gen and --reps positive, --kvflash a pool (not off)")
     if args.policy == "drafter" and not args.drafter_model:
         ap.error("--policy drafter needs --drafter-model PATH")
 
-    binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
-    if not args.no_llama_bench and binary is None:
-        print("kvflash bench decode: llama-bench not found; build it with scripts/build_llama_bench.sh, pass "
-              "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
-        return 2
+    binary = reference_binary(args, "kvflash bench decode")
     try:
         pooled, residency = pool_config(args), residency_config(args)
-        path = resolve_model_path(args.model)
-        model = _core.Model(path, backend=args.backend, n_threads=args.threads)
-        tokenizer = Tokenizer(path)
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
+    except ValueError as e:
         print(f"kvflash bench decode: {e}", file=sys.stderr)
         return 2
+    path, model, tokenizer = open_model(args, "kvflash bench decode")
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
     # initialisation (llama-bench warms up before each test too).

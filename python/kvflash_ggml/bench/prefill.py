@@ -25,10 +25,9 @@ import numpy as np
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, pool_config
 from ..engine import Engine
-from ..known_models import resolve_model_path
 from ..options import PoolConfig, ResidencyConfig
-from ..tokenizer import Tokenizer
-from .decode import find_llama_bench, gpu_free_bytes, llama_bench_results, median_ts
+from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, median_ts, open_model,
+                        reference_binary)
 
 REPS = 3
 MODES = ("full", "exact", "pooled")
@@ -99,30 +98,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--lengths", default="2048,8192", help="comma-separated prompt lengths")
     ap.add_argument("--modes", default=",".join(MODES), help=f"which of ours to run (of {','.join(MODES)})")
     ap.add_argument("--reps", type=int, default=REPS, help="prefills per length and mode (llama-bench -r); median")
-    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, see docs)")
-    ap.add_argument("--no-llama-bench", action="store_true", help="only our figures")
+    add_reference_flags(ap)
     ap.add_argument("--json", default="bench-out/prefill.json", help="where to write the JSON")
     args = ap.parse_args(argv)
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    lengths = int_list(ap, args.lengths, "--lengths")
     modes = [m for m in args.modes.split(",") if m]
     if any(n <= 0 for n in lengths) or args.reps <= 0 or args.kvflash is None or not set(modes) <= set(MODES):
         ap.error(f"lengths and --reps must be positive, --kvflash a pool (not off), --modes of {','.join(MODES)}")
-    binary = None if args.no_llama_bench else find_llama_bench(args.llama_bench)
-    if not args.no_llama_bench and binary is None:
-        print("kvflash bench prefill: llama-bench not found; build it with scripts/build_llama_bench.sh, pass "
-              "--llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
-        return 2
+    binary = reference_binary(args, "kvflash bench prefill")
     try:
         pooled = pool_config(args)
-        path = resolve_model_path(args.model)
-        model = _core.Model(path, backend=args.backend, n_threads=args.threads)
-        tokenizer = Tokenizer(path)
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
+    except ValueError as e:
         print(f"kvflash bench prefill: {e}", file=sys.stderr)
         return 2
+    path, model, tokenizer = open_model(args, "kvflash bench prefill")
 
     reference = []   # llama-bench first: a broken one fails in seconds, not after our whole run
     if binary:
