@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 namespace kvf {
 
@@ -48,16 +49,15 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 }
 
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t n_tokens, int64_t n_kv, bool gathered,
-                                int64_t causal_from) {
+                                ggml_tensor * mask) {
     if (gathered && L.v_trans) {
         throw std::logic_error("a position-ordered copy gathers slot rows: it needs V in slot rows, not v_trans");
     }
     KvStepInputs in;
     in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     in.v_slots = L.v_trans ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
-    in.mask_on_backend = causal_from >= 0;
-    in.mask = in.mask_on_backend ? causal_mask(ctx, n_kv, n_tokens, causal_from)
-                                 : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    in.mask_on_backend = mask != nullptr;
+    in.mask = mask ? mask : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
     in.kv_order = gathered ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.pool_tokens) : nullptr;
     for (ggml_tensor * t : {in.slots, in.v_slots, in.mask_on_backend ? nullptr : in.mask, in.kv_order}) {
         if (t) ggml_set_input(t);
@@ -65,13 +65,42 @@ KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t 
     return in;
 }
 
-ggml_tensor * causal_mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) {
-    if (first_pos > INT32_MAX) throw std::invalid_argument("causal_mask: position beyond int32");
-    ggml_tensor * zero = ggml_arange(ctx, 0.0f, 1.0f, 1.0f);   // [1] = {0}: nothing to upload
-    ggml_tensor * rows = ggml_repeat_4d(ctx, zero, n_kv, n_tokens, 1, 1);
-    rows = ggml_diag_mask_inf_inplace(ctx, rows, (int) first_pos);   // -inf where slot j > first_pos + i
-    return ggml_cast(ctx, rows, GGML_TYPE_F16);
+CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad)
+    : n_slots_(n_slots), max_tokens_(max_tokens) {
+    // Columns past n_slots + max_tokens: a last step's n_kv is rounded up to kv_pad.
+    const int64_t width = n_slots + max_tokens + kv_pad;
+    ggml_init_params ip{ggml_tensor_overhead(), nullptr, true};
+    ctx_ = ggml_init(ip);
+    band_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width, max_tokens);
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+    if (!buf_) {
+        ggml_free(ctx_);
+        throw std::runtime_error("could not allocate " + std::to_string(width * max_tokens * 2) +
+                                 " bytes for the prefill's causal mask");
+    }
+    std::vector<ggml_fp16_t> row((size_t) width, ggml_fp32_to_fp16(-INFINITY));
+    std::fill(row.begin(), row.begin() + n_slots, ggml_fp32_to_fp16(0.0f));
+    for (int64_t i = 0; i < max_tokens; ++i) {   // row i: zeros through column n_slots + i
+        row[(size_t) (n_slots + i)] = ggml_fp32_to_fp16(0.0f);
+        ggml_backend_tensor_set(band_, row.data(), (size_t) i * band_->nb[1], band_->nb[1]);
+    }
 }
+
+CausalBand::~CausalBand() {
+    ggml_backend_buffer_free(buf_);
+    ggml_free(ctx_);
+}
+
+ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const {
+    const int64_t from = n_slots_ - first_pos;
+    if (first_pos < 0 || first_pos > n_slots_ || n_tokens > max_tokens_ || from + n_kv > band_->ne[0]) {
+        throw std::logic_error("CausalBand: a step outside the band");
+    }
+    // Attention wants a contiguous mask: one F16 copy, a quarter of the bytes an F32 mask built in the graph moved.
+    return ggml_cont(ctx, ggml_view_2d(ctx, band_, n_kv, n_tokens, band_->nb[1], (size_t) from * band_->nb[0]));
+}
+
+int64_t CausalBand::device_bytes() const { return (int64_t) ggml_nbytes(band_); }
 
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
                         const int32_t * pos, std::vector<uint8_t> & scratch) {

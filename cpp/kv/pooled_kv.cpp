@@ -22,13 +22,6 @@ namespace {
 
 constexpr size_t k_max_slab_bytes = 256u << 20;   // host store grows in slabs up to this size (pinning is slow)
 
-// The host buffer type of the backend's device: pinned memory for a GPU, nullptr when there is none.
-ggml_backend_buffer_type_t pinned_buffer_type(ggml_backend_t backend) {
-    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return nullptr;
-    return ggml_backend_dev_host_buffer_type(dev);
-}
-
 // Elements of N bytes, src [rows][cols] -> dst [cols][rows]. Element by memcpy: images inside a snapshot's
 // bytes sit at any offset, so a typed load could be misaligned (UBSan caught one in a v_trans restore).
 template <size_t N> void transpose(const uint8_t * src, uint8_t * dst, int64_t rows, int64_t cols) {
@@ -95,7 +88,7 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
     }
     // Empty slots are masked, but -inf * garbage could still poison a sum: start from zeros.
     ggml_backend_buffer_clear(buf_, 0);
-    can_pin_ = pinned_buffer_type(backend) != nullptr;
+    can_pin_ = can_pin_for(backend);
 }
 
 PooledKV::~PooledKV() {
@@ -125,16 +118,11 @@ uint8_t * PooledKV::image_for(int64_t chunk) {
         // Grow geometrically (4, 8, 16, ... slots) up to k_max_slab_bytes, so tiny models pin little.
         const size_t slot = (size_t) chunk_bytes();
         const size_t n_slots = std::max<size_t>(1, std::min(k_max_slab_bytes / slot, (size_t) 4 << slabs_.size()));
-        ggml_backend_buffer_t b = nullptr;
-        if (can_pin_) {
-            b = ggml_backend_buft_alloc_buffer(pinned_buffer_type(backend_), n_slots * slot);
-            if (!b) can_pin_ = false;   // out of pinned memory: carry on with pageable slabs
-        }
-        if (b) pinned_ = true;
-        if (!b) b = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), n_slots * slot);
-        if (!b) throw std::runtime_error("PooledKV: out of host memory for the host store");
-        slabs_.emplace_back(b, ggml_backend_buffer_free);
-        auto * base = static_cast<uint8_t *>(ggml_backend_buffer_get_base(b));
+        auto slab = std::make_unique<HostMemory>(n_slots * slot, can_pin_);
+        if (can_pin_ && !slab->pinned()) can_pin_ = false;   // out of lockable memory: carry on pageable
+        pinned_ = pinned_ || slab->pinned();
+        uint8_t * base = slab->data();
+        slabs_.push_back(std::move(slab));
         for (size_t i = n_slots; i-- > 0;) free_slots_.push_back(base + i * slot);
     }
     uint8_t * p = free_slots_.back();

@@ -21,6 +21,7 @@
 // backend images are plain heap memory and copies are memcpy.
 #pragma once
 
+#include "common/host_memory.h"
 #include "pager/kv_pager.h"
 
 #include "ggml.h"
@@ -132,7 +133,7 @@ private:
 
     // Host store: fixed-size image slots carved out of slabs; chunk -> slot.
     bool can_pin_ = false, pinned_ = false;
-    std::vector<std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)>> slabs_;
+    std::vector<std::unique_ptr<HostMemory>> slabs_;
     std::vector<uint8_t *> free_slots_;
     std::unordered_map<int64_t, uint8_t *> host_;
 };

@@ -8,6 +8,8 @@
 // one-layer staging pool; the hidden states wait in host memory between layers. Weights are still read
 // once per step per layer, as in any prefill.
 #include "runtime/session.h"
+#include "common/host_memory.h"
+#include "kv/kv_step_inputs.h"
 
 #include <algorithm>
 #include <chrono>
@@ -23,36 +25,12 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Host memory as a ggml buffer, so graph tensors can live in it: pinned (DMA) where a GPU backend offers it,
-// else the CPU backend's.
-class HostBuffer {
-public:
-    HostBuffer(const Model & m, size_t bytes) {
-        bytes = std::max<size_t>(bytes, 1);
-        ggml_backend_buffer_type_t host =
-            m.on_gpu() ? ggml_backend_dev_host_buffer_type(ggml_backend_get_device(m.backend())) : nullptr;
-        if (host) buf_ = ggml_backend_buft_alloc_buffer(host, bytes);
-        if (!buf_) buf_ = ggml_backend_buft_alloc_buffer(ggml_backend_get_default_buffer_type(m.cpu_backend()), bytes);
-        if (!buf_) {   // before any state changes
-            throw std::runtime_error("could not allocate " + std::to_string(bytes) + " bytes of host memory for the prefill");
-        }
-        data_ = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf_));
+// The graph reads `t` straight from host memory (a GPU's scheduler copies it in by DMA): no staging copy.
+void place_in(const HostMemory & mem, ggml_tensor * t, void * at) {
+    if (ggml_backend_tensor_alloc(mem.buffer(), t, at) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("could not place a tensor in host memory");
     }
-    ~HostBuffer() { ggml_backend_buffer_free(buf_); }
-    HostBuffer(const HostBuffer &) = delete;
-    HostBuffer & operator=(const HostBuffer &) = delete;
-    uint8_t * data() { return data_; }
-    // The graph reads `t` straight from here (a GPU's scheduler copies it in by DMA): no staging copy.
-    void place(ggml_tensor * t, void * at) {
-        if (ggml_backend_tensor_alloc(buf_, t, at) != GGML_STATUS_SUCCESS) {
-            throw std::runtime_error("could not place a tensor in host memory");
-        }
-    }
-
-private:
-    ggml_backend_buffer_t buf_ = nullptr;
-    uint8_t * data_ = nullptr;
-};
+}
 
 using SchedPtr = std::unique_ptr<ggml_backend_sched, decltype(&ggml_backend_sched_free)>;
 using CtxPtr = std::unique_ptr<ggml_context, decltype(&ggml_free)>;
@@ -99,10 +77,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     spc.chunk_bytes = stage.chunk_bytes();
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
-    HostBuffer hidden_buf(m, (size_t) (n * n_embd) * sizeof(float));
-    HostBuffer bounce_buf(m, (size_t) (pager_->n_blocks() * lcb));
+    const bool pin = can_pin_for(backend);
+    HostMemory hidden_buf((size_t) (n * n_embd) * sizeof(float), pin);
+    HostMemory bounce_buf((size_t) (pager_->n_blocks() * lcb), pin);
     float * hidden = reinterpret_cast<float *>(hidden_buf.data());
     uint8_t * bounce = bounce_buf.data();
+    CausalBand band(backend, spc.pool_tokens, std::min(n_batch, n), kv_pad_);
     SchedPtr sched(new_sched(), ggml_backend_sched_free);
 
     ExactPrefill out;
@@ -162,8 +142,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
                     if (t) ggml_set_input(t);
                 }
-                if (h_in) hidden_buf.place(h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, /*causal_from =*/ p0);
+                if (h_in) place_in(hidden_buf, h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, band.mask(g.ctx, order.n_kv, mt, p0));
                 ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
                 if (last_layer) {
                     y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
@@ -246,7 +226,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     }
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
-    prefill_peak_bytes_ = std::max(prefill_peak_bytes_, stage.device_bytes() + peak_compute);
+    prefill_peak_bytes_ = std::max(prefill_peak_bytes_, stage.device_bytes() + band.device_bytes() + peak_compute);
     prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (n * n_embd * sizeof(float)) + pager_->n_blocks() * lcb);
     return out;
 }

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from . import _core
 
+EXACT_PREFILL_STEP = 1024
 AUTO_POOL_TOKENS = 4096
 # Adaptive tau: decode tokens between reselects are max(tau, held tokens // TAU_CONTEXT_DIVISOR), so a long
 # context is rescored less often (each rescore costs more) while a short one follows tau.
@@ -77,6 +78,14 @@ class PoolConfig:
             return self.n_batch
         C = _core.CHUNK_TOKENS
         return min(self.n_batch, max(C, pool // 8 // C * C))
+
+    def exact_prefill_batch(self) -> int:
+        """Tokens per step of the exact (layer-major) prefill: at least EXACT_PREFILL_STEP. Each step pays a
+        fixed cost besides its kernels (its hidden-state tile in and out of host memory, synchronously, and a
+        graph launch), and the exact prefill takes n_layer steps where a full cache takes one: on the H100
+        (8B, 32K prompt, experiments/profile_prefill.py) steps of 512 spent 5.7 s, of 2048 4.9 s, for the same
+        kernel time. Larger steps cost device memory in the step's mask ([keys, step] F16, twice)."""
+        return max(self.n_batch, EXACT_PREFILL_STEP)
 
 
 @dataclass(frozen=True)

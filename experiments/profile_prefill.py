@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Where a long prefill's GPU time goes: ours (full cache, layer-major exact) next to libllama on the same
+GGUF in the same process, kernel by kernel, from a CUPTI trace (PyTorch's profiler traces every kernel and
+copy in the process, ours included). Also what host memory costs: pinning vs pageable, and the copies.
+
+    python experiments/profile_prefill.py --model M --length 32768 --modes full,exact,llama --host-memory
+
+Prints, per mode: wall time, summed kernel time, copy time by kind, and the kernels that took the most.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+from kvflash_ggml import _core
+
+CHUNK = 64
+
+
+def traced(fn):
+    """Runs fn under the CUDA activity profiler; returns (wall s, {kernel: (count, us)}, {copy kind: (bytes, us)})."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():   # nothing to trace: wall time only
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, {}, {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    kernels, copies = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(lambda: [0, 0.0])
+    for e in json.load(open(path))["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "kernel":
+            k = kernels[e["name"][:90]]
+            k[0] += 1
+            k[1] += e["dur"]
+        elif e.get("cat") in ("gpu_memcpy", "gpu_memset"):
+            c = copies[e["name"]]
+            c[0] += int(e.get("args", {}).get("bytes", 0))
+            c[1] += e["dur"]
+    del torch
+    return wall, kernels, copies
+
+
+def report(label: str, length: int, wall: float, kernels, copies, top: int) -> None:
+    total = sum(us for _, us in kernels.values())
+    print(f"\n== {label}: {length} tokens, wall {wall:.2f} s ({length / wall:.0f} tok/s), kernels {total / 1e6:.2f} s "
+          f"in {sum(n for n, _ in kernels.values())} launches")
+    for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
+        print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"   {us / 1e6:7.3f} s {100 * us / total:5.1f}%  x{n:<6} {name}")
+
+
+def host_memory(gib: float) -> None:
+    """Pinning vs pageable host memory on this machine: allocation, first touch, registration, D2H copies."""
+    import torch
+    n = int(gib * 2**30)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.fill_(1)
+    torch.cuda.synchronize()
+
+    def timed(what, fn):
+        t0 = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        print(f"   {what}: {dt:.3f} s ({gib / dt:.2f} GiB/s)")
+        return r
+
+    print(f"\n== host memory, {gib:g} GiB")
+    pinned = timed("cudaHostAlloc (torch pin_memory)", lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    timed("D2H into pinned", lambda: pinned.copy_(dev, non_blocking=True))
+    del pinned
+    pageable = timed("malloc + first touch", lambda: torch.empty(n, dtype=torch.uint8).fill_(0))
+    timed("D2H into pageable", lambda: pageable.copy_(dev))
+    timed("H2D from pageable", lambda: dev.copy_(pageable))
+    cudart = torch.cuda.cudart()
+    timed("cudaHostRegister of touched pageable", lambda: cudart.cudaHostRegister(pageable.data_ptr(), n, 0))
+    timed("D2H into registered", lambda: pageable.copy_(dev, non_blocking=True))
+    cudart.cudaHostUnregister(pageable.data_ptr())
+    fresh = torch.empty(n, dtype=torch.uint8)
+    timed("D2H into fresh (untouched) pageable", lambda: fresh.copy_(dev))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--modes", default="full,exact,llama")
+    ap.add_argument("--pool", type=int, default=4096)
+    ap.add_argument("--n-batch", type=int, default=512, help="our step (libllama: ubatch 512)")
+    ap.add_argument("--exact-batch", type=int, default=0, help="the exact prefill's step (0: --n-batch)")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--host-memory", type=float, default=0, help="GiB for the host-memory timings (0: skip)")
+    args = ap.parse_args()
+    if args.host_memory:
+        host_memory(args.host_memory)
+    model = _core.Model(args.model)
+    n = args.length
+    n_ctx = -(-(n + CHUNK) // CHUNK) * CHUNK
+    prompt = np.random.default_rng(0).integers(100, model.hparams.n_vocab - 100, n, dtype=np.int32)
+    for mode in args.modes.split(","):
+        if mode == "llama":
+            ref = _core.testing.LlamaReference(args.model, n_ctx=n_ctx, n_threads=8, flash_attn=True, n_gpu_layers=99)
+            ref.decode(prompt[:256].tolist())
+            ref.clear()
+            run = lambda: ref.decode(prompt.tolist())
+        else:
+            pool = 0 if mode == "full" else args.pool
+            cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool, allow_beyond_train_ctx=True,
+                                      n_batch=args.n_batch)
+            sess = _core.Session(model, cfg)
+            step = sess.forward if mode == "full" else (lambda t, s: sess.prefill_exact(t, s, n_batch=args.exact_batch))
+            step(prompt[:256], 0)
+            sess.reset()
+            run = lambda: step(prompt, 0)
+        wall, kernels, copies = traced(run)
+        report(mode, n, wall, kernels, copies, args.top)
+        if mode != "llama":
+            t = sess.timings
+            print(f"   timings: compute {t.t_compute_ms / 1e3:.2f} s, paging {t.t_paging_ms / 1e3:.2f} s, "
+                  f"graphs {t.t_prefill_graph_ms / 1e3:.2f} s, io {t.t_prefill_io_ms / 1e3:.2f} s")
+            del sess
+        else:
+            del ref
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
