@@ -19,7 +19,8 @@
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
 # pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
-# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, REPS, POOL.
+# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
+# this depth), PREFILL (bench: exact or pooled).
 # KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
 # only get a new mtime, so a kept build folder recompiles only what changed), then run from KVF_DIR.
 set -uo pipefail
@@ -89,7 +90,8 @@ for phase in "$@"; do
     bench)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
-            --reps "$REPS" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+            --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} \
+            --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     prefill)
         need_model
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${PREFILL_LENGTHS:-4096,32768,131072}" \

@@ -91,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_pool_flags(ap, pool="512", n_ctx=None)
     add_residency_flags(ap)
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
+    ap.add_argument("--full-up-to", type=int, default=None, metavar="DEPTH",
+                    help="run our full cache only at depths up to DEPTH (its prefill is the slowest part at 256K)")
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
     ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
     add_reference_flags(ap)
@@ -118,10 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for d in depths:
         row = {"depth": d}
-        for name, pool, res in (("full", full, full_residency), ("pooled", pooled, residency)):
-            row[name] = time_decode(model, tokenizer, d, args.n_gen, pool, res, seed=d, reps=args.reps)
+        skip_full = args.full_up_to is not None and d > args.full_up_to
+        row["full"] = None if skip_full else time_decode(model, tokenizer, d, args.n_gen, full, full_residency,
+                                                          seed=d, reps=args.reps)
+        row["pooled"] = time_decode(model, tokenizer, d, args.n_gen, pooled, residency, seed=d, reps=args.reps)
         rows.append(row)
-        print(f"depth {d}: full {row['full']['tok_s']:.1f} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
+        print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
     if binary:
         ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps)
@@ -140,6 +144,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _tok_s(result: Optional[dict]) -> str:
+    return f"{result['tok_s']:.1f}" if result else "-"
+
+
 def print_table(report: dict) -> None:
     print(f"model {Path(report['model']).name}, pool {report['pool']} ({report['policy']}, tau {report['tau']}), "
           f"kv {report['kv_type']}, "
@@ -151,9 +159,12 @@ def print_table(report: dict) -> None:
         best = max([x for x in (r.get("llama_fa0"), r.get("llama_fa1")) if x], default=None)
         fmt = lambda x: f"{x:.1f}" if x else "-"
         ratio = lambda a: f"{a / best:.2f}x" if best else "-"
-        print(f"{r['depth']:>7} {r['full']['tok_s']:>8.1f} {r['pooled']['tok_s']:>8.1f} {fmt(r.get('llama_fa0')):>10} "
-              f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {ratio(r['full']['tok_s']):>11} "
-              f"{r['full']['device_kv_bytes'] / 2**20:>11.1f}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
+        full = r["full"]
+        full_ratio = ratio(full["tok_s"]) if full else "-"
+        full_kv = f"{full['device_kv_bytes'] / 2**20:.1f}" if full else "-"
+        print(f"{r['depth']:>7} {_tok_s(full):>8} {r['pooled']['tok_s']:>8.1f} {fmt(r.get('llama_fa0')):>10} "
+              f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {full_ratio:>11} "
+              f"{full_kv:>11}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
     print(f"tok/s: median of {report['reps']} timed windows of n_gen tokens (llama-bench: of -r {report['reps']}); ratios are against "
           "llama-bench's best (flash attention on or off) at the same depth; reselect % is one reselect (scoring "
@@ -177,7 +188,7 @@ def write_outputs(report: dict, json_path: str, plot_path: str) -> None:
         return
     depths = [r["depth"] for r in report["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(depths, [r["full"]["tok_s"] for r in report["rows"]], "o-", label="kvflash full cache")
+    ax.plot(depths, [r["full"]["tok_s"] if r["full"] else None for r in report["rows"]], "o-", label="kvflash full cache")
     ax.plot(depths, [r["pooled"]["tok_s"] for r in report["rows"]], "o-", label=f"kvflash pool {report['pool']}")
     for key, label in (("llama_fa0", "llama-bench fa off"), ("llama_fa1", "llama-bench fa on")):
         if any(r.get(key) for r in report["rows"]):
