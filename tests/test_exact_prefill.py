@@ -71,6 +71,29 @@ def test_exact_prefill_writes_the_full_cache_bytes(tiny, arch, attention, kv_typ
     assert attention_to.max() > 0
 
 
+@pytest.mark.parametrize("attention", ["flash", "matmul"])
+def test_exact_prefill_in_larger_steps_than_the_full_cache(tiny, attention):
+    # The engine runs the exact prefill in larger steps than a full cache when attention is flash
+    # (PoolConfig.exact_prefill_batch). On the CPU the mul_mat path computes each token's row alone: bytes stay
+    # the full cache's. The flash kernel tiles a large batch of queries differently (F32 tiles, not per-row F16
+    # dots): equal within summation order, measured max |logit diff| 6.7e-4 here.
+    model = tiny("qwen3")
+    tokens = prompt(model, 700, seed=3)
+    full = session(model, 0, attention=attention)
+    logits_full = full.forward(tokens, 0)
+    sess = session(model, POOL, attention=attention)
+    logits, _ = sess.prefill_exact(tokens, 0, n_batch=384)
+    if attention == "matmul":
+        np.testing.assert_array_equal(logits, logits_full)
+        assert_same_chunks(sess, full, len(tokens))
+        return
+    np.testing.assert_allclose(logits, logits_full, atol=2e-3)
+    for c in range(len(tokens) // C):
+        mine = np.frombuffer(chunk_bytes(sess, c), np.float16).astype(np.float32)
+        theirs = np.frombuffer(full.kv.read_block(c), np.float16).astype(np.float32)
+        np.testing.assert_allclose(mine, theirs, atol=2e-3, err_msg=f"chunk {c}")
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 def test_exact_prefill_extends_a_held_prefix_from_the_pool_and_the_host_store(tiny, ordered):
     # The second part attends to the first wherever it lies: resident blocks and host images alike.

@@ -229,7 +229,7 @@ class Engine:
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
         logits, attention = self.session.prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
-                                                       n_batch=self.pool.exact_prefill_batch(),
+                                                       n_batch=self.pool.exact_prefill_batch(self.session.flash_attn),
                                                        between=self._between_prefill_steps)
         by_policy = self.residency.prompt_scores == "policy" or \
             (self.residency.prompt_scores == "auto" and self.residency.policy not in POLICY_NAMES)

@@ -79,13 +79,15 @@ class PoolConfig:
         C = _core.CHUNK_TOKENS
         return min(self.n_batch, max(C, pool // 8 // C * C))
 
-    def exact_prefill_batch(self) -> int:
-        """Tokens per step of the exact (layer-major) prefill: at least EXACT_PREFILL_STEP. Each step pays a
-        fixed cost besides its kernels (its hidden-state tile in and out of host memory, synchronously, and a
-        graph launch), and the exact prefill takes n_layer steps where a full cache takes one: on the H100
-        (8B, 32K prompt, experiments/profile_prefill.py) steps of 512 spent 5.7 s, of 2048 4.9 s, for the same
-        kernel time. Larger steps cost device memory in the step's mask ([keys, step] F16, twice)."""
-        return max(self.n_batch, EXACT_PREFILL_STEP)
+    def exact_prefill_batch(self, flash_attn: bool) -> int:
+        """Tokens per step of the exact (layer-major) prefill. With flash attention at least EXACT_PREFILL_STEP:
+        each step pays a fixed cost besides its kernels (its hidden-state tile in and out of host memory,
+        synchronously, and a graph launch), and the exact prefill takes n_layer steps where a full cache takes
+        one: on the H100 (8B, 32K prompt, experiments/profile_prefill.py) steps of 512 spent 5.7 s, of 2048
+        4.9 s, for the same kernel time. The price is the step's mask ([keys, step] F16, twice). Without flash
+        attention a step holds its attention matrix ([keys, step, heads] F32): on SmolLM2 at 8K, steps of 1024
+        held more than the whole full cache, so the step stays n_batch there."""
+        return max(self.n_batch, EXACT_PREFILL_STEP) if flash_attn else self.n_batch
 
 
 @dataclass(frozen=True)
