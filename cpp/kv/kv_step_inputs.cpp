@@ -147,6 +147,7 @@ void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos
         }
     };
     full_row(0);
+    if (n_tokens == 1) return;   // a decode step: nothing to derive
     const bool ascending = window <= 0 && std::is_sorted(pos, pos + n_tokens);
     if (!ascending) {
         for (int64_t i = 1; i < n_tokens; ++i) full_row(i);

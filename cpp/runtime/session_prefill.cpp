@@ -227,7 +227,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
     prefill_peak_bytes_ = std::max(prefill_peak_bytes_, stage.device_bytes() + band.device_bytes() + peak_compute);
-    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (n * n_embd * sizeof(float)) + pager_->n_blocks() * lcb);
+    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden_buf.size() + bounce_buf.size()));
     return out;
 }
 
