@@ -55,13 +55,16 @@ void bind_vocab(py::module_ & m) {
         .def("is_eog", &Vocab::is_eog, py::arg("token"))
         .def_property_readonly("chat_template", &Vocab::chat_template)
         .def("meta", &Vocab::meta, py::arg("key"));
+    m.def("builtin_chat_template", &builtin_chat_template, py::arg("name"), py::arg("messages"),
+          py::arg("add_generation_prompt") = true,
+          "libllama's formatting of one of its built-in chat templates, by name, for (role, content) messages");
 }
 
 // libllama as the test reference (kvflash_ggml._core.testing).
 void bind_reference(py::module_ & testing) {
     py::class_<LlamaReference>(testing, "LlamaReference")
-        .def(py::init<const std::string &, int, int, bool, int>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
-             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0)
+        .def(py::init<const std::string &, int, int, bool, int, bool>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
+             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0, py::arg("repack") = true)
         .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
                  std::vector<float> out = reference_call([&] { return r.decode(tokens, all); });
                  return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);

@@ -98,7 +98,15 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  return without_gil([&] { return s.forward_greedy(t.data(), (int64_t) t.size(), start); });
              }, py::arg("tokens"), py::arg("start"),
              "forward(), returning only the argmax after the last token (computed on the backend)")
-        .def("truncate", &Session::truncate, py::arg("n_tokens"), released)
+        .def("truncate", &Session::truncate, py::arg("n_tokens"), released,
+             "forget positions >= n_tokens; raises ValueError (changing nothing) unless can_truncate(n_tokens)")
+        .def("can_truncate", &Session::can_truncate, py::arg("n_tokens"), released,
+             "whether truncate(n_tokens) is exact: always, unless a sliding-window layer's ring no longer holds "
+             "the window before n_tokens (then start over: reset() and run the tokens again)")
+        .def_property_readonly("ring_tokens", [](const Session & s) {
+                 const SessionLock held = s.lock(false);
+                 return s.ring() ? s.ring()->ring_tokens() : 0;
+             }, "rows of each sliding-window layer's ring (window + n_batch, padded); 0: no sliding-window layers")
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
         .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                  std::optional<py::function> between) {
@@ -117,11 +125,12 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  const SessionMemory m = without_gil([&] { return s.memory(); });
                  py::dict d;
                  d["pool_bytes"] = m.pool_bytes;
+                 d["ring_bytes"] = m.ring_bytes;
                  d["compute_bytes"] = m.compute_bytes;
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;
                  return d;
-             }, "device bytes besides the weights: the pool, the step graphs' compute buffer, the largest layer-major "
+             }, "device bytes besides the weights: the pool, the sliding-window rings, the step graphs' compute buffer, the largest layer-major "
                 "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers")
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");

@@ -129,7 +129,7 @@ void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKey
     const int64_t n_kv = order.n_kv;
     scratch.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
     auto * mask = reinterpret_cast<ggml_fp16_t *>(scratch.data());
-    build_slot_mask(order.key_pos.data(), n_kv, pos, n, 0, mask);
+    build_slot_mask(order.key_pos.data(), n_kv, pos, n, order.window, mask);
     ggml_backend_tensor_set(in.mask, mask, 0, scratch.size());
 }
 

@@ -32,6 +32,7 @@ struct KvKeyOrder {
     std::vector<int64_t> key_pos;      // position of attended key j (-1: empty), >= n_kv entries
     std::vector<int64_t> slot_row;     // gathered only: row of each slot in the ordered copy
     int64_t n_kv = 0;                  // keys attended, padded to a multiple of kv_pad (or the whole pool)
+    int64_t window = 0;                // > 0: a query at p sees only keys at p - window < q (sliding-window rings)
 };
 
 // Which slots the next step attends, in which order. ordered: the session asked for position-ordered

@@ -160,4 +160,16 @@ bool meta_array_n(const gguf_context * g, const std::string & key, gguf_type ele
     return true;
 }
 
+bool meta_bool_array(const gguf_context * g, const std::string & key, int64_t n, std::vector<uint8_t> & out) {
+    int64_t have = 0;
+    if (!meta_array_n(g, key, GGUF_TYPE_BOOL, have)) return false;
+    if (have != n) {
+        throw std::runtime_error("GGUF key " + key + " has " + std::to_string(have) + " entries, expected " + std::to_string(n));
+    }
+    const auto * data = static_cast<const int8_t *>(gguf_get_arr_data(g, gguf_find_key(g, key.c_str())));
+    out.assign((size_t) n, 0);
+    for (int64_t i = 0; i < n; ++i) out[(size_t) i] = data[i] != 0;
+    return true;
+}
+
 }  // namespace kvf

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace kvf {
 
@@ -37,5 +38,7 @@ bool meta_str(const gguf_context * g, const std::string & key, std::string & out
 bool meta_bool(const gguf_context * g, const std::string & key, bool & out);
 // The element count of an array key of element type `elem`; throws if the key holds anything else.
 bool meta_array_n(const gguf_context * g, const std::string & key, gguf_type elem, int64_t & n);
+// A BOOL array of exactly n entries (per-layer flags); throws if the key holds anything else.
+bool meta_bool_array(const gguf_context * g, const std::string & key, int64_t n, std::vector<uint8_t> & out);
 
 }  // namespace kvf

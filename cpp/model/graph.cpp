@@ -23,10 +23,12 @@ ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml
     return ggml_reshape_3d(g.ctx, y, head_dim, n_heads, g.n_tokens);
 }
 
-ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x) {
+ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
+    const bool swa = hp.is_swa(il);
     return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_train,
-                         hp.rope_freq_base, hp.rope_freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+                         swa ? hp.rope_freq_base_swa : hp.rope_freq_base, swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale,
+                         0.0f, 1.0f, 32.0f, 1.0f);
 }
 
 namespace {
@@ -51,28 +53,31 @@ ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
 // Flash attention never materialises its probabilities: the captured queries' own softmax, as the
 // mul_mat path computes it (qp [head_dim, n_tokens, n_head], kp [head_dim, n_kv, n_head_kv]), laid out
 // like its kq so capture_head_max reads the last rows: F32 [n_kv, n_attn_tokens, n_head].
-ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, float kq_scale) {
+ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor * mask, float kq_scale) {
     ggml_context * ctx = g.ctx;
     const int64_t n_q = g.n_attn_tokens, off = g.n_tokens - n_q;
     ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
     ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
     ggml_prec_set_acc(kq, GGML_PREC_F32);
-    ggml_tensor * mask = g.in.kv.mask;
     ggml_tensor * mask_last = ggml_view_2d(ctx, mask, mask->ne[0], n_q, mask->nb[1], off * mask->nb[1]);
     return ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f);
 }
 
 }  // namespace
 
-ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
-                               ggml_tensor * v, float kq_scale) {
+ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                           float kq_scale) {
     ggml_context * ctx = g.ctx;
-    const PooledKV & kv = *g.kv;
+    const LayerWeights & w = m.layers[il];
+    const GraphCtx::LayerKv lkv = g.layer_kv(m.hparams(), il);
+    const PooledKV & kv = *lkv.kv;
+    const KvStepInputs & in = *lkv.in;
     const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1];
-    const int64_t kl = g.kv_layer(il);
-    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, g.in.kv, kl, k));
-    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, g.in.kv, kl, v));
-    if (g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
+    const int64_t kl = lkv.layer, n_kv = lkv.n_kv;
+    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
+    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
+    const bool capture_attn = lkv.pooled && g.n_attn_tokens > 0;
+    if (lkv.pooled && g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
         const int64_t n_q = g.n_query_tokens;
         ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
                                                          (g.n_tokens - n_q) * q->nb[2]));
@@ -81,23 +86,23 @@ ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggm
         g.queries.push_back(last);
     }
 
-    ggml_tensor * kk = get_k(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
+    ggml_tensor * kk = get_k(ctx, kv, in, kl, n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n_tokens, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
     ggml_tensor * out;
     if (g.flash_attn) {
-        if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, kq_scale)));
-        ggml_tensor * vv = get_v(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
+        if (capture_attn) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, in.mask, kq_scale)));
+        ggml_tensor * vv = get_v(ctx, kv, in, kl, n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
         ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
-        out = ggml_flash_attn_ext(ctx, qp, kp, vp, g.in.kv.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
+        out = ggml_flash_attn_ext(ctx, qp, kp, vp, in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
         ggml_prec_set_acc(out, GGML_PREC_F32);
         out = ggml_reshape_2d(ctx, out, head_dim_v * n_head, g.n_tokens);
     } else {
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n_tokens, n_head]
         ggml_prec_set_acc(kq, GGML_PREC_F32);
-        kq = ggml_soft_max_ext(ctx, kq, g.in.kv.mask, kq_scale, 0.0f);
-        if (g.n_attn_tokens > 0) g.attn.push_back(capture_head_max(g, kq));
-        ggml_tensor * vt = get_v_trans(ctx, kv, g.in.kv, kl, g.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
+        kq = ggml_soft_max_ext(ctx, kq, in.mask, kq_scale, 0.0f);
+        if (capture_attn) g.attn.push_back(capture_head_max(g, kq));
+        ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
         ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n_tokens, n_head]
         out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, g.n_tokens);
     }
@@ -135,7 +140,11 @@ ggml_tensor * build_stack(GraphCtx & g, const Model & m) {
 }
 
 ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h) {
-    ggml_tensor * logits = ggml_mul_mat(g.ctx, m.output, rms_norm(g, h, m.output_norm, m.hparams().rms_eps));
+    const ModelHparams & hp = m.hparams();
+    ggml_tensor * logits = ggml_mul_mat(g.ctx, m.output, rms_norm(g, h, m.output_norm, hp.rms_eps));
+    if (hp.logit_softcap > 0.0f) {   // c * tanh(logits / c), as libllama computes it
+        logits = ggml_scale(g.ctx, ggml_tanh(g.ctx, ggml_scale(g.ctx, logits, 1.0f / hp.logit_softcap)), hp.logit_softcap);
+    }
     ggml_set_name(logits, "logits");
     ggml_set_output(logits);
     ggml_build_forward_expand(g.gf, logits);

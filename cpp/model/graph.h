@@ -21,11 +21,15 @@ struct GraphCtx {
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
     const PooledKV * kv = nullptr;
-    // The pool holds only the layer being built (layer-major prefill's one-layer staging): every layer
-    // reads and writes its layer 0.
+    // The pool holds only the layer being built (layer-major prefill's one-layer staging): every pooled
+    // layer reads and writes its layer 0.
     bool one_layer_kv = false;
-    int64_t kv_layer(int il) const { return one_layer_kv ? 0 : il; }
     StepInputs in;
+    // The sliding-window layers' rings (kv/sliding_window_kv.h), when the model has such layers: their K/V
+    // and this step's inputs for them (slot rows p % ring size, a mask by position and window).
+    const PooledKV * ring = nullptr;
+    KvStepInputs ring_in;
+    int64_t n_ring_kv = 0;
     int64_t n_tokens = 0;
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
@@ -34,16 +38,32 @@ struct GraphCtx {
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
     int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)
     std::vector<ggml_tensor *> attn;        // per layer: F32 [n_kv, n_attn_tokens], max over heads (outputs)
+
+    // Where layer il keeps its K/V: the pool (global layers) or the ring (sliding-window layers). Only
+    // pooled layers are paged and scored, so only they keep queries and attention for the scorers.
+    struct LayerKv {
+        const PooledKV * kv;
+        const KvStepInputs * in;
+        int64_t layer;   // the layer's index inside kv
+        int64_t n_kv;    // slots attended
+        bool pooled;
+    };
+    LayerKv layer_kv(const ModelHparams & hp, int il) const {
+        if (hp.is_swa(il)) return {ring, &ring_in, hp.kv_index(il), n_ring_kv, false};
+        return {kv, &in.kv, one_layer_kv ? 0 : hp.kv_index(il), n_kv, true};
+    }
 };
 
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);
 // SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
-// q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v into the pool
-// (cpy_k / cpy_v), attends over the first n_kv keys (get_k / get_v) with the slot mask, applies wo.
-ggml_tensor * pooled_attention(GraphCtx & g, const LayerWeights & w, int il, ggml_tensor * q, ggml_tensor * k,
-                               ggml_tensor * v, float kq_scale);
-ggml_tensor * rope(GraphCtx & g, const Model & m, ggml_tensor * x);
+// q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v where layer il keeps
+// its K/V (the pool, or a sliding-window layer's ring: GraphCtx::layer_kv) with cpy_k / cpy_v, attends over
+// the slots of the step (get_k / get_v) under the step's mask, applies wo.
+ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                           float kq_scale);
+// RoPE of layer il (sliding-window layers have their own base and scale).
+ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 // x + bias when bias is present; reshape to [head_dim, n_heads, n_tokens].
 ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
                             int64_t n_heads);

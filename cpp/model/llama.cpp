@@ -13,10 +13,10 @@ void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, i
 ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
-    ggml_tensor * q = rope(g, m, project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head));
-    ggml_tensor * k = rope(g, m, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv));
+    ggml_tensor * q = rope(g, m, il, project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head));
+    ggml_tensor * k = rope(g, m, il, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv));
     ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
-    return pooled_attention(g, w, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
+    return kv_attention(g, m, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
 }
 
 ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { return decoder_layer(g, m, il, x, attention); }
@@ -24,6 +24,6 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { re
 }  // namespace
 
 extern const ArchSpec arch_llama;   // registered in registry.cpp
-const ArchSpec arch_llama = {"llama", GGML_ROPE_TYPE_NORMAL, load_layer, embed_tokens, layer};
+const ArchSpec arch_llama = {"llama", GGML_ROPE_TYPE_NORMAL, nullptr, load_layer, embed_tokens, layer};
 
 }  // namespace kvf

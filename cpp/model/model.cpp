@@ -174,6 +174,19 @@ void Model::read_hparams(gguf_context * g) {
         }
     }
     read_rope(g);
+    if (arch_->read_hparams) arch_->read_hparams(g, hp_);
+}
+
+int64_t ModelHparams::n_swa_layers() const {
+    int64_t n = 0;
+    for (uint8_t f : swa_layers) n += f != 0;
+    return n;
+}
+
+int64_t ModelHparams::kv_index(int64_t il) const {
+    int64_t i = 0;
+    for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il);
+    return i;
 }
 
 void Model::read_rope(gguf_context * g) {
@@ -237,11 +250,7 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     rope_freqs = mirror(m_freqs);
     layers.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
-        const LayerWeights & m = meta_layers[il];
-        LayerWeights & w = layers[il];
-        w = {mirror(m.attn_norm), mirror(m.wq), mirror(m.wk), mirror(m.wv), mirror(m.wo),
-             mirror(m.bq), mirror(m.bk), mirror(m.bv), mirror(m.q_norm), mirror(m.k_norm),
-             mirror(m.ffn_norm), mirror(m.ffn_gate), mirror(m.ffn_up), mirror(m.ffn_down)};
+        for (ggml_tensor * LayerWeights::* t : k_layer_tensors) layers[il].*t = mirror(meta_layers[il].*t);
     }
     buf_w_ = ggml_backend_alloc_ctx_tensors(ctx_w_, backend_);
     if (!buf_w_) throw std::runtime_error("could not allocate the weights on " + std::string(ggml_backend_name(backend_)));

@@ -1,5 +1,5 @@
 // Model: hyperparameters and weights of one GGUF file, placed on a ggml backend.
-// Families (llama, qwen2, qwen3) are registered in registry.cpp; each has one file with its tensor
+// Families (llama, qwen2, qwen3, gemma3) are registered in registry.cpp; each has one file with its tensor
 // list and graph builder. Nothing here knows about residency: graphs write K/V into a PooledKV.
 #pragma once
 
@@ -34,9 +34,24 @@ struct ModelHparams {
     float   rope_freq_base  = 10000.0f;
     float   rope_freq_scale = 1.0f;   // 1 / linear scaling factor
     int     rope_type   = 0;          // GGML_ROPE_TYPE_NORMAL (0) or GGML_ROPE_TYPE_NEOX
+    float   attn_scale  = 0.0f;       // query scale; 0 = 1/sqrt(head_dim_k)
+    float   logit_softcap = 0.0f;     // final logits: c * tanh(logits / c) when > 0
+
+    // Sliding-window attention (gemma3): a query at p sees keys at p - n_swa < q <= p on the layers flagged
+    // in swa_layers. Those layers keep a ring of their own (kv/sliding_window_kv.h); only the others (the
+    // global layers) are pooled and paged. Empty swa_layers: every layer is global.
+    int64_t n_swa = 0;
+    std::vector<uint8_t> swa_layers;
+    float   rope_freq_base_swa  = 10000.0f;
+    float   rope_freq_scale_swa = 1.0f;
 
     int64_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int64_t n_embd_v() const { return head_dim_v * n_head_kv; }
+    bool is_swa(int64_t il) const { return !swa_layers.empty() && swa_layers[(size_t) il]; }
+    int64_t n_swa_layers() const;
+    int64_t n_pooled_layers() const { return n_layer - n_swa_layers(); }
+    // Index of layer il among the layers of its kind (its row in the pool, or in the ring).
+    int64_t kv_index(int64_t il) const;
 };
 
 struct LayerWeights {
@@ -54,7 +69,16 @@ struct LayerWeights {
     ggml_tensor * ffn_gate = nullptr;    // [n_embd, n_ff]
     ggml_tensor * ffn_up   = nullptr;    // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;    // [n_ff, n_embd]
+    ggml_tensor * attn_post_norm = nullptr;   // [n_embd]         gemma3 (norm of the attention output)
+    ggml_tensor * ffn_post_norm  = nullptr;   // [n_embd]         gemma3
 };
+
+// Every tensor slot of a layer, for code that treats them alike (loading mirrors each one).
+inline constexpr ggml_tensor * LayerWeights::* k_layer_tensors[] = {
+    &LayerWeights::attn_norm, &LayerWeights::wq, &LayerWeights::wk, &LayerWeights::wv, &LayerWeights::wo,
+    &LayerWeights::bq, &LayerWeights::bk, &LayerWeights::bv, &LayerWeights::q_norm, &LayerWeights::k_norm,
+    &LayerWeights::ffn_norm, &LayerWeights::ffn_gate, &LayerWeights::ffn_up, &LayerWeights::ffn_down,
+    &LayerWeights::attn_post_norm, &LayerWeights::ffn_post_norm};
 
 class Model;
 struct GraphCtx;
@@ -72,6 +96,8 @@ public:
 struct ArchSpec {
     const char * name;
     int rope_type;
+    // The family's own metadata keys, after the common ones are read (nullptr: none).
+    void (*read_hparams)(const gguf_context * g, ModelHparams & hp);
     void (*load_layer)(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
     // The input hidden state of the step's tokens: [n_embd, n_tokens].
     ggml_tensor * (*embed)(GraphCtx & g, const Model & model);
@@ -81,7 +107,7 @@ struct ArchSpec {
 };
 
 const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupported
-std::string supported_archs();                          // "llama, qwen2, qwen3"
+std::string supported_archs();                          // "llama, qwen2, qwen3, gemma3"
 
 struct ModelOptions {
     std::string backend = "auto";   // "auto" | "cpu" | "cuda"

@@ -18,10 +18,10 @@ ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) 
     const LayerWeights & w = m.layers[il];
     ggml_tensor * q = project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head);
     ggml_tensor * k = project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv);
-    q = rope(g, m, rms_norm(g, q, w.q_norm, hp.rms_eps));
-    k = rope(g, m, rms_norm(g, k, w.k_norm, hp.rms_eps));
+    q = rope(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps));
+    k = rope(g, m, il, rms_norm(g, k, w.k_norm, hp.rms_eps));
     ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
-    return pooled_attention(g, w, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
+    return kv_attention(g, m, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));
 }
 
 ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { return decoder_layer(g, m, il, x, attention); }
@@ -29,6 +29,6 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { re
 }  // namespace
 
 extern const ArchSpec arch_qwen3;   // registered in registry.cpp
-const ArchSpec arch_qwen3 = {"qwen3", GGML_ROPE_TYPE_NEOX, load_layer, embed_tokens, layer};
+const ArchSpec arch_qwen3 = {"qwen3", GGML_ROPE_TYPE_NEOX, nullptr, load_layer, embed_tokens, layer};
 
 }  // namespace kvf

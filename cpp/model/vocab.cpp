@@ -5,6 +5,7 @@
 
 #include "llama.h"
 
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <stdexcept>
@@ -159,6 +160,30 @@ std::string Vocab::meta(const std::string & key) const {
     std::string out(n + 1, '\0');
     llama_model_meta_val_str(model_, key.c_str(), out.data(), out.size());
     out.resize(n);
+    return out;
+}
+
+std::string builtin_chat_template(const std::string & name, const std::vector<std::pair<std::string, std::string>> & messages,
+                                  bool add_generation_prompt) {
+    std::vector<const char *> names(64);
+    names.resize((size_t) std::max(0, llama_chat_builtin_templates(names.data(), names.size())));
+    if (std::find_if(names.begin(), names.end(), [&](const char * n) { return name == n; }) == names.end()) {
+        throw std::invalid_argument("'" + name + "' is not one of libllama's built-in chat templates");
+    }
+    std::vector<llama_chat_message> chat;
+    size_t total = 0;
+    for (const auto & [role, content] : messages) {
+        chat.push_back({role.c_str(), content.c_str()});
+        total += role.size() + content.size();
+    }
+    std::string out(2 * total + 256, '\0');
+    int32_t n = llama_chat_apply_template(name.c_str(), chat.data(), chat.size(), add_generation_prompt, out.data(), (int32_t) out.size());
+    if (n > (int32_t) out.size()) {
+        out.resize((size_t) n);
+        n = llama_chat_apply_template(name.c_str(), chat.data(), chat.size(), add_generation_prompt, out.data(), (int32_t) out.size());
+    }
+    if (n < 0) throw std::invalid_argument("libllama's chat template '" + name + "' refused these messages");
+    out.resize((size_t) n);
     return out;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct llama_model;
@@ -37,5 +38,10 @@ private:
     llama_model * model_ = nullptr;
     const llama_vocab * vocab_ = nullptr;
 };
+
+// libllama's own formatting of one of its built-in chat templates by name ("gemma", "chatml", ...): for
+// GGUFs that carry no template of their own. messages: (role, content) pairs. Throws for an unknown name.
+std::string builtin_chat_template(const std::string & name, const std::vector<std::pair<std::string, std::string>> & messages,
+                                  bool add_generation_prompt);
 
 }  // namespace kvf

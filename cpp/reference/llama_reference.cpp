@@ -9,9 +9,11 @@
 
 namespace kvf {
 
-LlamaReference::LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn, int n_gpu_layers) {
+LlamaReference::LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn, int n_gpu_layers,
+                               bool repack) {
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
+    mp.use_extra_bufts = repack;
     model_ = llama_model_load_from_file(path.c_str(), mp);
     if (!model_) throw std::runtime_error("libllama could not load '" + path + "'");
     llama_context_params cp = llama_context_default_params();

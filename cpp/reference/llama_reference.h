@@ -14,7 +14,10 @@ namespace kvf {
 class LlamaReference {
 public:
     // n_gpu_layers: layers libllama offloads to a GPU (0: CPU only; large: everything), as llama.cpp's -ngl.
-    LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn, int n_gpu_layers = 0);
+    // repack: libllama's CPU weight repacking (llama_model_params.use_extra_bufts, on by default) runs other
+    // matmul kernels than ggml's plain ones, which we use: off, the two compute the same sums.
+    LlamaReference(const std::string & path, int n_ctx, int n_threads, bool flash_attn, int n_gpu_layers = 0,
+                   bool repack = true);
     ~LlamaReference();
     LlamaReference(const LlamaReference &) = delete;
     LlamaReference & operator=(const LlamaReference &) = delete;

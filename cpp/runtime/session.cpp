@@ -77,7 +77,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
                                  : cfg_.pool_tokens;
 
     KvLayout layout;
-    layout.n_layer = hp.n_layer;
+    layout.n_layer = hp.n_pooled_layers();   // sliding-window layers keep their own ring
     layout.n_embd_k = hp.n_embd_k();
     layout.n_embd_v = hp.n_embd_v();
     layout.chunk_tokens = cfg_.chunk_tokens;
@@ -94,10 +94,16 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
 
     pc.validate();
     kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
+    if (hp.n_swa_layers() > 0) {
+        KvLayout rl = layout;
+        rl.n_layer = hp.n_swa_layers();
+        rl.pool_tokens = SlidingWindowKV::ring_tokens_for(hp.n_swa, cfg_.n_batch, kv_pad_, cfg_.chunk_tokens);
+        ring_ = std::make_unique<SlidingWindowKV>(model_->backend(), rl, hp.n_swa, kv_pad_);
+    }
     pc.chunk_bytes = kv_->chunk_bytes();
     pager_ = std::make_unique<KvPager>(pc);
     if (cfg_.track_summaries) {
-        summaries_ = std::make_unique<ChunkSummaries>(SummaryShape{hp.n_layer, hp.n_head_kv, hp.head_dim_k});
+        summaries_ = std::make_unique<ChunkSummaries>(SummaryShape{hp.n_pooled_layers(), hp.n_head_kv, hp.head_dim_k});
     }
 
     sched_ = new_sched();
@@ -204,11 +210,14 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
                       int32_t * greedy_out) {
     const auto t0 = std::chrono::steady_clock::now();
     const KvKeyOrder order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
+    const Plan ring_alloc = ring_ ? ring_->place(alloc.span_start, n) : Plan{};
+    const KvKeyOrder ring_order = ring_ ? ring_->key_order() : KvKeyOrder{};
     const int64_t n_outputs = all_logits ? n : 1;
-    if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered) {
-        build_graph(n, order.n_kv, n_outputs, order.gathered);
+    if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered ||
+        shape_[4] != ring_order.n_kv) {
+        build_graph(n, order.n_kv, n_outputs, order.gathered, ring_order.n_kv);
     }
-    set_inputs(tokens, n, alloc, n_outputs, order);
+    set_inputs(tokens, n, alloc, n_outputs, order, ring_alloc, ring_order);
     if (prefill_queries_.n_layer > 0) prefill_queries_ = StepQueries{};   // queries() reads this step's from now on
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
@@ -220,7 +229,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
     timings_.n_computes++;
 }
 
-void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered) {
+void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered, int64_t n_ring_kv) {
     if (graph_ctx_) ggml_free(graph_ctx_);
     graph_ctx_ = new_graph_ctx();
     graph_ = GraphCtx{};
@@ -244,6 +253,11 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
         if (t) ggml_set_input(t);
     }
     g.in.kv = kv_step_inputs_new(g.ctx, kv_->layout(), n_tokens, n_kv, gathered);
+    if (ring_) {
+        g.ring = &ring_->kv();
+        g.n_ring_kv = n_ring_kv;
+        g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), n_tokens, n_ring_kv, false);
+    }
 
     const Model & m = *model_;
     logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n_outputs]
@@ -259,6 +273,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     shape_[1] = n_kv;
     shape_[2] = n_outputs;
     shape_[3] = gathered;
+    shape_[4] = n_ring_kv;
     timings_.n_graph_builds++;
 }
 
@@ -271,13 +286,14 @@ ggml_context * Session::new_graph_ctx() const {
 }
 
 void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs,
-                         const KvKeyOrder & order) {
+                         const KvKeyOrder & order, const Plan & ring_alloc, const KvKeyOrder & ring_order) {
     const StepInputs & in = graph_.in;
     std::vector<int32_t> pos(n);
     for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (alloc.span_start + i);
     ggml_backend_tensor_set(in.tokens, tokens, 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
     kv_step_inputs_set(in.kv, kv_->layout(), order, alloc, pos.data(), input_scratch_);
+    if (ring_) kv_step_inputs_set(graph_.ring_in, ring_->kv().layout(), ring_order, ring_alloc, pos.data(), ring_scratch_);
     if (in.out_ids) {
         std::vector<int32_t> ids(n_outputs);
         for (int64_t i = 0; i < n_outputs; ++i) ids[i] = (int32_t) (n - n_outputs + i);
@@ -285,8 +301,14 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
     }
 }
 
+bool Session::can_truncate(int64_t n) const {
+    const SessionLock held = lock(false);
+    return n >= 0 && n <= pager_->n_tokens() && (!ring_ || ring_->can_truncate(n));
+}
+
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
+    if (ring_ && n >= 0 && n <= pager_->n_tokens()) ring_->truncate(n);   // throws, changing nothing, if it cannot
     execute(pager_->plan_truncate(n));
     tokens_.resize((size_t) n);
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
@@ -299,6 +321,9 @@ void Session::adopt(const Session & src, int64_t n) {
     std::scoped_lock sessions(mutex_, src.mutex_);
     std::scoped_lock devices(model_->compute_mutex(), src.model_->compute_mutex());
     const int64_t C = cfg_.chunk_tokens, start = n_tokens();
+    if (ring_) {
+        throw std::invalid_argument("adopt copies pooled chunks; a sliding-window model's rings cannot be adopted");
+    }
     const KvLayout & a = kv_->layout(), & b = src.kv().layout();
     if (model_->fingerprint() != src.model().fingerprint()) {
         throw std::invalid_argument("adopt: the source session runs another model");
@@ -375,7 +400,7 @@ int64_t Session::step_tokens(int64_t n_remaining) const {
     const SessionLock held = lock(false);
     if (n_remaining <= 0) throw std::invalid_argument("step_tokens needs n_remaining >= 1");
     // Each step must fit the pool at once: the pager says how much it can place.
-    const int64_t want = std::min(n_remaining, cfg_.n_batch);
+    const int64_t want = std::min({n_remaining, cfg_.n_batch, ring_ ? ring_->max_step() : INT64_MAX});
     int64_t step = std::min(want, pager_->max_span_tokens(want));
     if (step <= 0) throw std::runtime_error("the pool has no room for another token (pins too large?)");
     const int64_t n_last = std::min(n_remaining, k_capture_tokens);
@@ -401,6 +426,7 @@ void Session::reset() {
     const SessionLock held = lock();
     pager_->reset();
     kv_->clear_host();
+    if (ring_) ring_->clear();
     tokens_.clear();
     prefill_queries_ = StepQueries{};
     if (summaries_) summaries_->clear();

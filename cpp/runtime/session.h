@@ -17,6 +17,7 @@
 
 #include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
+#include "kv/sliding_window_kv.h"
 #include "model/graph.h"
 #include "model/model.h"
 #include "pager/kv_pager.h"
@@ -77,7 +78,8 @@ struct ExactPrefill {
 
 // Device memory a session holds besides the weights (bytes). On the CPU backend "device" is host RAM.
 struct SessionMemory {
-    int64_t pool_bytes = 0;            // the K/V pool
+    int64_t pool_bytes = 0;            // the K/V pool (global layers)
+    int64_t ring_bytes = 0;            // the sliding-window layers' rings (fixed size, never paged)
     int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
     int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
                                        // one-layer staging K/V + its compute buffer (freed after each prompt)
@@ -115,7 +117,9 @@ public:
     // so a GPU sends back 4 bytes instead of the logits (0.5 MB for a 128K vocabulary).
     int32_t forward_greedy(const int32_t * tokens, int64_t n, int64_t start);
 
-    void truncate(int64_t n);                        // forget positions >= n
+    void truncate(int64_t n);                        // forget positions >= n (throws unless can_truncate(n))
+    // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n.
+    bool can_truncate(int64_t n) const;
     // Append positions [n_tokens(), n) with the K/V that `src` holds for them instead of computing them.
     // src ran the same tokens on the same model, so the bytes are what forward would have written had
     // every earlier position been resident: exact prefill (Engine prefill="exact") computes a long prompt
@@ -170,6 +174,7 @@ public:
     const KvPager & pager() const { return *pager_; }
     PooledKV & kv() { return *kv_; }
     const PooledKV & kv() const { return *kv_; }
+    const SlidingWindowKV * ring() const { return ring_.get(); }   // null: the model has no sliding-window layers
     SessionTimings timings() const;   // a copy: the live counters change under the lock
     SessionMemory memory() const;   // session_prefill.cpp
 
@@ -181,7 +186,7 @@ public:
     // kv().state_from), its n_tokens() tokens, and the saved summaries (from summaries()->state_from;
     // null: none saved, so a session that tracks them starts over). Only allocation failures can throw.
     void restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
-                       std::unique_ptr<ChunkSummaries> summaries);
+                       std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring);
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
@@ -196,8 +201,9 @@ private:
     void run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy);
     void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
                  int32_t * greedy_out);
-    void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered);
-    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order);
+    void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered, int64_t n_ring_kv);
+    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order,
+                    const Plan & ring_alloc, const KvKeyOrder & ring_order);
     void keep_capture_order(const KvKeyOrder & order);   // session_capture.cpp
     // ---- outputs (session_outputs.cpp) ----
     void read_logits(float * out);     // the logits_ rows, through pinned staging on a GPU
@@ -212,6 +218,7 @@ private:
     int64_t kv_pad_ = 256;  // n_kv is a multiple of this (or the whole pool)
     std::unique_ptr<KvPager> pager_;
     std::unique_ptr<PooledKV> kv_;
+    std::unique_ptr<SlidingWindowKV> ring_;       // null unless the model has sliding-window layers
     std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
     ggml_backend_sched_t sched_ = nullptr;
 
@@ -225,7 +232,7 @@ private:
         int64_t row_len = 0;
     } greedy_;
     std::vector<int32_t> greedy_scratch_;
-    int64_t shape_[4] = {-1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered
+    int64_t shape_[5] = {-1, -1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered, ring n_kv
 
     std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step
     int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
@@ -233,7 +240,7 @@ private:
     StepQueries prefill_queries_;      // the last prompt tokens' queries after a layer-major prefill
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers
-    std::vector<uint8_t> input_scratch_;
+    std::vector<uint8_t> input_scratch_, ring_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;
     mutable std::recursive_mutex mutex_;

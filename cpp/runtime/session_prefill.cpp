@@ -91,6 +91,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     StepQueries queries;
     int64_t peak_compute = 0;
     const auto t0 = std::chrono::steady_clock::now();
+    const SlidingWindowKV::Mark ring_start = ring_ ? ring_->mark() : SlidingWindowKV::Mark{};
     try {
         place_prompt(tokens, n, start);
         const std::vector<int64_t> blocks = pager_->chunk_blocks();   // where each chunk ends: block, or -1 (host)
@@ -99,28 +100,43 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
         const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
         std::vector<int32_t> pos;
         for (int il = 0; il < hp.n_layer; ++il) {
-            const bool last_layer = il == hp.n_layer - 1;
-            // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
-            stage_pager.reset();
-            if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
+            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il);
+            const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring)
             auto t_io = std::chrono::steady_clock::now();
-            int64_t n_bounced = 0;
-            for (int64_t c = 0; c < c_held; ++c) {
-                if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], il, bounce + (n_bounced++) * lcb);
-            }
-            kv_->synchronize();
-            n_bounced = 0;
-            for (int64_t c = 0; c < c_held; ++c) {
-                stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
+            if (swa) {
+                // A sliding-window layer runs the prompt through its own ring, from where the ring stood
+                // before the prompt (every ring layer takes the same positions, one layer after another).
+                ring_->rewind_to(ring_start);
+            } else {
+                // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
+                stage_pager.reset();
+                if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
+                int64_t n_bounced = 0;
+                for (int64_t c = 0; c < c_held; ++c) {
+                    if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], pl, bounce + (n_bounced++) * lcb);
+                }
+                kv_->synchronize();
+                n_bounced = 0;
+                for (int64_t c = 0; c < c_held; ++c) {
+                    stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
+                }
             }
             timings_.t_prefill_io_ms += ms_since(t_io);
 
+            const int64_t layer_step = swa ? std::min(n_batch, ring_->max_step()) : n_batch;
             for (int64_t p0 = start; p0 < end;) {
-                const int64_t mt = std::min(n_batch, end - p0);
+                const int64_t mt = std::min(layer_step, end - p0);
                 const bool final_step = p0 + mt == end;
-                const Plan plan = stage_pager.plan_alloc(p0, mt);
-                stage_pager.apply(plan);
-                const KvKeyOrder order = kv_key_order(stage_pager, sl, false, kv_pad_);
+                Plan plan;
+                KvKeyOrder order;
+                if (swa) {
+                    plan = ring_->place(p0, mt);
+                    order = ring_->key_order();
+                } else {
+                    plan = stage_pager.plan_alloc(p0, mt);
+                    stage_pager.apply(plan);
+                    order = kv_key_order(stage_pager, sl, false, kv_pad_);
+                }
 
                 const auto t_graph = std::chrono::steady_clock::now();
                 CtxPtr ctx(new_graph_ctx(), ggml_free);
@@ -130,11 +146,11 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.kv = &stage;
                 g.one_layer_kv = true;
                 g.n_tokens = mt;
-                g.n_kv = order.n_kv;
                 g.n_outputs = last_layer ? 1 : mt;
                 g.flash_attn = flash_attn_;
-                g.n_attn_tokens = final_step ? std::min(mt, k_capture_tokens) : 0;
-                g.n_query_tokens = final_step && summaries_ ? std::min(mt, k_capture_tokens) : 0;
+                // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
+                g.n_attn_tokens = final_step && !swa ? std::min(mt, k_capture_tokens) : 0;
+                g.n_query_tokens = final_step && !swa && summaries_ ? std::min(mt, k_capture_tokens) : 0;
                 g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
                 g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
                 g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
@@ -143,7 +159,17 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     if (t) ggml_set_input(t);
                 }
                 if (h_in) place_in(hidden_buf, h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, band.mask(g.ctx, order.n_kv, mt, p0));
+                KvStepInputs * step_kv;
+                if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
+                    g.ring = &ring_->kv();
+                    g.n_ring_kv = order.n_kv;
+                    g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, order.n_kv, false);
+                    step_kv = &g.ring_in;
+                } else {
+                    g.n_kv = order.n_kv;
+                    g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, band.mask(g.ctx, order.n_kv, mt, p0));
+                    step_kv = &g.in.kv;
+                }
                 ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
                 if (last_layer) {
                     y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
@@ -167,7 +193,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     const int32_t last = (int32_t) (mt - 1);
                     ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
                 }
-                kv_step_inputs_set(g.in.kv, sl, order, plan, pos.data(), input_scratch_);
+                kv_step_inputs_set(*step_kv, swa ? ring_->kv().layout() : sl, order, plan, pos.data(), input_scratch_);
                 timings_.t_prefill_io_ms += ms_since(t_io);
                 if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
                     throw std::runtime_error("ggml graph compute failed");
@@ -177,7 +203,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 t_io = std::chrono::steady_clock::now();   // includes waiting for the compute to finish
                 if (!last_layer) ggml_backend_tensor_get(y, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(y));
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
-                if (final_step) {
+                if (final_step && !swa) {
                     // The last tokens' attention, staging slot j = position j: max over queries and layers.
                     const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
                     std::vector<float> rows((size_t) ggml_nelements(a));
@@ -190,37 +216,41 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     }
                     if (g.n_query_tokens > 0) {   // the qk / quest scorers' queries, as a forward step keeps them
                         const ggml_tensor * q = g.queries.at(0);   // [head_dim, n_head, n_q]
-                        if (il == 0) {
-                            queries = StepQueries{hp.n_layer, q->ne[2], q->ne[1], q->ne[0], {}};
-                            queries.data.resize((size_t) (hp.n_layer * ggml_nelements(q)));
+                        const int64_t n_pooled = hp.n_pooled_layers();
+                        if (pl == 0) {
+                            queries = StepQueries{n_pooled, q->ne[2], q->ne[1], q->ne[0], {}};
+                            queries.data.resize((size_t) (n_pooled * ggml_nelements(q)));
                         }
-                        ggml_backend_tensor_get(q, queries.data.data() + il * ggml_nelements(q), 0, ggml_nbytes(q));
+                        ggml_backend_tensor_get(q, queries.data.data() + pl * ggml_nelements(q), 0, ggml_nbytes(q));
                     }
                 }
                 timings_.t_prefill_io_ms += ms_since(t_io);
                 p0 += mt;
             }
 
-            // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
-            // evicted chunks straight into their host images.
-            t_io = std::chrono::steady_clock::now();
-            n_bounced = 0;
-            for (int64_t c = c_new; c < c_end; ++c) {
-                stage.get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il));
+            if (!swa) {
+                // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
+                // evicted chunks straight into their host images.
+                t_io = std::chrono::steady_clock::now();
+                int64_t n_bounced = 0;
+                for (int64_t c = c_new; c < c_end; ++c) {
+                    stage.get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
+                }
+                stage.synchronize();
+                n_bounced = 0;
+                for (int64_t c = c_new; c < c_end; ++c) {
+                    const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl);
+                    if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], pl, layer);
+                    if (summaries_ && (c + 1) * C <= end) summaries_->seal_layer(c, pl, kv_->layout(), layer);   // K first
+                }
+                timings_.t_prefill_io_ms += ms_since(t_io);
             }
-            stage.synchronize();
-            n_bounced = 0;
-            for (int64_t c = c_new; c < c_end; ++c) {
-                const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, il);
-                if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], il, layer);
-                if (summaries_ && (c + 1) * C <= end) summaries_->seal_layer(c, il, kv_->layout(), layer);   // K first
-            }
-            timings_.t_prefill_io_ms += ms_since(t_io);
             if (between) between();
         }
         kv_->synchronize();
     } catch (...) {
         kv_->synchronize();
+        if (ring_) ring_->rewind_to(ring_start);
         truncate(start);   // no new position is complete before its last layer is written: forget them all
         throw;
     }
@@ -233,8 +263,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
 
 SessionMemory Session::memory() const {
     const SessionLock held = lock(false);
-    return SessionMemory{kv_->device_bytes(), (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()),
-                         prefill_peak_bytes_, prefill_host_bytes_};
+    return SessionMemory{kv_->device_bytes(), ring_ ? ring_->device_bytes() : 0,
+                         (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()), prefill_peak_bytes_,
+                         prefill_host_bytes_};
 }
 
 }  // namespace kvf

@@ -26,7 +26,7 @@ constexpr uint32_t tag_of(const char (&s)[5]) {
            (uint32_t) (uint8_t) s[3] << 24;
 }
 constexpr uint32_t k_modl = tag_of("MODL"), k_sess = tag_of("SESS"), k_toks = tag_of("TOKS"),
-                   k_pagr = tag_of("PAGR"), k_summ = tag_of("SUMM"), k_kvim = tag_of("KVIM");
+                   k_pagr = tag_of("PAGR"), k_summ = tag_of("SUMM"), k_kvim = tag_of("KVIM"), k_ring = tag_of("RING");
 
 std::string tag_name(uint32_t t) {
     std::string s = "'";
@@ -51,7 +51,7 @@ struct Parsed {
     SessionConfig config;
     int64_t n_tokens = 0;
     std::vector<int32_t> tokens;
-    Section pager, summaries, kv;
+    Section pager, summaries, kv, ring;
 };
 
 std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
@@ -61,8 +61,8 @@ std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
     if (std::memcmp(data, k_magic, sizeof k_magic) != 0) throw SnapshotError("not a kvflash snapshot (bad magic)");
     ByteReader head(data + sizeof k_magic, k_header_bytes - sizeof k_magic, "snapshot header");
     const uint32_t version = head.get<uint32_t>("format_version");
-    if (version != k_snapshot_format_version) {
-        throw SnapshotError("snapshot format version " + std::to_string(version) + " is not supported (this build reads " +
+    if (version < 1 || version > k_snapshot_format_version) {
+        throw SnapshotError("snapshot format version " + std::to_string(version) + " is not supported (this build reads 1 to " +
                             std::to_string(k_snapshot_format_version) + ")");
     }
     uint64_t stored;
@@ -83,7 +83,9 @@ std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
         if (length > body.remaining()) body.fail("truncated: section " + tag_name(tag) + " runs past the end");
         s.size = (size_t) length;
         s.data = body.take(s.size, "section");
-        if (tag != k_modl && tag != k_sess && tag != k_toks && tag != k_pagr && tag != k_summ && tag != k_kvim) {
+        const bool known = tag == k_modl || tag == k_sess || tag == k_toks || tag == k_pagr || tag == k_summ ||
+                           tag == k_kvim || (tag == k_ring && version >= 2);
+        if (!known) {
             body.fail("unknown section " + tag_name(tag));
         }
         if (!sections.emplace(tag, s).second) body.fail("section " + tag_name(tag) + " appears twice");
@@ -128,6 +130,7 @@ Parsed parse(const uint8_t * data, size_t size) {
     p.pager = sections[k_pagr];
     p.summaries = sections[k_summ];   // optional: present when the saved session tracked summaries
     p.kv = sections[k_kvim];
+    p.ring = sections[k_ring];   // present when the saved model has sliding-window layers
     return p;
 }
 
@@ -180,7 +183,16 @@ void load_parsed(Session & s, const Parsed & p) {
         summaries = std::make_unique<ChunkSummaries>(s.summaries()->state_from(r, p.summaries.version, n_sealed));
         r.expect_end();
     }
-    s.restore_state(std::move(ledger), images, p.tokens, std::move(summaries));
+    std::unique_ptr<SlidingWindowKV::Saved> ring;
+    if (s.ring()) {
+        if (!p.ring.present) throw SnapshotError("snapshot: section 'RING' (the sliding-window layers) is missing");
+        ByteReader r(p.ring.data, p.ring.size, "ring section");
+        ring = std::make_unique<SlidingWindowKV::Saved>(s.ring()->state_from(r, p.ring.version, ledger.n_tokens()));
+        r.expect_end();
+    } else if (p.ring.present) {
+        throw SnapshotError("the snapshot has sliding-window rings but this model has no sliding-window layers");
+    }
+    s.restore_state(std::move(ledger), images, p.tokens, std::move(summaries), ring.get());
 }
 
 void write_section(ByteWriter & w, uint32_t tag, uint32_t version, const std::function<void(ByteWriter &)> & body) {
@@ -215,9 +227,10 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
     sources.resize((size_t) ledger.n_chunks());
     const std::vector<int32_t> tokens(s.tokens().begin(), s.tokens().begin() + n_tokens);
 
+    const SlidingWindowKV * ring = s.ring();
     w.raw(k_magic, sizeof k_magic);
-    w.put<uint32_t>(k_snapshot_format_version);
-    w.put<uint32_t>(s.summaries() ? 6 : 5);
+    w.put<uint32_t>(ring ? 2 : 1);   // version 1 files stay readable by builds that predate rings
+    w.put<uint32_t>(5 + (s.summaries() ? 1 : 0) + (ring ? 1 : 0));
     write_section(w, k_modl, k_modl_version, [&](ByteWriter & o) { o.str(s.model().fingerprint()); });
     write_section(w, k_sess, Session::k_state_version, [&](ByteWriter & o) { s.save_state(o, n_tokens); });
     write_section(w, k_toks, k_toks_version, [&](ByteWriter & o) { o.array(tokens); });
@@ -226,6 +239,9 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
         write_section(w, k_summ, ChunkSummaries::k_state_version, [&](ByteWriter & o) {
             cs->save_state(o, ledger.n_chunks());
         });
+    }
+    if (ring) {
+        write_section(w, k_ring, SlidingWindowKV::k_state_version, [&](ByteWriter & o) { ring->save_state(o, n_tokens); });
     }
     // The KV images are most of the file: streamed straight out rather than staged.
     const int64_t kv_bytes = s.kv().state_bytes(ledger.n_chunks());

@@ -111,7 +111,7 @@ class Companion:
         tokens = np.asarray(tokens, dtype=np.int32)
         keep = min(common_prefix(self.session.tokens, tokens), len(tokens) - tail)
         if keep < self.session.n_tokens:
-            self.session.truncate(keep)
+            keep = rewind(self.session, keep)
         self.version += 1
         new = tokens[keep:]
         if len(new):   # in steps: a long history is many short calls, so Ctrl-C is honoured between them

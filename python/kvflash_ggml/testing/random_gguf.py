@@ -29,14 +29,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import gguf
 import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as QT
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 _FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
@@ -51,6 +51,17 @@ SHAPES: dict[str, dict] = {
     # head_dim * n_head != n_embd, as in the real Qwen3 models
     "tiny-qwen3": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                        n_vocab=1000, n_ctx_train=4096),
+    # sliding-window layers 0 and 2 (window 96: not a chunk multiple), global layers 1 and 3
+    "tiny-gemma3": dict(arch="gemma3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+                        n_vocab=1000, n_ctx_train=4096, n_swa=96, swa_pattern=2, rope_freq_base=1000000.0),
+    # Gemma 3 4B / 12B as released: 5 sliding-window layers (1024) to each global one, linear RoPE scaling 8
+    # on the global layers, the 262K vocabulary.
+    "gemma3-4b": dict(arch="gemma3", n_layer=34, n_embd=2560, n_head=8, n_head_kv=4, head_dim=256, n_ff=10240,
+                      n_vocab=262144, n_ctx_train=131072, n_swa=1024, rope_freq_base=1000000.0,
+                      rope_scaling_factor=8.0, tied_embeddings=True),
+    "gemma3-12b": dict(arch="gemma3", n_layer=48, n_embd=3840, n_head=16, n_head_kv=8, head_dim=256, n_ff=15360,
+                       n_vocab=262144, n_ctx_train=131072, n_swa=1024, rope_freq_base=1000000.0,
+                       rope_scaling_factor=8.0, tied_embeddings=True),
     "llama3-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=14336,
                       n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5),
     "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
@@ -65,7 +76,7 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>")
 # Pre-tokenizer names libllama knows (src/llama-vocab.cpp), one per family, as the real models use.
-_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default"}
 _MAX_MERGES = 600
 
 # The text the BPE merges are learned from (ASCII; any text tokenizes, this only decides the merges).
@@ -179,7 +190,7 @@ def build_tokenizer(arch: str, n_vocab: int) -> TokenizerSpec:
     tokens += [f"[PAD{i}]" for i in range(n_pad)]
     types += [gguf.TokenType.UNUSED] * n_pad
     ids = {t: tokens.index(t) for t in SPECIAL_TOKENS}
-    if arch == "llama":   # Llama 3 style: a BOS that is added to every prompt
+    if arch in ("llama", "gemma3"):   # Llama 3 / Gemma style: a BOS that is added to every prompt
         bos, add_bos = ids["<|begin_of_text|>"], True
     else:                 # Qwen style: no BOS added
         bos, add_bos = ids["<|endoftext|>"], False
@@ -227,14 +238,18 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
             specs.append(TensorSpec(_name(T.ATTN_Q, "bias", il), (n_q,), "bias", QT.F32))
             specs.append(TensorSpec(_name(T.ATTN_K, "bias", il), (n_kv,), "bias", QT.F32))
             specs.append(TensorSpec(_name(T.ATTN_V, "bias", il), (n_kv,), "bias", QT.F32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             specs.append(TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (head_dim,), "norm", QT.F32))
             specs.append(TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (head_dim,), "norm", QT.F32))
         specs.append(TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, n_embd), "weight", wt))
+        if arch == "gemma3":
+            specs.append(TensorSpec(_name(T.ATTN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
         specs.append(TensorSpec(_name(T.FFN_NORM, "weight", il), (n_embd,), "norm", QT.F32))
         specs.append(TensorSpec(_name(T.FFN_GATE, "weight", il), (n_embd, n_ff), "weight", wt))
         specs.append(TensorSpec(_name(T.FFN_UP, "weight", il), (n_embd, n_ff), "weight", wt))
         specs.append(TensorSpec(_name(T.FFN_DOWN, "weight", il), (n_ff, n_embd), "weight", wt))
+        if arch == "gemma3":
+            specs.append(TensorSpec(_name(T.FFN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
     specs.append(TensorSpec(_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm", QT.F32))
     if not tied_embeddings:
         specs.append(TensorSpec(_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "weight", wt))
@@ -327,14 +342,22 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       head_dim: int, n_ff: int, n_vocab: int, n_ctx_train: int, weight_type: str = "f32",
                       tied_embeddings: bool = False, seed: int = 0, rope_freq_base: float = 10000.0,
                       rms_eps: float = 1e-6, weight_std: float = 0.02, name: str | None = None,
-                      omit_tensors: Iterable[str] = ()) -> Path:
+                      omit_tensors: Iterable[str] = (), n_swa: int = 0, swa_pattern: int | Sequence[bool] | None = None,
+                      rope_freq_base_swa: float | None = None, rope_scaling_factor: float | None = None,
+                      logit_softcap: float | None = None) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
+
+    gemma3 only: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: every period-th layer
+    is global, libllama's default 6; or one flag per layer, True = sliding window), rope_freq_base_swa,
+    logit_softcap (final_logit_softcapping). rope_scaling_factor: linear RoPE scaling (global layers).
 
     weight_type applies to every 2-D weight (embeddings and output included); norms and biases are F32.
     tied_embeddings: no output.weight (the model reuses token_embd.weight, like small Qwen models).
     omit_tensors: tensor names to leave out (tests of the loader's error for a missing tensor).
     """
     _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train)
+    if arch != "gemma3" and (n_swa or swa_pattern is not None or rope_freq_base_swa or logit_softcap):
+        raise ValueError(f"sliding windows and logit soft-capping are gemma3 options, not {arch}'s")
     path = Path(path)
     tok = build_tokenizer(arch, n_vocab)
     specs = tensor_specs(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
@@ -363,6 +386,17 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_rope_freq_base(rope_freq_base)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
+    if rope_scaling_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling_factor)
+    if n_swa:
+        w.add_sliding_window(n_swa)
+        if swa_pattern is not None:
+            w.add_sliding_window_pattern(swa_pattern if isinstance(swa_pattern, int) else [bool(f) for f in swa_pattern])
+        if rope_freq_base_swa:
+            w.add_rope_freq_base_swa(rope_freq_base_swa)
+    if logit_softcap:
+        w.add_final_logit_softcapping(logit_softcap)
 
     _add_tokenizer(w, tok)
     for s in specs:
@@ -414,7 +448,7 @@ def write_preset(path: str | Path, shape: str, **overrides) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvflash_ggml.testing.random_gguf",
-                                 description="Write a GGUF model with random weights (llama / qwen2 / qwen3).")
+                                 description="Write a GGUF model with random weights (llama / qwen2 / qwen3 / gemma3).")
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--shape", default="tiny-llama", choices=sorted(SHAPES), help="named shape (default tiny-llama)")
     ap.add_argument("--type", dest="weight_type", default="f16", choices=list(WEIGHT_TYPES),

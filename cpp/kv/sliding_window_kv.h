@@ -1,0 +1,76 @@
+// SlidingWindowKV: the K/V of a model's sliding-window layers (gemma3's local layers), one ring per layer.
+//
+// A sliding-window layer's query at position p sees only keys at p - window < q <= p, so the layer never
+// needs more than its window plus the step being written: position p lives in ring row p % ring_tokens,
+// written with set_rows like the pool, and the mask hides every row by position (outside the window, not
+// yet written, or forgotten). With ring_tokens >= window + step a step's writes only overwrite positions
+// that no query of the step can see. Nothing here pages: the pager, the scorers and the host store see
+// the global layers alone, as llama.cpp's iswa cache keeps a window + ubatch cache beside the full one.
+//
+// What a ring cannot do is go back further than it holds: forgetting positions >= n is exact only while
+// the window before n is still in the ring (can_truncate). Callers that cannot truncate start over.
+//
+// Invariants: rows hold positions [n_tokens - ring_tokens, n_tokens) (those >= 0), row p % ring_tokens holds p;
+// slot_pos[r] is -1 for a row that holds nothing visible. Every ring layer holds the same positions.
+#pragma once
+
+#include "kv/kv_step_inputs.h"
+#include "kv/pooled_kv.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace kvf {
+
+class SlidingWindowKV {
+public:
+    // layout: the ring layers' row widths and types; its n_layer is the number of sliding-window layers
+    // and its pool_tokens the ring size (ring_tokens_for). window: positions a query sees, itself included.
+    SlidingWindowKV(ggml_backend_t backend, const KvLayout & layout, int64_t window, int64_t kv_pad);
+    // The ring size for steps of up to max_step tokens: window + max_step, rounded up to kv_pad and to chunks.
+    static int64_t ring_tokens_for(int64_t window, int64_t max_step, int64_t kv_pad, int64_t chunk_tokens);
+
+    const PooledKV & kv() const { return *kv_; }
+    int64_t window() const { return window_; }
+    int64_t ring_tokens() const { return kv_->layout().pool_tokens; }
+    int64_t max_step() const { return ring_tokens() - window_; }   // tokens one step may write
+    int64_t n_tokens() const { return n_tokens_; }
+    int64_t device_bytes() const { return kv_->device_bytes(); }
+
+    // Positions [start, start+n) are written next (start == n_tokens(), n <= max_step()): their rows, as
+    // an alloc plan's span for kv_step_inputs_set. The ring's bookkeeping moves to n_tokens() = start+n.
+    Plan place(int64_t start, int64_t n);
+    // The rows a step attends (the first n_kv of the ring) and the position each holds, with the window.
+    KvKeyOrder key_order() const;
+
+    // Whether forgetting positions >= n keeps everything a query at n sees.
+    bool can_truncate(int64_t n) const;
+    void truncate(int64_t n);   // throws std::invalid_argument unless can_truncate(n)
+    void clear();
+    // The bookkeeping alone, for layer-major prefill, which writes the same positions into one layer after another.
+    struct Mark { int64_t n_tokens; std::vector<int64_t> slot_pos; };
+    Mark mark() const { return {n_tokens_, slot_pos_}; }
+    void rewind_to(const Mark & m) { n_tokens_ = m.n_tokens; slot_pos_ = m.slot_pos; }
+
+    // ---- state: window, ring_tokens, n_tokens, slot positions, then the rings (PooledKV state, every block) ----
+    static constexpr uint32_t k_state_version = 1;
+    // The ring as truncating to n_tokens would leave it (the live ring is not touched); needs can_truncate.
+    void save_state(ByteWriter & w, int64_t n_tokens) const;
+    struct Saved {
+        int64_t n_tokens = 0;
+        std::vector<int64_t> slot_pos;
+        std::vector<const uint8_t *> blocks;
+    };
+    // Checks the saved ring fits this one (window, size, layout) and holds n_tokens. Changes nothing.
+    Saved state_from(ByteReader & r, uint32_t version, int64_t n_tokens) const;
+    void load_state(const Saved & s);
+
+private:
+    std::unique_ptr<PooledKV> kv_;
+    int64_t window_, kv_pad_;
+    int64_t n_tokens_ = 0;
+    std::vector<int64_t> slot_pos_;
+};
+
+}  // namespace kvf
