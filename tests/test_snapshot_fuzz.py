@@ -6,7 +6,8 @@ pager's invariant check, or raise SnapshotError; any other exception fails the t
 hang (caught by faulthandler's watchdog) fails the run. Most mutants are resealed with a valid checksum,
 and many are rebuilt section by section with consistent lengths, so they reach the section parsers
 instead of stopping at the checksum. The snapshots come from a tiny random-weight model with 16-token
-chunks, so a case costs well under a millisecond. KVFLASH_FUZZ_CASES raises the count (ASan runs).
+chunks, so a case costs well under a millisecond. KVFLASH_FUZZ_CASES raises the count (ASan runs). A quarter
+as many again go to a sliding-window model's snapshots (format version 2, with the rings' section).
 """
 import faulthandler
 import os
@@ -20,7 +21,8 @@ from kvflash_ggml import _core
 
 N_CASES = int(os.environ.get("KVFLASH_FUZZ_CASES", "10000"))
 WATCHDOG_S = 600
-CONFIG = dict(max_tokens=256, pool_tokens=128, chunk_tokens=16, kv_type="f16", track_summaries=True)
+# n_batch 32: a sliding-window model's rings (window 40) have 128 rows and wrap within the 159 tokens saved
+CONFIG = dict(max_tokens=256, pool_tokens=128, chunk_tokens=16, kv_type="f16", track_summaries=True, n_batch=32)
 INTERESTING = [0, 1, 2, 7, 8, 15, 16, 63, 64, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1,
                -1, -2, -16, -(2**31), -(2**63)]
 
@@ -39,7 +41,9 @@ def base_snapshots(model):
     s.pin(200, 208)   # chunk 12, ahead of the head
     s.forward(rng.integers(0, 1000, 9).astype(np.int32), s.n_tokens)
     empty = _core.Session(model, _core.SessionConfig(**CONFIG))
-    return [s.to_bytes(), s.to_bytes(prefix_chunks=3), empty.to_bytes()]
+    # a prefix: old for a dense model, within the rings' reach for a sliding-window one
+    prefix = s.n_tokens // 16 if s.ring_tokens else 3
+    return [s.to_bytes(), s.to_bytes(prefix_chunks=prefix), empty.to_bytes()]
 
 
 def seal(body: bytes) -> bytes:
@@ -53,6 +57,10 @@ def sections(data: bytes):
         out.append([tag, version, bytearray(data[off + 16: off + 16 + length])])
         off += 16 + length
     return out
+
+
+def format_version(data: bytes) -> int:
+    return struct.unpack_from("<I", data, 8)[0]
 
 
 def build(secs, version=1) -> bytes:
@@ -89,11 +97,11 @@ def mutant(base: bytes, rng) -> bytes:
         buf = bytearray(base)
         mutate_bytes(buf, rng, len(buf))
         return bytes(buf)
-    secs = sections(base)
+    secs, version = sections(base), format_version(base)
     if kind == 3:                                   # one section's payload damaged, lengths kept consistent
         sec = secs[int(rng.integers(0, len(secs)))]
         mutate_bytes(sec[2], rng, min(len(sec[2]), 256))
-        return build(secs)
+        return build(secs, version)
     if kind == 4:                                   # the section list: drop, duplicate, swap, retag, re-version
         i, j = (int(x) for x in rng.integers(0, len(secs), 2))
         op = rng.integers(0, 5)
@@ -107,15 +115,24 @@ def mutant(base: bytes, rng) -> bytes:
             secs[i][0] = bytes(rng.integers(0, 256, 4, dtype=np.uint8))
         else:
             secs[i][1] = int(rng.choice(INTERESTING)) % 2**32
-        return build(secs, version=1 if rng.random() < 0.9 else int(rng.integers(0, 4)))
+        return build(secs, version=version if rng.random() < 0.9 else int(rng.integers(0, 4)))
     buf = bytearray(base[:-8])                      # whole-file damage near the front, resealed
     mutate_bytes(buf, rng, 512)
     return seal(bytes(buf))
 
 
-def test_fuzzed_snapshots_load_or_raise_snapshot_error(tiny_gguf):
-    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=1)
+@pytest.fixture(scope="module")
+def sliding_window_gguf(tmp_path_factory):
+    from kvflash_ggml.testing import random_gguf as rg
+
+    return str(rg.write_preset(tmp_path_factory.mktemp("fuzz") / "gemma3.gguf", "tiny-gemma3", n_swa=40))
+
+
+@pytest.mark.parametrize("family,n_cases", [("dense", N_CASES), ("sliding-window", N_CASES // 4)])
+def test_fuzzed_snapshots_load_or_raise_snapshot_error(tiny_gguf, sliding_window_gguf, family, n_cases):
+    model = _core.Model(tiny_gguf() if family == "dense" else sliding_window_gguf, backend="cpu", n_threads=1)
     bases = base_snapshots(model)
+    assert all(format_version(b) == (1 if family == "dense" else 2) for b in bases)
     target = _core.Session(model, _core.SessionConfig(**CONFIG))
     for b in bases:   # the unmutated ones load
         target.load_bytes(b)
@@ -125,7 +142,7 @@ def test_fuzzed_snapshots_load_or_raise_snapshot_error(tiny_gguf):
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)   # a hang kills the run with a traceback
     t0 = time.perf_counter()
     try:
-        for i in range(N_CASES):
+        for i in range(n_cases):
             data = mutant(bases[int(rng.integers(0, len(bases)))], rng)
             loaders = [target.load_bytes] + ([lambda d: _core.Session.from_bytes(model, d)] if i % 8 == 0 else [])
             for load in loaders:
@@ -142,9 +159,9 @@ def test_fuzzed_snapshots_load_or_raise_snapshot_error(tiny_gguf):
     finally:
         faulthandler.cancel_dump_traceback_later()
     dt = time.perf_counter() - t0
-    print(f"\nsnapshot fuzz: {N_CASES} cases ({outcomes['loaded']} loads, {outcomes['rejected']} rejections) "
-          f"in {dt:.1f} s")
-    assert outcomes["rejected"] > N_CASES // 2 and outcomes["loaded"] > 0
+    print(f"\nsnapshot fuzz ({family}): {n_cases} cases ({outcomes['loaded']} loads, {outcomes['rejected']} "
+          f"rejections) in {dt:.1f} s")
+    assert outcomes["rejected"] > n_cases // 2 and outcomes["loaded"] > 0
     # the live target still works after all of it
     target.load_bytes(bases[0])
     target.forward(np.array([1], np.int32), target.n_tokens)

@@ -94,7 +94,9 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("head_dim_v", &ModelHparams::head_dim_v)
         .def_readonly("n_ff", &ModelHparams::n_ff)
         .def_readonly("n_ctx_train", &ModelHparams::n_ctx_train)
-        .def_readonly("rope_freq_base", &ModelHparams::rope_freq_base);
+        .def_readonly("rope_freq_base", &ModelHparams::rope_freq_base)
+        .def_readonly("n_swa", &ModelHparams::n_swa)
+        .def_readonly("swa_layers", &ModelHparams::swa_layers);
 
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init([](const std::string & path, const std::string & backend, int n_threads) {

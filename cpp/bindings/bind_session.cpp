@@ -107,6 +107,17 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  const SessionLock held = s.lock(false);
                  return s.ring() ? s.ring()->ring_tokens() : 0;
              }, "rows of each sliding-window layer's ring (window + n_batch, padded); 0: no sliding-window layers")
+        .def("ring_block", [](const Session & s, int64_t block) {
+                 std::vector<uint8_t> b = without_gil([&] {
+                     const SessionLock held = s.lock();
+                     if (!s.ring()) throw std::invalid_argument("this model has no sliding-window layers");
+                     if (block < 0 || block >= s.ring()->ring_tokens() / s.config().chunk_tokens) {
+                         throw std::out_of_range("ring block " + std::to_string(block) + " out of range");
+                     }
+                     return s.ring()->kv().read_block(block);
+                 });
+                 return py::bytes(reinterpret_cast<const char *>(b.data()), b.size());
+             }, py::arg("block"), "raw bytes of ring rows [64 block, 64 block + 64), every sliding-window layer (tests)")
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
         .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                  std::optional<py::function> between) {

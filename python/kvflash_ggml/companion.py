@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from .known_models import resolve_model_path
 from .tokenizer import Tokenizer
-from .tokens import common_prefix, forward_in_steps
+from .tokens import common_prefix, forward_in_steps, rewind
 
 GROWTH = 1.25  # a grown context holds this much more than the history that outgrew it
 
