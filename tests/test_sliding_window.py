@@ -139,7 +139,7 @@ def test_truncate_inside_the_ring_continues_exactly(gemma):
     prompt = tokens(600)
     s = session(model, 0, n_batch=100)   # the pool holds everything: only the ring goes back
     s.forward(prompt, 0)
-    assert s.can_truncate(560) and not s.can_truncate(300)
+    assert s.can_truncate(560) and not s.can_truncate(300) and s.can_truncate(0)
     s.truncate(560)
     fresh = session(model, 0, n_batch=100)
     fresh.forward(prompt[:560], 0)

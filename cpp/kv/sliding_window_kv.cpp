@@ -61,8 +61,8 @@ KvKeyOrder SlidingWindowKV::key_order() const {
 
 bool SlidingWindowKV::can_truncate(int64_t n) const {
     if (n < 0 || n > n_tokens_) return false;
-    // The oldest position a query at n may see must not have been overwritten.
-    return std::max<int64_t>(0, n - window_) >= n_tokens_ - ring_tokens();
+    // The oldest position a query at n may see must not have been overwritten (nothing to keep at 0).
+    return n == 0 || std::max<int64_t>(0, n - window_) >= n_tokens_ - ring_tokens();
 }
 
 void SlidingWindowKV::truncate(int64_t n) {

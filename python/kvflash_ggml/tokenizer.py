@@ -33,6 +33,11 @@ class Tokenizer:
         self.builtin_template = None if self.chat_template else \
             BUILTIN_TEMPLATES.get(self._vocab.meta("general.architecture"))
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether apply_chat_template works without a template passed in (the GGUF's, or a built-in one)."""
+        return bool(self.chat_template or self.builtin_template)
+
     def encode(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")

@@ -53,7 +53,7 @@ class Renderer:
     def __init__(self, tokenizer: Tokenizer, fmt: str = "chat") -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown prompt format {fmt!r} (known: {', '.join(FORMATS)})")
-        if fmt == "chat" and not tokenizer.chat_template:
+        if fmt == "chat" and not tokenizer.has_chat_template:
             raise ValueError("this GGUF has no chat template: use the plain format")
         self.tokenizer = tokenizer
         self.fmt = fmt
