@@ -47,6 +47,8 @@ VARIANTS = {
     "qwen3-f32": ("tiny-qwen3", dict(weight_type="f32", n_embd=128, n_head=4, n_head_kv=2, head_dim=64,
                                      n_ff=256), TOL_FLOAT),
     "llama-tied": ("tiny-llama", dict(tied_embeddings=True, **H64), TOL_FLOAT),
+    "gemma3-f32": ("tiny-gemma3", dict(weight_type="f32", n_embd=128, n_head=4, n_head_kv=2, head_dim=64,
+                                       n_ff=256), TOL_FLOAT),
     "llama-hd32": ("tiny-llama", dict(weight_type="f32"), TOL_FLOAT),   # flash attention falls back to CPU
 }
 
@@ -306,3 +308,29 @@ def test_attention_capture_on_cuda_matches_cpu(model_path):
     diff = float(np.abs(gpu - cpu).max())
     report(f"CUDA-DIFF attention capture cuda vs cpu: max|diff| {diff:.3g} (capture max {cpu.max():.3g})")
     np.testing.assert_allclose(gpu, cpu, rtol=1e-2, atol=1e-4)
+
+
+def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path):
+    """gemma3: the local layers' rings (window 96) beside a pool of 512 over the global layers, 900 tokens so
+    that rings wrap and the pool pages. CUDA (flash) and CPU (matmul) take the same steps, so the rings and
+    the pool hold the same keys in the same rows; layer-major exact prefill on CUDA leaves the rings a full
+    cache leaves, byte for byte."""
+    path = model_path("gemma3-f32")
+    cpu = _core.Model(path, backend="cpu", n_threads=4)
+    gpu = _core.Model(path, backend="cuda")
+    prompt = prompt_for(cpu.hparams.n_vocab, n=900)
+    fed = greedy_tokens(cpu, _core.SessionConfig(max_tokens=1024, attention="matmul"), prompt)
+    kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128)
+    ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
+    ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
+    assert sess.flash_attn and sess.ring_tokens == 256 and sess.pager.stats().page_outs > 0
+    assert_close("gemma3-f32 pool 512 cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
+
+    full = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, n_batch=128))
+    logits_full = full.forward(prompt, 0)
+    exact = _core.Session(gpu, _core.SessionConfig(**kw))
+    logits, _ = exact.prefill_exact(prompt, 0)
+    diff = float(np.abs(logits - logits_full).max())
+    same = sum(exact.ring_block(b) == full.ring_block(b) for b in range(exact.ring_tokens // 64))
+    report(f"CUDA-SWA exact: max |logit diff| {diff:.2e}, ring blocks byte-equal {same}/{exact.ring_tokens // 64}")
+    assert diff <= TOL_SAME and same == exact.ring_tokens // 64

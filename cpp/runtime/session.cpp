@@ -322,7 +322,7 @@ void Session::adopt(const Session & src, int64_t n) {
     std::scoped_lock devices(model_->compute_mutex(), src.model_->compute_mutex());
     const int64_t C = cfg_.chunk_tokens, start = n_tokens();
     if (ring_) {
-        throw std::invalid_argument("adopt copies pooled chunks; a sliding-window model's rings cannot be adopted");
+        throw std::invalid_argument("adopt: it copies pooled chunks, and a sliding-window model's rings cannot be adopted");
     }
     const KvLayout & a = kv_->layout(), & b = src.kv().layout();
     if (model_->fingerprint() != src.model().fingerprint()) {
