@@ -132,7 +132,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     # band and the step's mask copied out of it (F16, each about n_kv x step)
     mine, theirs = exact.stats(), full.stats()
     one_layer = theirs["device_kv_bytes"] // llm._core_model.hparams.n_layer
-    step = pool.exact_prefill_batch(exact.session.flash_attn)
+    step = exact._exact_prefill_step()
     n_kv = -(-len(second) // 256) * 256
     mask = ((n_kv + step + 256) * step + n_kv * step) * 2
     compute = theirs["device_compute_bytes"] * step // pool.n_batch

@@ -229,7 +229,7 @@ class Engine:
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
         logits, attention = self.session.prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
-                                                       n_batch=self.pool.exact_prefill_batch(self.session.flash_attn),
+                                                       n_batch=self._exact_prefill_step(),
                                                        between=self._between_prefill_steps)
         by_policy = self.residency.prompt_scores == "policy" or \
             (self.residency.prompt_scores == "auto" and self.residency.policy not in POLICY_NAMES)
@@ -238,6 +238,11 @@ class Engine:
         else:
             self._reselect_by(lambda: prompt_attention_scores(attention, self.session.pager.n_chunks()))
         return logits
+
+    def _exact_prefill_step(self) -> int:
+        kv = self.session.kv
+        n_pooled = self.model.hparams.n_layer - sum(self.model.hparams.swa_layers)
+        return self.pool.exact_prefill_batch(self.session.flash_attn, kv.chunk_bytes // _core.CHUNK_TOKENS // n_pooled)
 
     def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
         return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,

@@ -67,7 +67,8 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     tok_s = float(np.median(rates))
     cadence = residency.reselect_every(depth + n_gen)
     out = {"tok_s": tok_s, "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
-           "device_kv_bytes": after["device_kv_bytes"], "host_kv_bytes": after["host_kv_bytes"],
+           # every device K/V byte: the pool and the sliding-window layers' rings
+           "device_kv_bytes": after["device_kv_bytes"] + after["device_ring_bytes"], "host_kv_bytes": after["host_kv_bytes"],
            "flash_attn": engine.session.flash_attn, "reselect_ms": float(np.median(reselect_ms)),
            "reselect_every": cadence, "page_ins": after["page_ins"], "page_outs": after["page_outs"],
            "reselect_share": float(np.median(reselect_ms)) / (cadence * 1e3 / tok_s)}
