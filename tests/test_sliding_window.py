@@ -171,6 +171,31 @@ def test_a_prompt_sharing_only_an_old_prefix_starts_over(gemma):
         assert out["choices"][0]["text"] == fresh.create_completion(b.tolist(), max_tokens=8, temperature=0.0)["choices"][0]["text"]
 
 
+def test_prefix_cache_keys_sliding_window_models_by_ring_size(gemma, tmp_path):
+    # A snapshot loads only into rings of its own size: two configurations whose sessions step differently
+    # (a pooled session steps min(n_batch, pool / 8): 128 and 64 here) must not find (and, failing to load,
+    # discard) each other's cached prefixes.
+    from kvflash_ggml import Model
+
+    kw = dict(model_path=gemma(), n_ctx=2048, pool_tokens=1024, backend="cpu", n_threads=1,
+              prefix_cache_dir=str(tmp_path))
+    prompt = tokens(300).tolist()
+    with Model(**kw, n_batch=512) as a:
+        a.create_completion(prompt, max_tokens=1, temperature=0.0)
+        ring_a = a.engine.session.ring_tokens
+    stored = sorted(p.name for p in tmp_path.iterdir())
+    assert len(stored) == 1
+    with Model(**kw, n_batch=64) as b:
+        assert b.engine.session.ring_tokens != ring_a
+        b.create_completion(prompt + [1], max_tokens=1, temperature=0.0)
+        assert b.stats()["prompt_tokens_reused"] == 0
+    assert stored[0] in {p.name for p in tmp_path.iterdir()}   # not discarded
+    assert len(list(tmp_path.iterdir())) == 2
+    with Model(**kw, n_batch=512) as c:
+        c.create_completion(prompt + [2], max_tokens=1, temperature=0.0)
+        assert c.stats()["prompt_tokens_reused"] == 256   # the first model's chunk-aligned prefix
+
+
 # ---- layer-major exact prefill --------------------------------------------------------------------
 
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
