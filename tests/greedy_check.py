@@ -15,3 +15,18 @@ def assert_greedy_matches_argmax(model, cfg, prompt: np.ndarray, n_steps: int) -
         tok_b = b.forward_greedy(np.array([tok_b], np.int32), b.n_tokens)
     assert tok_a == tok_b
     return a
+
+
+def greedy_against_libllama(session: _core.Session, ref, prompt: np.ndarray, n_decode: int):
+    """The prompt, then n_decode greedy steps with our argmax fed to both our session and libllama
+    (LlamaReference). Returns (ours, theirs, fed): logits [len(prompt) + n_decode, n_vocab] each, and the
+    fed tokens."""
+    ours = [session.forward(prompt, 0, all_logits=True)]
+    theirs = [ref.decode(prompt.tolist(), all_logits=True)]
+    fed = []
+    for i in range(n_decode):
+        tok = int(ours[-1][-1].argmax())
+        fed.append(tok)
+        ours.append(session.forward(np.array([tok], np.int32), len(prompt) + i)[None, :])
+        theirs.append(ref.decode([tok])[None, :])
+    return np.concatenate(ours), np.concatenate(theirs), fed

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 from kvflash_ggml import _core
-from greedy_check import assert_greedy_matches_argmax
+from greedy_check import assert_greedy_matches_argmax, greedy_against_libllama
 from kvflash_ggml.testing import random_gguf as rg
 
 N_PROMPT = 300
@@ -80,18 +80,8 @@ def greedy_vs_reference(path: str, cfg, flash_ref: bool):
     """Prompt + N_DECODE greedy steps (our argmax fed to both). Returns (ours, ref, fed tokens):
     logits [N_PROMPT + N_DECODE, n_vocab] each, and the N_DECODE tokens fed after the prompt."""
     model = _core.Model(path, backend="cpu", n_threads=N_THREADS)
-    sess = _core.Session(model, cfg)
     ref = _core.testing.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=N_THREADS, flash_attn=flash_ref)
-    prompt = random_prompt(model.hparams.n_vocab)
-    ours = [sess.forward(prompt, 0, all_logits=True)]
-    theirs = [ref.decode(prompt.tolist(), all_logits=True)]
-    fed = []
-    for i in range(N_DECODE):
-        tok = int(ours[-1][-1].argmax())
-        fed.append(tok)
-        ours.append(sess.forward(np.array([tok], np.int32), N_PROMPT + i)[None, :])
-        theirs.append(ref.decode([tok])[None, :])
-    return np.concatenate(ours), np.concatenate(theirs), fed
+    return greedy_against_libllama(_core.Session(model, cfg), ref, random_prompt(model.hparams.n_vocab), N_DECODE)
 
 
 def run_ours(path: str, cfg, fed: list[int]) -> np.ndarray:

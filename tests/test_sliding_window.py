@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
+from greedy_check import greedy_against_libllama
 
 C = _core.CHUNK_TOKENS
 N_PROMPT, N_DECODE = 300, 24     # the prompt is three windows long: every ring wraps
@@ -68,17 +69,8 @@ def run(sess: _core.Session, prompt: np.ndarray, fed: list[int]) -> np.ndarray:
 
 def greedy_with_reference(path: str, attention: str):
     """Our full cache and libllama on the same prompt, then N_DECODE greedy steps (our argmax fed to both)."""
-    model = model_of(path)
-    ours_s = session(model, 0, attention=attention)
     ref = _core.testing.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=1, flash_attn=attention == "flash")
-    prompt = tokens(N_PROMPT)
-    ours, theirs, fed = [ours_s.forward(prompt, 0, all_logits=True)], [ref.decode(prompt.tolist(), all_logits=True)], []
-    for i in range(N_DECODE):
-        t = int(ours[-1][-1].argmax())
-        fed.append(t)
-        ours.append(ours_s.forward(np.array([t], np.int32), N_PROMPT + i)[None, :])
-        theirs.append(ref.decode([t])[None, :])
-    return np.concatenate(ours), np.concatenate(theirs), fed
+    return greedy_against_libllama(session(model_of(path), 0, attention=attention), ref, tokens(N_PROMPT), N_DECODE)
 
 
 # ---- equivalence ---------------------------------------------------------------------------------

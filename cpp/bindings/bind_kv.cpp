@@ -35,6 +35,9 @@ template <typename Fn> auto on_kv(SessionKV & h, Fn && fn) {
 // The pool's queries, for PooledKV (H = PooledKV) and for a session's pool (H = SessionKV).
 template <typename H> void def_kv_queries(py::class_<H> & c) {
     c.def_property_readonly("chunk_bytes", [](H & h) { return on_kv(h, [](PooledKV & kv) { return kv.chunk_bytes(); }); })
+        .def_property_readonly("layer_chunk_bytes", [](H & h) {   // one layer of one chunk, K and V
+            return on_kv(h, [](PooledKV & kv) { return kv.layer_chunk_bytes(); });
+        })
         .def_property_readonly("device_bytes", [](H & h) {
             return on_kv(h, [](PooledKV & kv) { return kv.device_bytes(); });
         })

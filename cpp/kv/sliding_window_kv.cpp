@@ -3,6 +3,7 @@
 #include "common/byte_io.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -91,9 +92,13 @@ void SlidingWindowKV::save_state(ByteWriter & w, int64_t n_tokens) const {
     std::vector<int64_t> pos = slot_pos_;
     for (int64_t & p : pos) if (p >= n_tokens) p = -1;
     w.array(pos);
+    kv_->save_state(w, all_blocks());
+}
+
+std::vector<int64_t> SlidingWindowKV::all_blocks() const {
     std::vector<int64_t> blocks((size_t) (ring_tokens() / kv_->layout().chunk_tokens));
-    for (size_t b = 0; b < blocks.size(); ++b) blocks[b] = (int64_t) b;
-    kv_->save_state(w, blocks);
+    std::iota(blocks.begin(), blocks.end(), 0);
+    return blocks;
 }
 
 SlidingWindowKV::Saved SlidingWindowKV::state_from(ByteReader & r, uint32_t version, int64_t n_tokens) const {
@@ -124,9 +129,7 @@ SlidingWindowKV::Saved SlidingWindowKV::state_from(ByteReader & r, uint32_t vers
 }
 
 void SlidingWindowKV::load_state(const Saved & s) {
-    std::vector<int64_t> blocks(s.blocks.size());
-    for (size_t b = 0; b < blocks.size(); ++b) blocks[b] = (int64_t) b;
-    kv_->load_state(s.blocks, blocks, std::vector<uint8_t>(blocks.size(), 0));
+    kv_->load_state(s.blocks, all_blocks(), std::vector<uint8_t>(s.blocks.size(), 0));
     slot_pos_ = s.slot_pos;
     n_tokens_ = s.n_tokens;
 }

@@ -67,6 +67,8 @@ public:
     void load_state(const Saved & s);
 
 private:
+    std::vector<int64_t> all_blocks() const;   // 0, 1, ..., every block of the ring (its state is all of them)
+
     std::unique_ptr<PooledKV> kv_;
     int64_t window_, kv_pad_;
     int64_t n_tokens_ = 0;

@@ -240,9 +240,8 @@ class Engine:
         return logits
 
     def _exact_prefill_step(self) -> int:
-        kv = self.session.kv
-        n_pooled = self.model.hparams.n_layer - sum(self.model.hparams.swa_layers)
-        return self.pool.exact_prefill_batch(self.session.flash_attn, kv.chunk_bytes // _core.CHUNK_TOKENS // n_pooled)
+        return self.pool.exact_prefill_batch(self.session.flash_attn,
+                                             self.session.kv.layer_chunk_bytes // _core.CHUNK_TOKENS)
 
     def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
         return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,
