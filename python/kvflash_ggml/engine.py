@@ -28,7 +28,7 @@ from .companion import Companion
 from .drafter import DrafterPolicy, prompt_attention_scores
 from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import TextStream, Tokenizer, check_messages
 from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
@@ -52,6 +52,7 @@ class GenerationRecord:
     text: str                     # text this record makes visible ("" while bytes are incomplete)
     finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
     stats: Optional[dict] = None  # the closing record: stats() as the stream left them
+    logprobs: Optional[TokenLogprobs] = None   # generate(..., logprobs=N): the token's and the top N's
 
 
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
@@ -99,14 +100,18 @@ class Engine:
     (see ResidencyConfig).
     prefix_cache_dir: keep the chunk-aligned prefix of every turn on disk (at most prefix_cache_bytes,
     least recently used out first) and start a prompt from the longest cached prefix of it; a folder that
-    cannot be read or written is a logged warning, never an error.
+    cannot be read or written is a logged warning, never an error. store_each_turn=False stores only when
+    store_prefix() is called (the server: when a slot is taken over, and at shutdown).
+    between_prefill_steps: called between the forward steps of a prompt (the server runs the other slots'
+    decode steps there); it may raise to abandon the prompt (the session is rolled back).
     chat_template: renders chat messages instead of the GGUF's own template.
     See the module docstring for threads and streams."""
 
     def __init__(self, model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
                  residency: Optional[ResidencyConfig] = None, *,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None,
+                 store_each_turn: bool = True, between_prefill_steps: Optional[Callable[[], None]] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -117,6 +122,8 @@ class Engine:
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
+        self.store_each_turn = store_each_turn
+        self.between_prefill_steps = between_prefill_steps
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
         self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
@@ -250,6 +257,8 @@ class Engine:
     def _between_prefill_steps(self) -> None:
         """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
+        if self.between_prefill_steps is not None:
+            self.between_prefill_steps()
 
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
@@ -333,43 +342,63 @@ class Engine:
 
     # -- generate --------------------------------------------------------------------------------
     def generate(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]],
-                 params: Optional[SamplingParams] = None, **sampling) -> Iterator[GenerationRecord]:
+                 params: Optional[SamplingParams] = None, *, logprobs: Optional[int] = None,
+                 **sampling) -> Iterator[GenerationRecord]:
         """Stream records for a prompt given as text (str, or UTF-8 bytes), token ids, or chat messages
         (rendered with the GGUF's template). Sampling options come as a SamplingParams or as keywords
         (max_tokens, temperature, top_k, top_p, min_p, seed, stop); temperature 0 is greedy and
-        deterministic. The prompt and options are checked now; the call takes the session now (superseding
-        any unfinished stream) and computes the prompt at the first next()."""
+        deterministic. logprobs=N: each record carries its token's log-probability and the N most likely
+        tokens' (from the model's logits, before temperature; greedy decoding then reads the logits back
+        instead of taking the argmax on the backend). The prompt and options are checked now; the call takes
+        the session now (superseding any unfinished stream) and computes the prompt at the first next()."""
         params = params or SamplingParams(**sampling)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
         tokens = self.check_prompt(self.prompt_tokens(prompt))
         with self._turn():
             owner = self._take()
-        return self._records(tokens, params, owner)
+        return self._records(tokens, params, owner, logprobs)
 
-    def _records(self, tokens: list[int], params: SamplingParams, owner: int) -> Iterator[GenerationRecord]:
+    def _records(self, tokens: list[int], params: SamplingParams, owner: int,
+                 n_logprobs: Optional[int] = None) -> Iterator[GenerationRecord]:
         sampler, stream = Sampler(params), TextStream(params.stop)
+
+        def choose(logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
+            token = sampler(logits)
+            return token, (None if n_logprobs is None else token_logprobs(logits, token, n_logprobs))
+
         with self._turn(owner):
-            token = sampler(self._prefill(tokens))
+            token, logprobs = choose(self._prefill(tokens))
         finish = "length"
         for i in range(params.max_tokens) if params.max_tokens is not None else itertools.count():
             with self._turn(owner):
                 if i and self.session.n_tokens >= self.pool.n_ctx:
                     break
-                if i:
-                    token = self._decode_one_greedy(token) if sampler.greedy else sampler(self._decode_one(token))
+                if i and sampler.greedy and n_logprobs is None:
+                    token = self._decode_one_greedy(token)
+                elif i:
+                    token, logprobs = choose(self._decode_one(token))
                 eog = self.tokenizer.is_eog(token)
                 text = "" if eog else stream.push(self.tokenizer.piece(token))
             if eog:
                 finish = "stop"
                 break
-            yield GenerationRecord(token, text, None)
+            yield GenerationRecord(token, text, None, logprobs=logprobs)
             if stream.stopped:
                 finish = "stop"
                 break
         with self._turn(owner):
-            if self.prefix_cache is not None:   # before the last yield: a consumer may stop after it
-                self.prefix_cache.store(self._cache_key, self.session)
+            if self.prefix_cache is not None and self.store_each_turn:   # before the last yield: a consumer
+                self.prefix_cache.store(self._cache_key, self.session)  # may stop after it
             stats = self.stats()
         yield GenerationRecord(None, stream.flush(), finish, stats)
+
+    def store_prefix(self) -> None:
+        """Store the session's chunk-aligned prefix in the prefix cache now (nothing without one; a prefix
+        already stored is only marked as used)."""
+        with self._turn():
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(self._cache_key, self.session)
 
     def prompt_tokens(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
         """Token ids for a prompt: text (str; bytes are UTF-8 text), chat messages, or token ids."""

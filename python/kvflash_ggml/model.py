@@ -9,15 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import CLOSED, Engine, GenerationRecord
+from .engine import CLOSED, Engine
 from .known_models import resolve_model_path
 from .options import PoolConfig, ResidencyConfig, SamplingParams
+from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
 
@@ -90,8 +89,7 @@ class Model:
         """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context.
         sampling: temperature (0.8), top_k (40), top_p (0.95), min_p (0.05), seed (None or -1: random), stop
         (see SamplingParams). A stream's chunks come as it is iterated (see the module docstring)."""
-        return self._respond(prompt, SamplingParams(max_tokens=max_tokens, **sampling), "text_completion", stream,
-                             _collect_completion)
+        return self._respond(prompt, SamplingParams(max_tokens=max_tokens, **sampling), False, stream)
 
     __call__ = create_completion
 
@@ -99,31 +97,18 @@ class Model:
                                stream: bool = False, **sampling: Any) -> Union[dict, Iterator[dict]]:
         """messages: rendered with the chat_template given to the Model, else the GGUF's own. Sampling options
         as for create_completion."""
-        return self._respond(check_messages(messages), SamplingParams(max_tokens=max_tokens, **sampling),
-                             "chat.completion.chunk", stream, _collect_chat)
+        return self._respond(check_messages(messages), SamplingParams(max_tokens=max_tokens, **sampling), True, stream)
 
-    def _respond(self, prompt: Union[str, bytes, Sequence], params: SamplingParams, obj: str, stream: bool,
-                 collect: Callable[[Iterator[dict]], dict]) -> Union[dict, Iterator[dict]]:
+    def _respond(self, prompt: Union[str, bytes, Sequence], params: SamplingParams, chat: bool,
+                 stream: bool) -> Union[dict, Iterator[dict]]:
         engine = self._open_engine()
         tokens = engine.prompt_tokens(prompt)
+        shape = Responses(chat=chat, model=self.model_name, n_prompt=len(tokens), tokenizer=self.tokenizer)
         # The engine's lock for the whole of a non-streamed call: no other call can supersede it halfway.
         with engine._lock:
             records = engine.generate(tokens, params)   # checks and takes the session now, not at the first next()
-            chunks = self._chunks(records, len(tokens), obj)
-            return chunks if stream else collect(chunks)
-
-    def _chunks(self, records: Iterator[GenerationRecord], n_prompt: int, obj: str) -> Iterator[dict]:
-        rid = ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        n_generated = 0
-        for rec in records:
-            n_generated += rec.token is not None
-            chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                     "choices": [_choice(obj, rec)]}
-            if rec.finish_reason is not None:
-                chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_generated,
-                                  "total_tokens": n_prompt + n_generated, "kvflash": rec.stats}
-            yield chunk
+            chunks = (shape.chunk(rec) for rec in records)
+            return chunks if stream else shape.collect(chunks)
 
     # -- snapshots -------------------------------------------------------------------------------
     def save_state(self, path: Union[str, os.PathLike], *, prefix_chunks: Optional[int] = None) -> None:
@@ -151,28 +136,3 @@ class Model:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _choice(obj: str, rec: GenerationRecord) -> dict:
-    if obj.startswith("chat"):
-        return {"index": 0, "delta": {"content": rec.text} if rec.text else {}, "finish_reason": rec.finish_reason}
-    return {"index": 0, "text": rec.text, "logprobs": None, "finish_reason": rec.finish_reason}
-
-
-def _collect_completion(chunks: Iterator[dict]) -> dict:
-    text, last = [], None
-    for last in chunks:
-        text.append(last["choices"][0]["text"])
-    return {"id": last["id"], "object": "text_completion", "created": last["created"], "model": last["model"],
-            "choices": [{"index": 0, "text": "".join(text), "logprobs": None,
-                         "finish_reason": last["choices"][0]["finish_reason"]}],
-            "usage": last["usage"]}
-
-
-def _collect_chat(chunks: Iterator[dict]) -> dict:
-    text, last = [], None
-    for last in chunks:
-        text.append(last["choices"][0]["delta"].get("content", ""))
-    return {"id": last["id"], "object": "chat.completion", "created": last["created"], "model": last["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "finish_reason": last["choices"][0]["finish_reason"]}],
-            "usage": last["usage"]}

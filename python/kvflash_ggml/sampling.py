@@ -1,6 +1,8 @@
 """Next-token sampling over a logits vector: greedy, temperature, top-k, top-p, min-p (vectorised)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .options import SamplingParams
@@ -38,3 +40,17 @@ class Sampler:
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
         return int(candidates[self.rng.choice(probs.shape[0], p=probs)])
+
+
+class TokenLogprobs(NamedTuple):
+    logprob: float                    # of the chosen token
+    top: list[tuple[int, float]]      # the most likely tokens, most likely first
+
+
+def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+    """Log-probabilities under softmax(logits) (the model's distribution, before temperature and truncation)."""
+    x = logits.astype(np.float64)
+    log_z = x.max() + np.log(np.exp(x - x.max()).sum())
+    top = np.argpartition(-x, top_n - 1)[:top_n] if 0 < top_n < x.shape[0] else np.arange(x.shape[0] if top_n else 0)
+    top = top[np.argsort(-x[top], kind="stable")]
+    return TokenLogprobs(float(x[token] - log_z), [(int(t), float(x[t] - log_z)) for t in top])

@@ -1,6 +1,7 @@
 """`kvflash <command>` and `python -m kvflash_ggml <command>`: one module per command, each with main().
 
     generate  generate.py   complete a prompt
+    serve     serve.py      the OpenAI-compatible server (kvflash_ggml/server/)
     convert   convert.py    a Hugging Face checkpoint to GGUF (also `python -m kvflash_ggml.convert`)
     bench     bench.py      benchmarks (decode, restore, niah, ruler) and `bench merge`
     flags.py                the flags every command that loads a model shares, defined once
@@ -15,6 +16,7 @@ from typing import Optional, Sequence
 INTERRUPTED = "interrupted (Ctrl-C)"
 COMMANDS = {
     "generate": ("kvflash_ggml.commands.generate", "generate text from a prompt"),
+    "serve": ("kvflash_ggml.commands.serve", "an OpenAI-compatible server: many conversations, each with its own pool"),
     "convert": ("kvflash_ggml.commands.convert", "convert a Hugging Face checkpoint to GGUF"),
     "bench": ("kvflash_ggml.commands.bench", "benchmarks: decode (tok/s vs depth), restore, niah and ruler (recall "
                                              "vs residency); merge reports"),

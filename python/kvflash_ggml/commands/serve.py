@@ -1,0 +1,110 @@
+"""kvflash serve: an OpenAI-compatible HTTP server; every slot (--parallel) is a session with its own pool."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .. import _core
+from ..engine import Engine
+from ..known_models import resolve_model_path
+from ..model import cpu_threads
+from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
+from ..tokenizer import Tokenizer
+from .flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
+from .generate import USER_ERRORS
+
+log = logging.getLogger("kvflash_ggml.server")
+DEFAULT_PREFIX_CACHE = "~/.cache/kvflash_ggml/prefix-cache"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvflash serve", description=__doc__)
+    add_model_flags(ap)
+    add_pool_flags(ap, pool="auto")
+    add_residency_flags(ap)
+    ap.add_argument("--parallel", "-np", type=int, default=4, help="slots: conversations computed at once (default 4)")
+    ap.add_argument("--queue", type=int, default=64,
+                    help="requests that may wait for a free slot; more get HTTP 503 with Retry-After (default 64)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--api-key", default=os.environ.get("KVFLASH_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' (default: $KVFLASH_API_KEY, else none)")
+    ap.add_argument("--alias", default=None, help="the model's name in the API (default: the GGUF's file name stem)")
+    ap.add_argument("--chat-template", default=None, help="a Jinja chat template file, instead of the GGUF's own")
+    ap.add_argument("--prefix-cache", default=DEFAULT_PREFIX_CACHE,
+                    help=f"folder of the on-disk prefix cache that slots store to when taken over and at shutdown, "
+                         f"and resume conversations from ('off': none; default {DEFAULT_PREFIX_CACHE})")
+    ap.add_argument("--prefix-cache-bytes", type=int, default=DEFAULT_PREFIX_CACHE_BYTES,
+                    help=f"the prefix cache's cap in bytes (default {DEFAULT_PREFIX_CACHE_BYTES})")
+    ap.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore (default: off)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def build_engines(args: argparse.Namespace) -> tuple[list[Engine], Tokenizer, str, str]:
+    """The slots' engines over one copy of the weights (and of a drafter's), the tokenizer, the model's
+    name, and why the pool has its size."""
+    from ..server.fit import fit_pool_tokens
+
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
+    path = resolve_model_path(args.model)
+    pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
+    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads))
+    tokenizer = Tokenizer(path)
+    if isinstance(residency.drafter_model, (str, os.PathLike)):   # one copy for all slots
+        drafter_path = resolve_model_path(residency.drafter_model)
+        drafter = model if drafter_path == path else \
+            _core.Model(drafter_path, backend=args.backend, n_threads=cpu_threads(args.threads))
+        residency = dataclasses.replace(residency, drafter_model=drafter)
+    why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
+    if pool.pool_tokens == "auto":
+        fit = fit_pool_tokens(model, pool, args.parallel)
+        pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
+    engines = [Engine(model, tokenizer, pool, residency, prefix_cache_dir=cache,
+                      prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False)
+               for _ in range(args.parallel)]
+    return engines, tokenizer, args.alias or Path(path).stem, why
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvicorn
+
+        from ..server.app import ServerState, create_app
+        from ..server.scheduler import Scheduler
+    except ImportError as e:
+        print(f"kvflash serve: {e}; install the server's libraries with: pip install 'kvflash-ggml[server]'",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.queue < 0:
+            raise ValueError(f"--queue must be >= 0, got {args.queue}")
+        slot_dir = Path(args.slot_save_path).expanduser() if args.slot_save_path else None
+        if slot_dir is not None:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        engines, tokenizer, name, why = build_engines(args)
+    except USER_ERRORS as e:
+        print(f"kvflash serve: {e}", file=sys.stderr)
+        return 2
+    log.info("%s: %d slots; pool %s", name, len(engines), why)
+    pool = engines[0].pool
+    state = ServerState(scheduler=Scheduler(engines, max_queue=args.queue), tokenizer=tokenizer, model_name=name,
+                        n_ctx=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), api_key=args.api_key,
+                        slot_save_path=slot_dir, chat_template=engines[0].chat_template)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

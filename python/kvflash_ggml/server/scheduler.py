@@ -1,0 +1,243 @@
+"""The server's slots and the one thread that computes for all of them.
+
+A slot is an Engine (its own session and pool) over the shared weights. Requests wait in a bounded FIFO
+until a slot is free; a request goes to the free slot whose held tokens share the longest prefix with its
+prompt (ties: the least recently used), and a slot taken over for another conversation first stores its
+chunk-aligned prefix in the prefix cache, so a conversation that comes back resumes from it.
+
+All computing happens on the scheduler thread, as in llama-server's main loop: each round steps every
+active slot once (the first step of a request runs its prompt and picks the first token, later steps one
+token each). A long prompt does not stall the others: between its forward steps (and between layers of an
+exact prefill) the engine calls back here and the slots that are decoding take one step each. Records go
+to the request's asyncio queue on the event loop that submitted it. A cancelled request (the client went
+away) ends at its slot's next step, or at the next forward step of its prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from ..engine import Engine, GenerationRecord
+from ..options import SamplingParams
+from ..tokens import common_prefix
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the wait queue holds its maximum."""
+
+
+class SlotBusy(RuntimeError):
+    """A slot command (save, restore, erase) on a slot that is serving a request."""
+
+
+class RequestCancelled(Exception):
+    """Raised inside a cancelled request's prompt so the engine rolls the session back and stops."""
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    logprobs: Optional[int] = None
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)   # GenerationRecord, then None; or an Exception
+    cancelled: bool = False
+    slot_id: Optional[int] = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: Optional[float] = None      # taken by a slot
+    t_first: Optional[float] = None      # first token out (prompt done)
+
+    def deliver(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class Slot:
+    def __init__(self, slot_id: int, engine: Engine) -> None:
+        self.id = slot_id
+        self.engine = engine
+        self.request: Optional[Request] = None
+        self.records: Optional[Iterator[GenerationRecord]] = None
+        self.prefilled = False
+        self.last_used = 0.0
+        self.held_tokens: list[int] = []     # what the session held after its last request (read without a lock)
+        self.stats: dict = {}                # the engine's stats() after its last request
+        self.n_requests = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+
+class Scheduler:
+    def __init__(self, engines: list[Engine], *, max_queue: int) -> None:
+        if max_queue < 0:
+            raise ValueError(f"the queue length must be >= 0, got {max_queue}")
+        self.slots = [Slot(i, e) for i, e in enumerate(engines)]
+        for slot in self.slots:
+            slot.engine.between_prefill_steps = self._between_prefill_steps
+            slot.stats = slot.engine.stats()
+        self.max_queue = max_queue
+        self._pending: collections.deque[Request] = collections.deque()
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._wake = threading.Condition()
+        self._current: Optional[Slot] = None   # the slot whose step is running (its prompt calls back here)
+        self._stopping = False
+        self.on_finish: Callable[[Slot, Request, Optional[GenerationRecord], Optional[BaseException]], None] = \
+            lambda *a: None
+        self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- from the event loop ---------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            idle = sum(not s.busy for s in self.slots) - len(self._pending)
+            if idle <= 0 and len(self._pending) >= self.max_queue:
+                raise QueueFull(f"all {len(self.slots)} slots are busy and {len(self._pending)} requests wait")
+            self._pending.append(request)
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        with self._wake:
+            request.cancelled = True
+            if request in self._pending:
+                self._pending.remove(request)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the scheduler thread between rounds (slot commands: save, restore, erase)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._pending)
+
+    def stop(self) -> None:
+        """Finish: cancel what waits or runs, store every slot's prefix, join the thread."""
+        with self._wake:
+            self._stopping = True
+            for r in list(self._pending):
+                r.cancelled = True
+            self._wake.notify()
+        self._thread.join()
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._pending or self._commands or any(s.busy for s in self.slots)):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:   # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
+            self._admit()
+            for slot in self.slots:
+                if slot.busy:
+                    self._step(slot)
+        self._shutdown()
+
+    def _admit(self) -> None:
+        with self._wake:
+            while self._pending:
+                idle = [s for s in self.slots if not s.busy]
+                if not idle:
+                    return
+                request = self._pending.popleft()
+                slot = max(idle, key=lambda s: (common_prefix(s.held_tokens, request.tokens), -s.last_used))
+                self._assign(slot, request)
+
+    def _assign(self, slot: Slot, request: Request) -> None:
+        engine = slot.engine
+        held = slot.held_tokens
+        chunk = engine.session.pager.config().chunk_tokens
+        if common_prefix(held, request.tokens) < len(held) // chunk * chunk:
+            engine.store_prefix()   # taken over: the conversation it held can come back from the cache
+        slot.request, slot.prefilled = request, False
+        request.slot_id, request.t_start = slot.id, time.perf_counter()
+        try:
+            slot.records = engine.generate(request.tokens, request.params, logprobs=request.logprobs)
+        except Exception as e:   # noqa: BLE001 - the request's own fault (checked again by the engine)
+            self._finish(slot, None, e)
+
+    def _step(self, slot: Slot) -> None:
+        request = slot.request
+        if request.cancelled:
+            self._finish(slot, None, RequestCancelled())
+            return
+        outer, self._current = self._current, slot
+        try:
+            record = next(slot.records)
+        except RequestCancelled as e:
+            self._finish(slot, None, e)
+            return
+        except Exception as e:   # noqa: BLE001 - a failed request must not stop the others
+            log.exception("slot %d: request failed", slot.id)
+            self._finish(slot, None, e)
+            return
+        finally:
+            self._current = outer
+        if not slot.prefilled:
+            slot.prefilled, request.t_first = True, time.perf_counter()
+        request.deliver(record)
+        if record.finish_reason is not None:
+            self._finish(slot, record, None)
+
+    def _between_prefill_steps(self) -> None:
+        """A slot's prompt between two forward steps: stop it if its client left, else let each slot that is
+        decoding take one step."""
+        prefilling = self._current
+        if self._stopping or (prefilling is not None and prefilling.request is not None and prefilling.request.cancelled):
+            raise RequestCancelled()
+        for slot in self.slots:
+            if slot is not prefilling and slot.busy and slot.prefilled:
+                self._step(slot)
+
+    def _finish(self, slot: Slot, record: Optional[GenerationRecord], error: Optional[BaseException]) -> None:
+        request = slot.request
+        if slot.records is not None:
+            slot.records.close()
+        slot.request, slot.records, slot.prefilled = None, None, False
+        slot.last_used = time.perf_counter()
+        slot.n_requests += 1
+        try:
+            slot.held_tokens = list(slot.engine.session.tokens)
+            slot.stats = record.stats if record is not None and record.stats else slot.engine.stats()
+        except Exception:   # noqa: BLE001
+            log.exception("slot %d: reading its state failed", slot.id)
+        if error is not None and not isinstance(error, RequestCancelled):
+            request.deliver(error)
+        request.deliver(None)
+        self.on_finish(slot, request, record, error)
+
+    def _shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.busy:
+                slot.request.cancelled = True
+                self._finish(slot, None, RequestCancelled())
+            try:
+                slot.engine.store_prefix()
+            except Exception:   # noqa: BLE001 - shutting down: log and go on with the next slot
+                log.exception("slot %d: storing its prefix at shutdown failed", slot.id)
+        for r in self._pending:
+            r.deliver(None)
+        self._pending.clear()
