@@ -14,6 +14,10 @@
 #                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS (more flags, split
 #                  at spaces, e.g. --no-full),
 #                  PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
+#     fit          experiments/fit_check.py: pool_tokens="auto" for 1 and 8 slots at 32K, then those slots built and
+#                  filled (FIT_CTX, FIT_SLOTS)
+#     serve        kvflash bench serve on the 8B shape: aggregate decode tok/s of 1, 4, 8 streams (SERVE_STREAMS) at
+#                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto); LLAMA_SERVER: a llama-server to run beside
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -99,6 +103,16 @@ for phase in "$@"; do
     order)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
+    fit)
+        need_model
+        python3 experiments/fit_check.py "$MODEL" --n-ctx "${FIT_CTX:-32768}" --slots "${FIT_SLOTS:-1,8}" 2>&1 | tee -a "$OUT/fit.log" ;;
+    serve)
+        need_model
+        for ctx in ${SERVE_CONTEXTS:-4096 32768}; do
+            python3 -m kvflash_ggml bench serve --model "$MODEL" --streams "${SERVE_STREAMS:-1,4,8}" --context "$ctx" \
+                --gen "${SERVE_GEN:-512}" --kvflash "${SERVE_POOL:-auto}" --ours-flags "--backend cuda" \
+                ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} --logs "$OUT/serve" --out "$OUT/serve-$ctx.json" 2>&1 | tee -a "$OUT/serve.log"
+        done ;;
     profile)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \

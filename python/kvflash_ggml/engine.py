@@ -55,10 +55,12 @@ class GenerationRecord:
     logprobs: Optional[TokenLogprobs] = None   # generate(..., logprobs=N): the token's and the top N's
 
 
-def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False) -> _core.Session:
+def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False,
+                 n_batch: Optional[int] = None) -> _core.Session:
+    """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch)."""
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
-        attention=pool.attention, n_batch=pool.prefill_batch(), sink_chunks=pool.sink_chunks,
+        attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries)
     return _core.Session(model, config)

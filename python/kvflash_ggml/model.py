@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
 from .engine import CLOSED, Engine
+from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
 from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .responses import Responses
@@ -59,6 +60,10 @@ class Model:
                                          refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
                                          drafter_model=drafter_model)
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
+        if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
+            fit = fit_pool_tokens(self._core_model, self.pool, 1)
+            log.info("pool_tokens='auto': %s", fit.reason)
+            self.pool = dataclasses.replace(self.pool, pool_tokens=fit.pool_tokens)
         self.tokenizer = Tokenizer(self.model_path)
         if drafter_model is not None and not isinstance(drafter_model, _core.Model) \
                 and resolve_model_path(drafter_model) == self.model_path:

@@ -30,7 +30,8 @@ PROMPT_SCORES = ("auto", "attention", "policy")
 @dataclass(frozen=True)
 class PoolConfig:
     """Where the KV cache lives. pool_tokens=None is full-cache mode (every position resident);
-    an int or "auto" is KVFlash with that many device slots."""
+    an int or "auto" is KVFlash with that many device slots. "auto" resolves here to min(n_ctx, 4096); a Model
+    (and the server) on a GPU replaces it with what the free device memory holds (fit.py)."""
 
     n_ctx: int = 4096
     pool_tokens: Union[None, int, str] = None

@@ -11,6 +11,7 @@ BENCHES = {
     "restore": "kvflash_ggml.bench.restore",
     "niah": "kvflash_ggml.bench.niah",
     "ruler": "kvflash_ggml.bench.ruler",
+    "serve": "kvflash_ggml.bench.serve",
     "merge": "kvflash_ggml.bench.merge",
 }
 

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from .. import _core
 from ..engine import Engine
+from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
 from ..model import cpu_threads
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
@@ -49,8 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
 def build_engines(args: argparse.Namespace) -> tuple[list[Engine], Tokenizer, str, str]:
     """The slots' engines over one copy of the weights (and of a drafter's), the tokenizer, the model's
     name, and why the pool has its size."""
-    from ..server.fit import fit_pool_tokens
-
     if args.parallel < 1:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     path = resolve_model_path(args.model)

@@ -4,5 +4,5 @@
     app.py        the HTTP endpoints (FastAPI), errors, API key, streaming (SSE)
     schemas.py    request bodies (pydantic)
     metrics.py    /metrics (Prometheus) and the per-request log line
-    fit.py        --kvflash auto: the pool per slot that the free device memory holds
+    (../fit.py    --kvflash auto: the pool per slot that the free device memory holds)
 """

@@ -1,0 +1,60 @@
+"""Does pool_tokens="auto" for P slots fit the GPU? Size the pool with kvflash_ggml.fit, build P engines with
+it (the server's slots), run a whole-context exact prefill on one slot while the others hold prompts, and
+print the GPU's free memory at each stage (from ggml's device query) beside what stats() reports.
+
+    python experiments/fit_check.py MODEL.gguf --n-ctx 32768 --slots 1,8
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kvflash_ggml import _core
+from kvflash_ggml.engine import Engine
+from kvflash_ggml.fit import fit_pool_tokens
+from kvflash_ggml.options import PoolConfig, ResidencyConfig
+from kvflash_ggml.tokenizer import Tokenizer
+
+GIB = 2 ** 30
+
+
+def free() -> float:
+    return _core.gpu_devices()[0]["memory_free"] / GIB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--n-ctx", type=int, default=32768)
+    ap.add_argument("--slots", default="1,8")
+    args = ap.parse_args()
+    model = _core.Model(args.model, backend="cuda")
+    tok = Tokenizer(args.model)
+    print(f"weights {model.weight_bytes / GIB:.2f} GiB; free after loading {free():.2f} GiB of "
+          f"{_core.gpu_devices()[0]['memory_total'] / GIB:.2f}", flush=True)
+    rng = np.random.default_rng(0)
+    for n_slots in (int(x) for x in args.slots.split(",")):
+        pool = PoolConfig(n_ctx=args.n_ctx, pool_tokens="auto")
+        t0 = time.perf_counter()
+        fit = fit_pool_tokens(model, pool, n_slots)
+        print(f"\n{n_slots} slots: {fit.reason} ({time.perf_counter() - t0:.1f} s to fit)", flush=True)
+        pool = PoolConfig(n_ctx=args.n_ctx, pool_tokens=fit.pool_tokens)
+        engines = [Engine(model, tok, pool, ResidencyConfig()) for _ in range(n_slots)]
+        print(f"  engines built: free {free():.2f} GiB", flush=True)
+        long = rng.integers(100, 30000, args.n_ctx - 64).tolist()
+        for i, e in enumerate(engines):
+            prompt = long if i == 0 else rng.integers(100, 30000, 2048).tolist()
+            t0 = time.perf_counter()
+            records = list(e.generate(prompt, max_tokens=16, temperature=0))
+            s = records[-1].stats
+            print(f"  slot {i}: {len(prompt)} prompt tokens in {time.perf_counter() - t0:.1f} s; device peak "
+                  f"{s['device_peak_bytes'] / GIB:.2f} GiB (pool {s['device_kv_bytes'] / GIB:.2f}, compute "
+                  f"{s['device_compute_bytes'] / GIB:.2f}, prefill peak {s['device_prefill_peak_bytes'] / GIB:.2f});"
+                  f" free now {free():.2f} GiB", flush=True)
+        del engines, records
+
+
+if __name__ == "__main__":
+    main()

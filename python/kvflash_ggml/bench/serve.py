@@ -1,0 +1,259 @@
+"""kvflash bench serve: our server under load, beside llama-server on the same GGUF, in one run.
+
+  throughput  for each stream count S (--streams 1,4,8): start the server with S slots; fill them (S
+              completions of a distinct --context-token prompt at once, one token each: the prompts' time);
+              then send the same S prompts again at once, so each continues on the slot that holds it, and
+              measure the aggregate decode rate while all S decode (tokens stamped in the window from the last
+              stream's first token to the first stream's end). With --llama-server BIN the same load then runs
+              against `BIN -np S -c S*ctx` (its prompt cache reuses a slot's prompt the same way).
+  soak        (--soak SECONDS) --requests requests of mixed prompt and output lengths from --concurrency
+              clients, streamed and not, some leaving part way; the server's RSS sampled throughout.
+
+Prints a table and writes JSON (--out). The servers are started and stopped here (they bind 127.0.0.1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+import numpy as np
+
+from ..known_models import resolve_model_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess: ours (`kvflash serve`) or llama-server, up when /health answers 200."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, timeout: float = 600) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with {self.proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{argv[0]} did not come up in {timeout} s; see {log}")
+            time.sleep(0.5)
+
+    def rss(self) -> int:
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def ours(args, n_slots: int, port: int, log: Path) -> Server:
+    argv = [sys.executable, "-m", "kvflash_ggml", "serve", "--model", args.model, "--parallel", str(n_slots),
+            "--n-ctx", str(args.context + args.gen + 64), "--kvflash", args.kvflash, "--port", str(port),
+            "--prefix-cache", "off", "--queue", str(max(64, args.requests)), "--log-level", "warning",
+            *args.ours_flags.split()]
+    return Server(argv, port, log)
+
+
+def llama_server(args, n_slots: int, port: int, log: Path) -> Server:
+    per_slot = args.context + args.gen + 64
+    argv = [args.llama_server, "-m", resolve_model_path(args.model), "-np", str(n_slots), "-c",
+            str(n_slots * per_slot), "--port", str(port), "--host", "127.0.0.1", "-ngl", "999", "-fa", "on",
+            "--no-webui", *args.llama_flags.split()]
+    return Server(argv, port, log)
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int, *, leave_after: Optional[int] = None,
+                      stream: bool = True) -> dict:
+    """One completion; the arrival time of every streamed token."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True}
+    stamps, t0 = [], time.perf_counter()
+    with httpx.Client(timeout=3600) as client:
+        if not stream:
+            r = client.post(f"{url}/v1/completions", json=body)
+            return {"status": r.status_code, "tokens": r.json().get("usage", {}).get("completion_tokens", 0)
+                    if r.status_code == 200 else 0, "t0": t0, "stamps": [time.perf_counter()]}
+        with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"status": r.status_code, "tokens": 0, "t0": t0, "stamps": []}
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and (chunk["choices"][0].get("text") or
+                                             chunk["choices"][0].get("finish_reason") is None):
+                    stamps.append(time.perf_counter())
+                if leave_after is not None and len(stamps) >= leave_after:
+                    return {"status": 499, "tokens": len(stamps), "t0": t0, "stamps": stamps}
+    return {"status": 200, "tokens": len(stamps), "t0": t0, "stamps": stamps}
+
+
+def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    results: list = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream_completion(url, prompts[i], max_tokens)))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def aggregate_decode(results: list[dict]) -> dict:
+    """Tokens per second while every stream decodes: from the last stream's first token to the first end."""
+    firsts = [r["stamps"][0] for r in results if r["stamps"]]
+    lasts = [r["stamps"][-1] for r in results if r["stamps"]]
+    t0, t1 = max(firsts), min(lasts)
+    n = sum(sum(t0 < s <= t1 for s in r["stamps"]) for r in results)
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    if t1 <= t0:
+        print(f"  the streams never all decoded at once (the first ended {t0 - t1:.2f} s before the last began): "
+              "raise --gen", flush=True)
+    return {"tok_s": n / (t1 - t0) if t1 > t0 else None, "window_s": t1 - t0, "tokens_in_window": n,
+            "ttft_max_s": max(ttft), "generated": sum(r["tokens"] for r in results)}
+
+
+def prompt_ids(n: int, seed: int, n_vocab: int = 32000) -> list[int]:
+    return np.random.default_rng(seed).integers(100, n_vocab - 100, n).tolist()
+
+
+def throughput(args) -> dict:
+    rows = []
+    servers = [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
+    for n_streams in (int(x) for x in args.streams.split(",")):
+        prompts = [prompt_ids(args.context, seed=i) for i in range(n_streams)]
+        row = {"streams": n_streams, "context": args.context}
+        for name, start in servers:
+            server = start(args, n_streams, free_port(), Path(args.logs) / f"{name}-{n_streams}.log")
+            try:
+                stream_completion(server.url, prompt_ids(64, 999), 4)   # warm up
+                t0 = time.perf_counter()
+                concurrent(server.url, prompts, 1)
+                fill_s = time.perf_counter() - t0
+                row[name] = {**aggregate_decode(concurrent(server.url, prompts, args.gen)), "fill_s": fill_s}
+            finally:
+                server.stop()
+            print(f"{name:>12}  {n_streams} x {args.context}: {row[name]['tok_s'] or 0:.1f} tok/s aggregate decode "
+                  f"(the {n_streams} prompts took {fill_s:.1f} s; then first tokens within "
+                  f"{row[name]['ttft_max_s']:.2f} s)", flush=True)
+        if "llama-server" in row and row["llama-server"]["tok_s"] and row["kvflash"]["tok_s"]:
+            row["ratio"] = row["kvflash"]["tok_s"] / row["llama-server"]["tok_s"]
+            print(f"{'ratio':>12}  {row['ratio']:.2f}x", flush=True)
+        rows.append(row)
+    return {"mode": "throughput", "rows": rows}
+
+
+def soak(args) -> dict:
+    rng = random.Random(args.seed)
+    server = ours(args, args.parallel, free_port(), Path(args.logs) / "kvflash-soak.log")
+    samples, outcomes, lock = [], {"ok": 0, "left": 0, "busy": 0, "failed": 0}, threading.Lock()
+    jobs = []
+    for i in range(args.requests):
+        n_prompt = rng.randint(8, args.context)
+        jobs.append((prompt_ids(n_prompt, seed=i), rng.randint(1, args.gen), rng.random() < 0.7,
+                     rng.randint(1, 4) if rng.random() < 0.15 else None))
+    interval = args.soak / max(1, args.requests)
+    stop_sampling = threading.Event()
+
+    def sample():
+        while not stop_sampling.wait(2.0):
+            samples.append((time.perf_counter(), server.rss()))
+
+    def worker(k):
+        for j in range(k, len(jobs), args.concurrency):
+            time.sleep(rng.random() * 2 * interval * args.concurrency / 2)
+            prompt, max_tokens, streamed, leave = jobs[j]
+            try:
+                r = stream_completion(server.url, prompt, max_tokens, leave_after=leave if streamed else None,
+                                      stream=streamed)
+                key = {200: "ok", 499: "left", 503: "busy"}.get(r["status"], "failed")
+            except httpx.HTTPError:
+                key = "failed"
+            with lock:
+                outcomes[key] += 1
+
+    try:
+        rss_start = server.rss()
+        t0 = time.perf_counter()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(args.concurrency)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        elapsed = time.perf_counter() - t0
+        time.sleep(2)
+        rss_end = server.rss()
+        alive = server.proc.poll() is None
+    finally:
+        stop_sampling.set()
+        server.stop()
+    peak = max([rss for _, rss in samples] + [rss_end])
+    result = {"mode": "soak", "requests": args.requests, "seconds": elapsed, "outcomes": outcomes, "alive": alive,
+              "rss_start_mib": rss_start / 2**20, "rss_peak_mib": peak / 2**20, "rss_end_mib": rss_end / 2**20,
+              "rss_samples": [(round(t - t0, 1), round(r / 2**20, 1)) for t, r in samples]}
+    print(f"soak: {args.requests} requests in {elapsed:.0f} s: {outcomes}; server alive: {alive}; RSS "
+          f"{result['rss_start_mib']:.0f} MiB at start, {result['rss_peak_mib']:.0f} peak, "
+          f"{result['rss_end_mib']:.0f} at the end", flush=True)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvflash bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--kvflash", default="auto", help="our server's --kvflash (default auto)")
+    ap.add_argument("--streams", default="1,4,8", help="concurrent streams, one server start each (throughput)")
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens per stream (soak: the largest)")
+    ap.add_argument("--gen", type=int, default=512,
+                    help="tokens generated per stream (soak: the largest); enough that all streams decode at once")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary to run beside ours")
+    ap.add_argument("--ours-flags", default="", help="more flags for kvflash serve (e.g. '--backend cuda')")
+    ap.add_argument("--llama-flags", default="", help="more flags for llama-server")
+    ap.add_argument("--soak", type=float, default=None, help="run the soak for about this many seconds instead")
+    ap.add_argument("--requests", type=int, default=500, help="soak: requests in all")
+    ap.add_argument("--concurrency", type=int, default=8, help="soak: clients at once")
+    ap.add_argument("--parallel", type=int, default=4, help="soak: our server's slots")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logs", default=".", help="folder for the servers' logs")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = soak(args) if args.soak else throughput(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0

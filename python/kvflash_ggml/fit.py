@@ -1,0 +1,105 @@
+"""pool_tokens="auto" (--kvflash auto) on a GPU: the largest pool per session, for P sessions (the server's
+slots; 1 for a Model), that the GPU's free memory holds, as llama.cpp's --fit sizes a context. Measured, not
+guessed: two probe sessions (pools of two and four steps) each run a pool-filling prompt in steps of the
+largest size a pool takes (n_batch), and their compute buffers give a session's cost as fixed +
+per-pool-token bytes. A pool's compute buffer grows with its keys times its step (the mask, and without
+flash attention the attention matrix), and smaller pools take smaller steps (PoolConfig.prefill_batch), so
+probing at the largest step bounds every pool's buffer from above.
+On the CPU backend the pool is the engine's own 'auto' (min(n_ctx, 4096)): host RAM is not the limit a pool
+is for."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from . import _core
+from .engine import make_session
+from .options import PoolConfig
+from .tokens import forward_in_steps
+
+log = logging.getLogger(__name__)
+
+HEADROOM_FRACTION = 0.05      # of the device's memory, left free for the backend's own allocations
+MIN_HEADROOM = 512 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    pool_tokens: int
+    reason: str
+
+
+def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
+    n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
+    session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, n)),
+                           n_batch=pool.n_batch)
+    tokens = np.zeros(n, dtype=np.int32)
+    forward_in_steps(session, tokens, 0)
+    mem = session.memory()
+    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"], "pool": mem["pool_bytes"],
+            "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
+            "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn}
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotCosts:
+    """What one session costs on the device, measured by _probe: bytes per pool token (K/V, and the compute
+    buffer's growth with the pool), fixed bytes (compute buffer, sliding-window rings), and one layer's K/V
+    per prompt token (the exact prefill's staging pool)."""
+    kv_per_token: float
+    compute_per_token: float
+    compute_fixed: float
+    ring: float
+    layer_per_token: float
+    compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
+    exact_step: int           # tokens per step of the exact prefill (its masks: 4 bytes per key per step token)
+
+
+def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
+    C = _core.CHUNK_TOKENS
+    lo = max(pool._pager_config(0).min_pool_tokens(), -(-2 * pool.n_batch // C) * C)
+    small, large = _probe(model, pool, lo), _probe(model, pool, 2 * lo)
+    per_token = max(0.0, (large["compute"] - small["compute"]) / lo)
+    return SlotCosts(kv_per_token=small["kv_per_token"], compute_per_token=per_token,
+                     compute_fixed=max(0.0, small["compute"] - per_token * lo), ring=small["ring"],
+                     layer_per_token=small["layer_per_token"], compute_max=large["compute"],
+                     exact_step=pool.exact_prefill_batch(small["flash"], int(small["layer_per_token"])))
+
+
+def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, min_pool: int) -> Fit:
+    """The largest chunk-aligned pool per session such that n_slots sessions, one exact prefill of an n_ctx
+    prompt and the headroom fit in `free` bytes; at most the whole context. ValueError below min_pool."""
+    C = _core.CHUNK_TOKENS
+    headroom = max(MIN_HEADROOM, int(HEADROOM_FRACTION * total))
+    # One exact prefill runs at a time (the server computes one prompt at once): one layer's K/V of a
+    # whole-context prompt and its step's masks over all of it, beside a step's compute buffer.
+    prefill = n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max
+    fixed = n_slots * (costs.compute_fixed + costs.ring) + prefill + headroom
+    per_token = n_slots * (costs.kv_per_token + costs.compute_per_token)
+    fitted = int((free - fixed) / per_token) // C * C
+    ceiling = -(-n_ctx // C) * C
+    chosen = min(fitted, ceiling)
+    figures = (f"{free / 2**30:.2f} GiB free after the weights; per session {costs.kv_per_token / 1024:.1f} KiB of "
+               f"K/V + {costs.compute_per_token / 1024:.1f} KiB of compute per pool token, "
+               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.ring / 2**20:.0f} MiB rings fixed; "
+               f"{prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
+    if chosen < min_pool:
+        raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit the GPU's free memory ({figures}); "
+                         f"each needs a pool of at least {min_pool} tokens. Use fewer slots (--parallel), a smaller "
+                         "n_ctx, or a pool size")
+    why = "the whole context" if chosen == ceiling else "what the free memory holds"
+    return Fit(chosen, f"{chosen} tokens per session x {n_slots} ({why}): {figures}")
+
+
+def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int) -> Fit:
+    """Pool tokens per session for n_slots sessions of `pool` (whose pool_tokens is 'auto')."""
+    auto = pool.resolved_pool_tokens()
+    devices = _core.gpu_devices()
+    if not model.on_gpu or not devices:
+        return Fit(auto, f"CPU backend: the engine's auto pool, min(n_ctx, {auto}) tokens")
+    costs = measure(model, pool)
+    device = _core.gpu_devices()[0]   # after the probes are freed
+    return solve(costs, free=device["memory_free"], total=device["memory_total"], n_slots=n_slots, n_ctx=pool.n_ctx,
+                 min_pool=pool._pager_config(0).min_pool_tokens())

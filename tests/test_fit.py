@@ -1,0 +1,65 @@
+"""pool_tokens="auto" sizing (kvflash_ggml.fit): the measured per-session costs, and the arithmetic that turns
+free device memory into a pool per session. The measurement runs on the CPU backend here (the same graphs);
+the GPU run is in docs/RESULTS.md."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from kvflash_ggml import _core
+from kvflash_ggml.engine import make_session
+from kvflash_ggml.fit import MIN_HEADROOM, SlotCosts, fit_pool_tokens, measure, solve
+from kvflash_ggml.options import PoolConfig
+from kvflash_ggml.tokens import forward_in_steps
+
+C = _core.CHUNK_TOKENS
+MIB = 1 << 20
+COSTS = SlotCosts(kv_per_token=128 * 1024, compute_per_token=100, compute_fixed=13 * MIB, ring=0,
+                  layer_per_token=4096, compute_max=20 * MIB, exact_step=1024)
+
+
+def need(costs: SlotCosts, pool: int, n_slots: int, n_ctx: int) -> float:
+    """Bytes n_slots sessions of `pool` tokens, one exact prefill and the headroom take (total memory small)."""
+    return n_slots * (pool * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.ring) + \
+        n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max + MIN_HEADROOM
+
+
+def test_solve_takes_the_largest_pool_that_fits():
+    for pool in (448, 4096, 71488):
+        exact = need(COSTS, pool, 8, 131072)
+        fits = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=8, n_ctx=131072, min_pool=448)
+        assert fits.pool_tokens == pool
+        if pool > 448:
+            short = solve(COSTS, free=math.floor(exact) - 1, total=0, n_slots=8, n_ctx=131072, min_pool=448)
+            assert short.pool_tokens == pool - C
+
+
+def test_solve_stops_at_the_whole_context_and_refuses_below_the_minimum():
+    big = 1 << 40
+    fit = solve(COSTS, free=big, total=big, n_slots=4, n_ctx=5000, min_pool=448)
+    assert fit.pool_tokens == 5056 and "whole context" in fit.reason   # n_ctx rounded up to a chunk
+    small = math.floor(need(COSTS, 448, 8, 32768)) - 1
+    with pytest.raises(ValueError, match="8 session"):
+        solve(COSTS, free=small, total=0, n_slots=8, n_ctx=32768, min_pool=448)
+
+
+@pytest.mark.slow
+def test_measured_costs_cover_a_real_session(smollm2):
+    """The linear model (fixed + per pool token, probed at the largest step) does not underestimate sessions
+    of other pools, each after a prompt that fills it in its own steps (smaller pools take smaller steps)."""
+    costs = measure(smollm2, PoolConfig(n_ctx=8192, pool_tokens="auto"))
+    for pool_tokens in (512, 2048, 4096):
+        s = make_session(smollm2, PoolConfig(n_ctx=8192, pool_tokens=pool_tokens))
+        assert costs.kv_per_token == s.kv.chunk_bytes / C
+        forward_in_steps(s, np.zeros(pool_tokens + 2 * C, dtype=np.int32), 0)
+        mem = s.memory()
+        predicted = pool_tokens * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.ring
+        assert mem["pool_bytes"] + mem["compute_bytes"] <= predicted, (pool_tokens, mem, dataclasses.asdict(costs))
+
+
+def test_cpu_backend_keeps_the_engine_rule(smollm2):
+    fit = fit_pool_tokens(smollm2, PoolConfig(n_ctx=16384, pool_tokens="auto"), 4)
+    assert fit.pool_tokens == 4096 and "CPU" in fit.reason

@@ -1,0 +1,199 @@
+"""The server's scheduler in-process: slot choice by longest shared prefix, a long prompt interleaved with the
+other slots' decoding, cancellation inside a prompt, the bounded queue, slot commands. SmolLM2 on the CPU."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvflash_ggml import _core
+from kvflash_ggml.engine import Engine
+from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams
+from kvflash_ggml.server.scheduler import QueueFull, Request, Scheduler
+from kvflash_ggml.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+class Logged(Request):
+    """A request that notes, in one list shared by all, when the scheduler hands it each record."""
+    events: list
+
+    def deliver(self, item):
+        self.events.append((self.name, time.perf_counter(), item))
+        super().deliver(item)
+
+
+@pytest.fixture
+def make_scheduler(smollm2, smollm2_path, tmp_path):
+    made = []
+
+    def make(n_slots=2, max_queue=4, prefill="exact"):
+        tok = Tokenizer(smollm2_path)
+        pool = PoolConfig(n_ctx=4096, pool_tokens=512)
+        engines = [Engine(smollm2, tok, pool, ResidencyConfig(prefill=prefill), prefix_cache_dir=tmp_path / "cache",
+                          store_each_turn=False) for _ in range(n_slots)]
+        s = Scheduler(engines, max_queue=max_queue)
+        made.append(s)
+        return s, tok
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+async def drain(request) -> list:
+    out = []
+    while (item := await request.out.get()) is not None:
+        out.append(item)
+    return out
+
+
+def prompt(tok, text, n):
+    ids = tok.encode(text * 400)
+    return ids[:n]
+
+
+@pytest.mark.parametrize("prefill", ["exact", "pooled"])
+def test_a_long_prompt_does_not_stall_a_decoding_slot(make_scheduler, prefill):
+    sched, tok = make_scheduler(prefill=prefill)
+    events: list = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = Logged(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=300, temperature=0), loop)
+        a.name, a.events = "a", events
+        sched.submit(a)
+        await a.out.get()     # a decodes
+        b = Logged(prompt(tok, "The river runs to the sea. ", 2000), SamplingParams(max_tokens=1, temperature=0), loop)
+        b.name, b.events = "b", events
+        sched.submit(b)
+        await asyncio.gather(drain(a), drain(b))
+        return b
+
+    b = run(main())
+    b_first = next(t for name, t, item in events if name == "b")
+    during = [t for name, t, item in events if name == "a" and b.t_start < t < b_first]
+    # a 2000-token prompt takes many forward steps (exact: one per layer per step; pooled: pool/8 tokens each)
+    assert len(during) >= 10, (len(during), b_first - b.t_start)
+
+
+def test_requests_go_to_the_slot_holding_their_prefix(make_scheduler):
+    sched, tok = make_scheduler(n_slots=3)
+    convs = [prompt(tok, f"Conversation {i} is about topic {i}. ", 200) for i in range(3)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = [Request(c, GREEDY, loop) for c in convs]
+        for r in first:
+            sched.submit(r)
+        await asyncio.gather(*(drain(r) for r in first))
+        again = [Request(c + tok.encode(" And more."), GREEDY, loop) for c in reversed(convs)]
+        for r in again:
+            sched.submit(r)
+        records = await asyncio.gather(*(drain(r) for r in again))
+        return first, again, records
+
+    first, again, records = run(main())
+    assert [r.slot_id for r in again] == [r.slot_id for r in reversed(first)]
+    for r, recs in zip(again, records):
+        assert recs[-1].stats["prompt_tokens_reused"] >= 200 - 1
+
+
+def test_a_taken_over_slot_stores_its_conversation(make_scheduler, tmp_path):
+    sched, tok = make_scheduler(n_slots=1)
+    a, b = prompt(tok, "Alpha beta gamma. ", 300), prompt(tok, "Delta epsilon zeta. ", 300)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for tokens in (a, b, a + tok.encode(" More.")):
+            r = Request(tokens, GREEDY, loop)
+            sched.submit(r)
+            records = await drain(r)
+        return records
+
+    records = run(main())
+    assert len(list((tmp_path / "cache").glob("*.kvf"))) >= 2   # a's and b's prefixes, each at takeover
+    assert records[-1].stats["prompt_tokens_reused"] >= 300 // 64 * 64   # a came back from the cache
+
+
+def test_a_request_cancelled_inside_its_prompt_stops_there(make_scheduler):
+    sched, tok = make_scheduler(n_slots=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        r = Request(prompt(tok, "Stop me soon. ", 3000), GREEDY, loop)
+        sched.submit(r)
+        await asyncio.sleep(0.3)
+        t0 = time.perf_counter()
+        sched.cancel(r)
+        records = await drain(r)
+        return records, time.perf_counter() - t0
+
+    records, waited = run(main())
+    assert records == []
+    slot = sched.slots[0]
+    assert not slot.busy and len(slot.held_tokens) < 3000   # rolled back, not finished
+    # and the slot serves the next request
+    async def again():
+        r = Request(tok.encode("Hello"), GREEDY, asyncio.get_running_loop())
+        sched.submit(r)
+        return await drain(r)
+    assert run(again())[-1].finish_reason in ("stop", "length")
+
+
+def test_the_queue_is_bounded(make_scheduler):
+    sched, tok = make_scheduler(n_slots=1, max_queue=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        long = Request(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=200, temperature=0), loop)
+        sched.submit(long)
+        await long.out.get()
+        waiting = Request(tok.encode("Hi"), GREEDY, loop)
+        sched.submit(waiting)
+        with pytest.raises(QueueFull):
+            sched.submit(Request(tok.encode("Hi"), GREEDY, loop))
+        sched.cancel(long)
+        await drain(long)
+        return await drain(waiting)
+
+    assert run(main())[-1].finish_reason is not None
+
+
+def test_a_bad_request_fails_alone(make_scheduler):
+    sched, tok = make_scheduler(n_slots=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        bad = Request([tok.n_vocab + 5], GREEDY, loop)
+        good = Request(tok.encode("Hello"), GREEDY, loop)
+        sched.submit(bad)
+        sched.submit(good)
+        return await drain(bad), await drain(good)
+
+    bad, good = run(main())
+    assert len(bad) == 1 and isinstance(bad[0], ValueError)
+    assert good[-1].finish_reason is not None
+
+
+def test_slot_commands_run_between_rounds(make_scheduler, tmp_path):
+    sched, tok = make_scheduler(n_slots=1)
+    path = tmp_path / "s.kvf"
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        r = Request(prompt(tok, "Save me. ", 150), GREEDY, loop)
+        sched.submit(r)
+        await drain(r)
+        await asyncio.wrap_future(sched.call(lambda: sched.slots[0].engine.save_state(path)))
+
+    run(main())
+    assert _core.snapshot_file_info(path)["n_tokens"] == len(sched.slots[0].held_tokens)
