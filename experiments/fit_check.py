@@ -53,7 +53,7 @@ def main() -> None:
                   f"{s['device_peak_bytes'] / GIB:.2f} GiB (pool {s['device_kv_bytes'] / GIB:.2f}, compute "
                   f"{s['device_compute_bytes'] / GIB:.2f}, prefill peak {s['device_prefill_peak_bytes'] / GIB:.2f});"
                   f" free now {free():.2f} GiB", flush=True)
-        del engines, records
+        del engines, records, e   # every session freed before the next fit reads the free memory
 
 
 if __name__ == "__main__":

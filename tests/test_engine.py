@@ -67,6 +67,31 @@ def llm():
 
 
 @pytest.mark.slow
+def test_logprobs_match_libllama(llm, smollm2_path):
+    """Each token's log-probability (and the top ones) against log-softmax of libllama's logits for the same
+    tokens: the prompt, then the generated tokens fed one by one."""
+    out = llm.create_completion("The capital of France is", max_tokens=4, temperature=0.0, logprobs=3)
+    lp = out["choices"][0]["logprobs"]
+    ref = kvf._core.testing.LlamaReference(smollm2_path, n_ctx=256)
+    prompt = llm.tokenize("The capital of France is")
+    logits = ref.decode(prompt)
+    for i, (text, chosen, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])):
+        x = logits.astype(np.float64)
+        log_p = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        token = int(np.argmax(log_p))
+        assert llm.detokenize([token]) == text
+        assert chosen == pytest.approx(log_p[token], abs=0.05)
+        want = np.argsort(-log_p)[:3]
+        assert list(top) == [llm.detokenize([int(t)]) for t in want]
+        assert list(top.values()) == pytest.approx(log_p[want].tolist(), abs=0.05)
+        logits = ref.decode([token])
+    chat = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0.0,
+                                      logprobs=True, top_logprobs=2)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in content)
+
+
+@pytest.mark.slow
 def test_completion_is_openai_shaped_and_greedy_deterministic(llm):
     a = llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0)
     b = llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0)

@@ -18,13 +18,14 @@ from kvflash_ggml.tokens import forward_in_steps
 C = _core.CHUNK_TOKENS
 MIB = 1 << 20
 COSTS = SlotCosts(kv_per_token=128 * 1024, compute_per_token=100, compute_fixed=13 * MIB, ring=0,
-                  layer_per_token=4096, compute_max=20 * MIB, exact_step=1024)
+                  layer_per_token=4096, compute_max=20 * MIB, exact_step=1024,
+                  n_batch=512)
 
 
 def need(costs: SlotCosts, pool: int, n_slots: int, n_ctx: int) -> float:
     """Bytes n_slots sessions of `pool` tokens, one exact prefill and the headroom take (total memory small)."""
     return n_slots * (pool * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.ring) + \
-        n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max + MIN_HEADROOM
+        n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max * 2 + MIN_HEADROOM
 
 
 def test_solve_takes_the_largest_pool_that_fits():

@@ -55,6 +55,7 @@ class SlotCosts:
     layer_per_token: float
     compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
     exact_step: int           # tokens per step of the exact prefill (its masks: 4 bytes per key per step token)
+    n_batch: int              # the probes' step
 
 
 def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
@@ -65,7 +66,8 @@ def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
     return SlotCosts(kv_per_token=small["kv_per_token"], compute_per_token=per_token,
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), ring=small["ring"],
                      layer_per_token=small["layer_per_token"], compute_max=large["compute"],
-                     exact_step=pool.exact_prefill_batch(small["flash"], int(small["layer_per_token"])))
+                     exact_step=pool.exact_prefill_batch(small["flash"], int(small["layer_per_token"])),
+                     n_batch=pool.n_batch)
 
 
 def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, min_pool: int) -> Fit:
@@ -74,8 +76,11 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     C = _core.CHUNK_TOKENS
     headroom = max(MIN_HEADROOM, int(HEADROOM_FRACTION * total))
     # One exact prefill runs at a time (the server computes one prompt at once): one layer's K/V of a
-    # whole-context prompt and its step's masks over all of it, beside a step's compute buffer.
-    prefill = n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max
+    # whole-context prompt and its step's masks over all of it, beside a step's compute buffer (probed at
+    # n_batch tokens, scaled to the exact step). On the H100 (8B, 128K) this came to 1.20 GiB where the
+    # prefill held 1.27 GiB: the headroom covers the rest.
+    prefill = n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + \
+        costs.compute_max * costs.exact_step / max(1, costs.n_batch)
     fixed = n_slots * (costs.compute_fixed + costs.ring) + prefill + headroom
     per_token = n_slots * (costs.kv_per_token + costs.compute_per_token)
     fitted = int((free - fixed) / per_token) // C * C

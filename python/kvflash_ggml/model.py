@@ -90,28 +90,33 @@ class Model:
 
     # -- completions -----------------------------------------------------------------------------
     def create_completion(self, prompt: Union[str, bytes, Sequence[int]], *, max_tokens: Optional[int] = 16,
-                          stream: bool = False, **sampling: Any) -> Union[dict, Iterator[dict]]:
+                          stream: bool = False, logprobs: Optional[int] = None,
+                          **sampling: Any) -> Union[dict, Iterator[dict]]:
         """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context.
         sampling: temperature (0.8), top_k (40), top_p (0.95), min_p (0.05), seed (None or -1: random), stop
-        (see SamplingParams). A stream's chunks come as it is iterated (see the module docstring)."""
-        return self._respond(prompt, SamplingParams(max_tokens=max_tokens, **sampling), False, stream)
+        (see SamplingParams). logprobs=N: each token's log-probability and the N most likely (OpenAI's
+        completions shape). A stream's chunks come as it is iterated (see the module docstring)."""
+        return self._respond(prompt, SamplingParams(max_tokens=max_tokens, **sampling), False, stream, logprobs)
 
     __call__ = create_completion
 
     def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: Optional[int] = 256,
-                               stream: bool = False, **sampling: Any) -> Union[dict, Iterator[dict]]:
+                               stream: bool = False, logprobs: bool = False, top_logprobs: Optional[int] = None,
+                               **sampling: Any) -> Union[dict, Iterator[dict]]:
         """messages: rendered with the chat_template given to the Model, else the GGUF's own. Sampling options
-        as for create_completion."""
-        return self._respond(check_messages(messages), SamplingParams(max_tokens=max_tokens, **sampling), True, stream)
+        as for create_completion; logprobs=True (with top_logprobs=N) as OpenAI's chat shape."""
+        return self._respond(check_messages(messages), SamplingParams(max_tokens=max_tokens, **sampling), True, stream,
+                             (top_logprobs or 0) if logprobs else None)
 
     def _respond(self, prompt: Union[str, bytes, Sequence], params: SamplingParams, chat: bool,
-                 stream: bool) -> Union[dict, Iterator[dict]]:
+                 stream: bool, logprobs: Optional[int] = None) -> Union[dict, Iterator[dict]]:
         engine = self._open_engine()
         tokens = engine.prompt_tokens(prompt)
         shape = Responses(chat=chat, model=self.model_name, n_prompt=len(tokens), tokenizer=self.tokenizer)
         # The engine's lock for the whole of a non-streamed call: no other call can supersede it halfway.
         with engine._lock:
-            records = engine.generate(tokens, params)   # checks and takes the session now, not at the first next()
+            # checks and takes the session now, not at the first next()
+            records = engine.generate(tokens, params, logprobs=logprobs)
             chunks = (shape.chunk(rec) for rec in records)
             return chunks if stream else shape.collect(chunks)
 
