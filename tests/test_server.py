@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess
+from kvflash_ggml.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,11 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    s = ServerProcess("--model", "smollm2", "--parallel", "2", "--kvflash", "512", "--n-ctx", str(N_CTX),
+    s = ServerProcess.kvflash("--model", "smollm2", "--parallel", "2", "--kvflash", "512", "--n-ctx", str(N_CTX),
                       "--api-key", KEY, "--prefix-cache", str(dirs["cache"]), "--slot-save-path", str(dirs["slots"]),
                       log=dirs["log"] / "server.log")
     yield s
-    assert s.stop(), s.log()
+    assert s.stop() and "Application shutdown complete" in s.log(), s.log()
 
 
 @pytest.fixture(scope="module")
@@ -205,15 +205,15 @@ def test_restart_resumes_from_the_prefix_cache(dirs, tmp_path):
     flags = ("--model", "smollm2", "--parallel", "1", "--kvflash", "512", "--n-ctx", str(N_CTX),
              "--prefix-cache", str(tmp_path / "cache"))
     turn1 = [{"role": "user", "content": "Here is a long story about a lighthouse keeper. " * 12}]
-    first = ServerProcess(*flags, log=tmp_path / "a.log")
+    first = ServerProcess.kvflash(*flags, log=tmp_path / "a.log")
     try:
         c = openai.OpenAI(base_url=f"{first.url}/v1", api_key="none", max_retries=0, timeout=120)
         r1 = c.chat.completions.create(model=c.models.list().data[0].id, messages=turn1, max_tokens=8, temperature=0)
     finally:
-        assert first.stop(), first.log()
+        assert first.stop() and "Application shutdown complete" in first.log(), first.log()
     assert r1.usage.prompt_tokens > 128
     assert list((tmp_path / "cache").glob("*.kvf")), "nothing stored at shutdown"
-    second = ServerProcess(*flags, log=tmp_path / "b.log")
+    second = ServerProcess.kvflash(*flags, log=tmp_path / "b.log")
     try:
         c = openai.OpenAI(base_url=f"{second.url}/v1", api_key="none", max_retries=0, timeout=120)
         turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess
+from kvflash_ggml.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +25,10 @@ COUNTING = "1, 2, 3, 4, 5, 6,"   # SmolLM2 counts on to the end of its context: 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-load")
-    s = ServerProcess("--model", "smollm2", "--parallel", "4", "--queue", "32", "--kvflash", "512", "--n-ctx", "2048",
+    s = ServerProcess.kvflash("--model", "smollm2", "--parallel", "4", "--queue", "32", "--kvflash", "512", "--n-ctx", "2048",
                       "--prefix-cache", str(root / "cache"), log=root / "server.log")
     yield s
-    assert s.stop(), s.log()
+    assert s.stop() and "Application shutdown complete" in s.log(), s.log()
 
 
 def client_for(server) -> openai.OpenAI:
@@ -125,7 +125,7 @@ def test_a_client_that_gives_up_frees_its_slot(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(tmp_path):
-    s = ServerProcess("--model", "smollm2", "--parallel", "1", "--queue", "1", "--kvflash", "512", "--n-ctx", "2048",
+    s = ServerProcess.kvflash("--model", "smollm2", "--parallel", "1", "--queue", "1", "--kvflash", "512", "--n-ctx", "2048",
                       "--prefix-cache", "off", log=tmp_path / "server.log")
     try:
         client = client_for(s)
@@ -145,4 +145,4 @@ def test_a_full_queue_answers_503_with_retry_after(tmp_path):
         waiting.join(60)
         assert not waiting.is_alive()
     finally:
-        assert s.stop(), s.log()
+        assert s.stop() and "Application shutdown complete" in s.log(), s.log()

@@ -17,10 +17,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,69 +26,22 @@ import httpx
 import numpy as np
 
 from ..known_models import resolve_model_path
+from ..testing.server_process import ServerProcess, free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ours(args, n_slots: int, log: Path) -> ServerProcess:
+    return ServerProcess.kvflash("--model", args.model, "--parallel", str(n_slots), "--n-ctx",
+                                 str(args.context + args.gen + 64), "--kvflash", args.kvflash, "--prefix-cache", "off",
+                                 "--queue", str(max(64, args.requests)), "--log-level", "warning",
+                                 *args.ours_flags.split(), log=log, timeout=600)
 
 
-class Server:
-    """A server subprocess: ours (`kvflash serve`) or llama-server, up when /health answers 200."""
-
-    def __init__(self, argv: list[str], port: int, log: Path, timeout: float = 600) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{argv[0]} did not come up in {timeout} s; see {log}")
-            time.sleep(0.5)
-
-    def rss(self) -> int:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def ours(args, n_slots: int, port: int, log: Path) -> Server:
-    argv = [sys.executable, "-m", "kvflash_ggml", "serve", "--model", args.model, "--parallel", str(n_slots),
-            "--n-ctx", str(args.context + args.gen + 64), "--kvflash", args.kvflash, "--port", str(port),
-            "--prefix-cache", "off", "--queue", str(max(64, args.requests)), "--log-level", "warning",
-            *args.ours_flags.split()]
-    return Server(argv, port, log)
-
-
-def llama_server(args, n_slots: int, port: int, log: Path) -> Server:
-    per_slot = args.context + args.gen + 64
+def llama_server(args, n_slots: int, log: Path) -> ServerProcess:
+    per_slot, port = args.context + args.gen + 64, free_port()
     argv = [args.llama_server, "-m", resolve_model_path(args.model), "-np", str(n_slots), "-c",
             str(n_slots * per_slot), "--port", str(port), "--host", "127.0.0.1", "-ngl", "999", "-fa", "on",
             "--no-webui", *args.llama_flags.split()]
-    return Server(argv, port, log)
+    return ServerProcess(argv, port=port, log=log, timeout=600)
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, *, leave_after: Optional[int] = None,
@@ -156,7 +105,7 @@ def throughput(args) -> dict:
         prompts = [prompt_ids(args.context, seed=i) for i in range(n_streams)]
         row = {"streams": n_streams, "context": args.context}
         for name, start in servers:
-            server = start(args, n_streams, free_port(), Path(args.logs) / f"{name}-{n_streams}.log")
+            server = start(args, n_streams, Path(args.logs) / f"{name}-{n_streams}.log")
             try:
                 stream_completion(server.url, prompt_ids(64, 999), 4)   # warm up
                 t0 = time.perf_counter()
@@ -177,7 +126,7 @@ def throughput(args) -> dict:
 
 def soak(args) -> dict:
     rng = random.Random(args.seed)
-    server = ours(args, args.parallel, free_port(), Path(args.logs) / "kvflash-soak.log")
+    server = ours(args, args.parallel, Path(args.logs) / "kvflash-soak.log")
     samples, outcomes, lock = [], {"ok": 0, "left": 0, "busy": 0, "failed": 0}, threading.Lock()
     jobs = []
     for i in range(args.requests):
@@ -189,7 +138,7 @@ def soak(args) -> dict:
 
     def sample():
         while not stop_sampling.wait(2.0):
-            samples.append((time.perf_counter(), server.rss()))
+            samples.append((time.perf_counter(), server.rss_bytes()))
 
     def worker(k):
         for j in range(k, len(jobs), args.concurrency):
@@ -205,7 +154,7 @@ def soak(args) -> dict:
                 outcomes[key] += 1
 
     try:
-        rss_start = server.rss()
+        rss_start = server.rss_bytes()
         t0 = time.perf_counter()
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -216,7 +165,7 @@ def soak(args) -> dict:
             w.join()
         elapsed = time.perf_counter() - t0
         time.sleep(2)
-        rss_end = server.rss()
+        rss_end = server.rss_bytes()
         alive = server.proc.poll() is None
     finally:
         stop_sampling.set()

@@ -25,26 +25,19 @@ class SlotCollector(Collector):
 
     def collect(self) -> Iterator:
         slots = self.scheduler.slots
-        gauges = {
-            "pool_bytes": ("device bytes of the slot's KV pool", "device_kv_bytes"),
-            "tokens": ("tokens the slot's session holds", "tokens"),
-            "host_kv_bytes": ("bytes of the slot's K/V paged out to host memory", "host_kv_bytes"),
-        }
-        for name, (doc, key) in gauges.items():
-            g = GaugeMetricFamily(f"kvflash_slot_{name}", doc, labels=["slot"])
+        figures = [  # (family, name, help, the key of the slot's stats)
+            (GaugeMetricFamily, "pool_bytes", "device bytes of the slot's KV pool", "device_kv_bytes"),
+            (GaugeMetricFamily, "tokens", "tokens the slot's session holds", "tokens"),
+            (GaugeMetricFamily, "host_kv_bytes", "bytes of the slot's K/V paged out to host memory", "host_kv_bytes"),
+            (CounterMetricFamily, "page_ins", "chunks paged into the slot's pool", "page_ins"),
+            (CounterMetricFamily, "page_outs", "chunks paged out of the slot's pool", "page_outs"),
+            (CounterMetricFamily, "paged_bytes", "bytes moved between the slot's pool and host memory", "bytes_moved"),
+        ]
+        for family, name, doc, key in figures:
+            metric = family(f"kvflash_slot_{name}", doc, labels=["slot"])
             for s in slots:
-                g.add_metric([str(s.id)], float(s.stats.get(key, 0)))
-            yield g
-        counters = {
-            "page_ins": ("chunks paged into the slot's pool", "page_ins"),
-            "page_outs": ("chunks paged out of the slot's pool", "page_outs"),
-            "paged_bytes": ("bytes moved between the slot's pool and host memory", "bytes_moved"),
-        }
-        for name, (doc, key) in counters.items():
-            c = CounterMetricFamily(f"kvflash_slot_{name}", doc, labels=["slot"])
-            for s in slots:
-                c.add_metric([str(s.id)], float(s.stats.get(key, 0)))
-            yield c
+                metric.add_metric([str(s.id)], float(s.stats.get(key, 0)))
+            yield metric
         busy = GaugeMetricFamily("kvflash_slot_busy", "1 while the slot serves a request", labels=["slot"])
         for s in slots:
             busy.add_metric([str(s.id)], float(s.busy))
