@@ -3,6 +3,7 @@ client (and plain HTTP where the client cannot send what we test), SmolLM2 on th
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -192,11 +193,16 @@ def test_metrics(server, client, model_id):
     assert len(pool_bytes) == 2 and all(b > 0 for b in pool_bytes)
 
 
-def test_request_log_lines(server):
+def test_one_log_line_per_request(server):
+    text = http(server, "GET", "/metrics").text   # every request so far, this one not yet
+    served = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvflash_requests_total{"))
+    time.sleep(0.5)
     lines = [json.loads(line.split(" INFO ", 1)[1]) for line in server.log().splitlines()
              if "kvflash_ggml.server.requests INFO" in line]
+    assert len(lines) == served + 1
     generations = [entry for entry in lines if "completion_tokens" in entry]
     assert generations and all(entry["slot"] in (0, 1) and entry["prompt_tokens"] > 0 for entry in generations)
+    assert {entry["outcome"] for entry in generations} == {"done"}
 
 
 def test_restart_resumes_from_the_prefix_cache(dirs, tmp_path):

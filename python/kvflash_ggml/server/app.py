@@ -205,15 +205,17 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         shape = Responses(chat=chat, model=state.model_name, n_prompt=len(tokens), tokenizer=tokenizer)
-        finished = False
+        http.state.logs_itself = True   # the middleware leaves this request's log line to _log_generation
+        streaming, outcome = False, "cancelled"   # what the log line says if we leave before the end
         try:
             first = await _next_or_disconnect(job, http)
             if first is CLIENT_GONE:
                 return PlainTextResponse("client closed the request", status_code=499)
             if isinstance(first, BaseException) or first is None:
+                outcome = "failed"
                 _raise_failed(first)
             if body.stream:
-                finished = True   # the stream's own generator cancels from here on
+                streaming = True   # the stream's own generator cancels and logs from here on
                 return EventSourceResponse(_events(job, shape, first, include_usage=body.include_usage),
                                            ping=15)
             chunks = [shape.chunk(first)]
@@ -222,23 +224,26 @@ def create_app(state: ServerState) -> FastAPI:
                 if item is CLIENT_GONE:
                     return PlainTextResponse("client closed the request", status_code=499)
                 if isinstance(item, BaseException) or item is None:
+                    outcome = "failed"
                     _raise_failed(item)
                 chunks.append(shape.chunk(item))
-            finished = True
-            _log_generation(job, shape)
+            outcome = "done"
             return shape.collect(chunks)
         finally:
-            if not finished:
-                scheduler.cancel(job)
+            if not streaming:
+                scheduler.cancel(job)   # no-op once finished
+                _log_generation(job, shape, outcome)
 
     async def _events(job: Job, shape: Responses, first: GenerationRecord, *,
                       include_usage: bool) -> AsyncIterator[dict]:
+        outcome = "cancelled"
         try:
             if shape.chat:
                 yield {"data": _json(shape.role_chunk())}
             item: Union[GenerationRecord, BaseException, None] = first
             while True:
                 if isinstance(item, BaseException) or item is None:
+                    outcome = "failed"
                     message = str(item) if item is not None else "the generation was cancelled"
                     yield {"data": _json({"error": {"message": message, "type": "server_error", "param": None,
                                                     "code": None}})}
@@ -252,18 +257,20 @@ def create_app(state: ServerState) -> FastAPI:
             if include_usage:
                 yield {"data": _json(shape.usage_chunk())}
             yield {"data": "[DONE]"}
-            _log_generation(job, shape)
+            outcome = "done"
         finally:
             scheduler.cancel(job)   # a client that left: the slot stops at its next step (no-op once finished)
+            _log_generation(job, shape, outcome)
 
-    def _log_generation(job: Job, shape: Responses) -> None:
+    def _log_generation(job: Job, shape: Responses, outcome: str) -> None:
+        """One line per generation request, however it ended (done, cancelled: the client left, failed)."""
         metrics.generated_tokens.inc(shape.n_generated)
         if job.t_start is not None:
             metrics.queue_seconds.observe(job.t_start - job.t_submit)
         if job.t_first is not None and job.t_start is not None:
             metrics.first_token_seconds.observe(job.t_first - job.t_start)
         kv = (shape.usage or {}).get("kvflash") or {}
-        log_request(id=shape.id, slot=job.slot_id, prompt_tokens=len(job.tokens),
+        log_request(id=shape.id, outcome=outcome, slot=job.slot_id, prompt_tokens=len(job.tokens),
                     reused_tokens=kv.get("prompt_tokens_reused"), completion_tokens=shape.n_generated,
                     queue_ms=_ms(job.t_submit, job.t_start), prompt_ms=_ms(job.t_start, job.t_first),
                     total_ms=_ms(job.t_submit, time.perf_counter()), page_ins=kv.get("page_ins"))
@@ -369,8 +376,8 @@ def _json(obj: dict) -> str:
 
 class AuthAndCount:
     """ASGI middleware (pure ASGI, so that streamed responses still see the client's disconnect): the API key
-    check (every path but /health), the request counter by endpoint and status, and a log line for requests
-    that are not generations (those log their own, with token figures) or that failed."""
+    check (every path but /health), the request counter by endpoint and status, and the request's log line
+    unless it is a generation that reached the scheduler (that one logs its own, with token figures)."""
 
     def __init__(self, app, *, api_key: Optional[str], metrics: Metrics) -> None:
         self.app, self.api_key, self.metrics = app, api_key, metrics
@@ -396,5 +403,5 @@ class AuthAndCount:
             await self.app(scope, receive, send_status)
         endpoint = "/slots/{id}" if path.startswith("/slots/") else path if path in ENDPOINTS else "other"
         self.metrics.requests.labels(endpoint, str(status[0])).inc()
-        if not path.startswith("/v1/") or status[0] >= 400:
+        if not scope.get("state", {}).get("logs_itself"):
             log_request(path=path, status=status[0], ms=_ms(t0, time.perf_counter()))
