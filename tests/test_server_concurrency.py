@@ -104,6 +104,7 @@ def test_concurrent_streams_equal_one_at_a_time_and_memory_settles(server):
             rss_after_first = server.rss_bytes()
     rss_after = server.rss_bytes()
     assert metric(server, "kvflash_cancelled_requests_total") > cancelled_before   # some left before the end
+    assert metric(server, "kvflash_batched_steps_total") > 0   # slots decoded together, and still equal
     mib = 1 << 20
     # the burst's buffers are freed: within 64 MiB of before it, and a second burst adds nothing that stays
     assert rss_after_first <= rss_before + 64 * mib, (rss_before / mib, rss_after_first / mib)

@@ -30,6 +30,7 @@ void register_kv(py::module_ & m, py::module_ & testing);
 void register_model(py::module_ & m, py::module_ & testing);
 void register_session(py::module_ & m, py::module_ & testing);
 void register_snapshot(py::module_ & m);
+void register_batch(py::module_ & m);   // bind_batch.cpp: BatchDecoder
 void bind_session_snapshots(py::class_<Session> & cls);   // bind_snapshot.cpp, called by register_session
 
 }  // namespace kvf::bind

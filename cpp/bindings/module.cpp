@@ -18,4 +18,5 @@ PYBIND11_MODULE(_core, m) {
     kvf::bind::register_model(m, testing);
     kvf::bind::register_session(m, testing);
     kvf::bind::register_snapshot(m);
+    kvf::bind::register_batch(m);
 }

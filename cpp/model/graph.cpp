@@ -63,20 +63,58 @@ ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor *
     return ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f);
 }
 
+// Writes k and v of the step's tokens into layer kl of `kv` and attends its first n_kv slots under `in`:
+// q, k, v [head_dim, n_heads, n]; returns [head_dim_v * n_head, n]. capture_attn: keep the last queries'
+// attention for the drafter scorer (one sequence only).
+ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in, int64_t kl, int64_t n_kv,
+                     ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale, bool capture_attn) {
+    ggml_context * ctx = g.ctx;
+    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1], n = q->ne[2];
+    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
+    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
+    ggml_tensor * kk = get_k(ctx, kv, in, kl, n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
+    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
+    if (g.flash_attn) {
+        if (capture_attn) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, in.mask, kq_scale)));
+        ggml_tensor * vv = get_v(ctx, kv, in, kl, n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
+        ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
+        ggml_tensor * out = ggml_flash_attn_ext(ctx, qp, kp, vp, in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n]
+        ggml_prec_set_acc(out, GGML_PREC_F32);
+        return ggml_reshape_2d(ctx, out, head_dim_v * n_head, n);
+    }
+    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    kq = ggml_soft_max_ext(ctx, kq, in.mask, kq_scale, 0.0f);
+    if (capture_attn) g.attn.push_back(capture_head_max(g, kq));
+    ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
+    ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n, n_head]
+    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, n);
+}
+
+// Token t of x [ne0, ne1, n_tokens] as [ne0, ne1, 1].
+ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
+    return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], t * x->nb[2]);
+}
+
 }  // namespace
 
 ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                            float kq_scale) {
     ggml_context * ctx = g.ctx;
     const LayerWeights & w = m.layers[il];
+    if (!g.lanes.empty()) {   // a batched decode: each token attends its own session's pool
+        const int64_t kl = m.hparams().kv_index(il);
+        ggml_tensor * out = nullptr;
+        for (int64_t t = 0; t < (int64_t) g.lanes.size(); ++t) {
+            const GraphCtx::Lane & lane = g.lanes[t];
+            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
+                                     token_view(ctx, v, t), kq_scale, false);
+            out = out ? ggml_concat(ctx, out, o, 1) : o;
+        }
+        return ggml_mul_mat(ctx, w.wo, out);
+    }
     const GraphCtx::LayerKv lkv = g.layer_kv(m.hparams(), il);
-    const PooledKV & kv = *lkv.kv;
-    const KvStepInputs & in = *lkv.in;
-    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1];
-    const int64_t kl = lkv.layer, n_kv = lkv.n_kv;
-    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
-    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
-    const bool capture_attn = lkv.pooled && g.n_attn_tokens > 0;
     if (lkv.pooled && g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
         const int64_t n_q = g.n_query_tokens;
         ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
@@ -85,27 +123,8 @@ ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * 
         ggml_build_forward_expand(g.gf, last);
         g.queries.push_back(last);
     }
-
-    ggml_tensor * kk = get_k(ctx, kv, in, kl, n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
-    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n_tokens, n_head]
-    ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
-    ggml_tensor * out;
-    if (g.flash_attn) {
-        if (capture_attn) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, in.mask, kq_scale)));
-        ggml_tensor * vv = get_v(ctx, kv, in, kl, n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
-        ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
-        out = ggml_flash_attn_ext(ctx, qp, kp, vp, in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_tokens]
-        ggml_prec_set_acc(out, GGML_PREC_F32);
-        out = ggml_reshape_2d(ctx, out, head_dim_v * n_head, g.n_tokens);
-    } else {
-        ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n_tokens, n_head]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        kq = ggml_soft_max_ext(ctx, kq, in.mask, kq_scale, 0.0f);
-        if (capture_attn) g.attn.push_back(capture_head_max(g, kq));
-        ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
-        ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n_tokens, n_head]
-        out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, g.n_tokens);
-    }
+    ggml_tensor * out = attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale,
+                               lkv.pooled && g.n_attn_tokens > 0);
     return ggml_mul_mat(ctx, w.wo, out);
 }
 

@@ -38,6 +38,14 @@ struct GraphCtx {
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
     int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)
     std::vector<ggml_tensor *> attn;        // per layer: F32 [n_kv, n_attn_tokens], max over heads (outputs)
+    // A batched decode of several sessions (runtime/batch_decoder.h): token t is session t's one token and
+    // attends only that session's pool, under its own inputs. Empty: the graph runs one sequence (kv, in.kv).
+    struct Lane {
+        const PooledKV * kv;
+        KvStepInputs in;
+        int64_t n_kv;
+    };
+    std::vector<Lane> lanes;
 
     // Where layer il keeps its K/V: the pool (global layers) or the ring (sliding-window layers). Only
     // pooled layers are paged and scored, so only they keep queries and attention for the scorers.

@@ -111,7 +111,8 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
 
 size_t Session::graph_size() const { return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64); }
 
-ggml_backend_sched_t Session::new_sched() const {
+ggml_backend_sched_t Session::new_sched(size_t n_nodes) const {
+    if (n_nodes == 0) n_nodes = graph_size();
     std::vector<ggml_backend_t> backends = {model_->backend()};
     std::vector<ggml_backend_buffer_type_t> bufts = {ggml_backend_get_default_buffer_type(model_->backend())};
     if (model_->on_gpu()) {
@@ -122,7 +123,7 @@ ggml_backend_sched_t Session::new_sched() const {
         bufts.push_back(host ? host : ggml_backend_get_default_buffer_type(model_->cpu_backend()));
     }
     ggml_backend_sched_t sched =
-        ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), graph_size(), false, true);
+        ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), n_nodes, false, true);
     if (!sched) throw std::runtime_error("could not create the ggml scheduler");
     return sched;
 }
@@ -277,8 +278,8 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     timings_.n_graph_builds++;
 }
 
-ggml_context * Session::new_graph_ctx() const {
-    const size_t n = graph_size();
+ggml_context * Session::new_graph_ctx(size_t n_nodes) const {
+    const size_t n = n_nodes ? n_nodes : graph_size();
     ggml_init_params params = {ggml_tensor_overhead() * n + ggml_graph_overhead_custom(n, false), nullptr, true};
     ggml_context * ctx = ggml_init(params);
     if (!ctx) throw std::runtime_error("could not create a graph context");

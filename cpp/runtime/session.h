@@ -189,11 +189,13 @@ public:
                        std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring);
 
 private:
+    friend class BatchDecoder;   // runtime/batch_decoder.h: steps several sessions in one graph
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
     void check_tokens(const int32_t * tokens, int64_t n, int64_t start) const;   // forward's argument checks
     size_t graph_size() const;
-    ggml_backend_sched_t new_sched() const;   // the session's backends (a GPU's inputs in pinned memory)
-    ggml_context * new_graph_ctx() const;     // a no_alloc context for one graph
+    // The session's backends (a GPU's inputs in pinned memory), for graphs of up to n_nodes (0: graph_size()).
+    ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;
+    ggml_context * new_graph_ctx(size_t n_nodes = 0) const;     // a no_alloc context for one graph
     // ---- layer-major prefill (session_prefill.cpp) ----
     void place_prompt(const int32_t * tokens, int64_t n, int64_t start);
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)

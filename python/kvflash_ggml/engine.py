@@ -13,7 +13,6 @@ from another prompt's context. Streams on one Engine therefore cannot interleave
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import threading
@@ -345,55 +344,22 @@ class Engine:
     # -- generate --------------------------------------------------------------------------------
     def generate(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]],
                  params: Optional[SamplingParams] = None, *, logprobs: Optional[int] = None,
-                 **sampling) -> Iterator[GenerationRecord]:
+                 **sampling) -> "Generation":
         """Stream records for a prompt given as text (str, or UTF-8 bytes), token ids, or chat messages
         (rendered with the GGUF's template). Sampling options come as a SamplingParams or as keywords
         (max_tokens, temperature, top_k, top_p, min_p, seed, stop); temperature 0 is greedy and
         deterministic. logprobs=N: each record carries its token's log-probability and the N most likely
         tokens' (from the model's logits, before temperature; greedy decoding then reads the logits back
         instead of taking the argmax on the backend). The prompt and options are checked now; the call takes
-        the session now (superseding any unfinished stream) and computes the prompt at the first next()."""
+        the session now (superseding any unfinished stream) and computes the prompt at the first next().
+        Returns a Generation: an iterator of records."""
         params = params or SamplingParams(**sampling)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
         tokens = self.check_prompt(self.prompt_tokens(prompt))
         with self._turn():
             owner = self._take()
-        return self._records(tokens, params, owner, logprobs)
-
-    def _records(self, tokens: list[int], params: SamplingParams, owner: int,
-                 n_logprobs: Optional[int] = None) -> Iterator[GenerationRecord]:
-        sampler, stream = Sampler(params), TextStream(params.stop)
-
-        def choose(logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
-            token = sampler(logits)
-            return token, (None if n_logprobs is None else token_logprobs(logits, token, n_logprobs))
-
-        with self._turn(owner):
-            token, logprobs = choose(self._prefill(tokens))
-        finish = "length"
-        for i in range(params.max_tokens) if params.max_tokens is not None else itertools.count():
-            with self._turn(owner):
-                if i and self.session.n_tokens >= self.pool.n_ctx:
-                    break
-                if i and sampler.greedy and n_logprobs is None:
-                    token = self._decode_one_greedy(token)
-                elif i:
-                    token, logprobs = choose(self._decode_one(token))
-                eog = self.tokenizer.is_eog(token)
-                text = "" if eog else stream.push(self.tokenizer.piece(token))
-            if eog:
-                finish = "stop"
-                break
-            yield GenerationRecord(token, text, None, logprobs=logprobs)
-            if stream.stopped:
-                finish = "stop"
-                break
-        with self._turn(owner):
-            if self.prefix_cache is not None and self.store_each_turn:   # before the last yield: a consumer
-                self.prefix_cache.store(self._cache_key, self.session)  # may stop after it
-            stats = self.stats()
-        yield GenerationRecord(None, stream.flush(), finish, stats)
+        return Generation(self, tokens, params, owner, logprobs)
 
     def store_prefix(self) -> None:
         """Store the session's chunk-aligned prefix in the prefix cache now (nothing without one; a prefix
@@ -484,3 +450,83 @@ class Engine:
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
             "policy": self.policy.name,
         }
+
+
+class Generation:
+    """One generate() call, an iterator of records: the first next() runs the prompt and picks the first
+    token; each later one feeds the last token and picks the next (a decode step), until an end-of-generation
+    token, a stop string, max_tokens or a full context; then a closing record with the stats.
+
+    A server steps many at once: while needs_greedy_step(), its decode step is feeding `token` and taking the
+    argmax, which the caller may run for several sessions in one batched forward (_core.BatchDecoder) and
+    hand back with advance(next_token), in place of next()."""
+
+    def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams, owner: int,
+                 n_logprobs: Optional[int]) -> None:
+        self.engine, self.tokens, self.params, self.owner, self.n_logprobs = engine, tokens, params, owner, n_logprobs
+        self.sampler, self.stream = Sampler(params), TextStream(params.stop)
+        self.token: Optional[int] = None   # the last token picked (fed by the next decode step)
+        self.n_generated = 0               # token records given
+        self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> GenerationRecord:
+        if self._state == "closed":
+            raise StopIteration
+        e = self.engine
+        with e._turn(self.owner):
+            if self._state == "prompt":
+                self._state = "decoding"
+                token, logprobs = self._choose(e._prefill(self.tokens))
+                return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
+            if self._state == "stopped" or self._at_limit():
+                return self._close("stop" if self._state == "stopped" else "length")
+            if self.sampler.greedy and self.n_logprobs is None:
+                return self._emit(e._decode_one_greedy(self.token), None)
+            return self._emit(*self._choose(e._decode_one(self.token)))
+
+    def needs_greedy_step(self) -> bool:
+        """The next record needs a greedy decode step of `token` (no logits read back)."""
+        return self._state == "decoding" and self.sampler.greedy and self.n_logprobs is None and \
+            not self._at_limit()
+
+    def advance(self, next_token: int) -> GenerationRecord:
+        """The next record, its decode step run by the caller: `token` was fed to the session (at its
+        n_tokens) and next_token is the argmax after it."""
+        e = self.engine
+        with e._turn(self.owner):
+            if not self.needs_greedy_step():
+                raise RuntimeError("advance() without a pending greedy decode step")
+            e._after_decode()
+            return self._emit(int(next_token), None)
+
+    def close(self) -> None:
+        self._state = "closed"
+
+    def _at_limit(self) -> bool:
+        p = self.params
+        return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
+            self.engine.session.n_tokens >= self.engine.pool.n_ctx
+
+    def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
+        token = self.sampler(logits)
+        return token, (None if self.n_logprobs is None else token_logprobs(logits, token, self.n_logprobs))
+
+    def _emit(self, token: int, logprobs: Optional[TokenLogprobs]) -> GenerationRecord:
+        self.token = token
+        if self.engine.tokenizer.is_eog(token):
+            return self._close("stop")
+        text = self.stream.push(self.engine.tokenizer.piece(token))
+        self.n_generated += 1
+        if self.stream.stopped:
+            self._state = "stopped"
+        return GenerationRecord(token, text, None, logprobs=logprobs)
+
+    def _close(self, finish: str) -> GenerationRecord:
+        e = self.engine
+        self._state = "closed"
+        if e.prefix_cache is not None and e.store_each_turn:   # before the closing record: a consumer may stop
+            e.prefix_cache.store(e._cache_key, e.session)      # after it
+        return GenerationRecord(None, self.stream.flush(), finish, e._stats())

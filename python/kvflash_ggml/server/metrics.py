@@ -44,6 +44,13 @@ class SlotCollector(Collector):
         yield busy
         yield GaugeMetricFamily("kvflash_queue_length", "requests waiting for a slot",
                                 value=float(self.scheduler.queue_length))
+        sched = self.scheduler
+        yield CounterMetricFamily("kvflash_batched_steps", "batched decode forwards (several slots' tokens in one)",
+                                  value=float(sched.n_batched_steps))
+        yield CounterMetricFamily("kvflash_batched_tokens", "tokens decoded by batched forwards",
+                                  value=float(sched.n_batched_tokens))
+        yield GaugeMetricFamily("kvflash_batch_compute_bytes", "device bytes of the batched decode graphs' buffer",
+                                value=float(sched.batch_compute_bytes))
 
 
 class Metrics:

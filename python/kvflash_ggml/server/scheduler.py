@@ -7,10 +7,13 @@ chunk-aligned prefix in the prefix cache, so a conversation that comes back resu
 
 All computing happens on the scheduler thread, as in llama-server's main loop: each round steps every
 active slot once (the first step of a request runs its prompt and picks the first token, later steps one
-token each). A long prompt does not stall the others: between its forward steps (and between layers of an
-exact prefill) the engine calls back here and the slots that are decoding take one step each. Records go
-to the request's asyncio queue on the event loop that submitted it. A cancelled request (the client went
-away) ends at its slot's next step, or at the next forward step of its prompt.
+token each). The greedy decode steps of a round run as one batched forward (_core.BatchDecoder: the
+weights are read once for all slots, attention runs per slot over its own pool); the others (sampling,
+logprobs, the qk/quest/drafter scorers' captures, sliding-window models) step alone. A long prompt does
+not stall the others: between its forward steps (and between layers of an exact prefill) the engine calls
+back here and the slots that are decoding take one step each. Records go to the request's asyncio queue on
+the event loop that submitted it. A cancelled request (the client went away) ends at its slot's next step,
+or at the next forward step of its prompt.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-from ..engine import Engine, GenerationRecord
+from .. import _core
+from ..engine import Engine, Generation, GenerationRecord
 from ..options import SamplingParams
 from ..tokens import common_prefix
 
@@ -64,12 +68,13 @@ class Slot:
         self.id = slot_id
         self.engine = engine
         self.request: Optional[Request] = None
-        self.records: Optional[Iterator[GenerationRecord]] = None
+        self.records: Optional[Generation] = None
         self.prefilled = False
         self.last_used = 0.0
         self.held_tokens: list[int] = []     # what the session held after its last request (read without a lock)
         self.stats: dict = {}                # the engine's stats() after its last request
         self.n_requests = 0
+        self.batchable = False               # its greedy decode steps may join a batched forward
 
     @property
     def busy(self) -> bool:
@@ -77,10 +82,21 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engines: list[Engine], *, max_queue: int) -> None:
+    """batch: run the slots' greedy decode steps as one forward (off: each slot steps alone)."""
+
+    def __init__(self, engines: list[Engine], *, max_queue: int, batch: bool = True) -> None:
         if max_queue < 0:
             raise ValueError(f"the queue length must be >= 0, got {max_queue}")
         self.slots = [Slot(i, e) for i, e in enumerate(engines)]
+        self.decoder = _core.BatchDecoder(engines[0].model) if batch and len(engines) > 1 else None
+        for slot in self.slots:   # a slot's session never changes kind, so this is asked once
+            why = self.decoder.ineligible(slot.engine.session) if self.decoder else "batching is off"
+            slot.batchable = why is None
+            if why and self.decoder:
+                log.info("slot %d decodes alone: %s", slot.id, why)
+        self.n_batched_steps = 0   # batched forwards run, and the tokens they decoded
+        self.n_batched_tokens = 0
+        self.batch_compute_bytes = 0   # the batched graphs' compute buffer (device bytes beside the slots')
         for slot in self.slots:
             slot.engine.between_prefill_steps = self._between_prefill_steps
             slot.stats = slot.engine.stats()
@@ -151,10 +167,35 @@ class Scheduler:
                     except BaseException as e:   # noqa: BLE001 - handed to the caller
                         future.set_exception(e)
             self._admit()
-            for slot in self.slots:
-                if slot.busy:
-                    self._step(slot)
+            self._round()
         self._shutdown()
+
+    def _round(self, prefilling: Optional[Slot] = None) -> None:
+        """Every busy slot (but `prefilling`) takes one step: the greedy decode steps together in one batched
+        forward, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
+        ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.prefilled)]
+        batch = [s for s in ready if s.batchable and s.prefilled and not s.request.cancelled and
+                 s.records.needs_greedy_step()]
+        if len(batch) > 1 and self._batched_step(batch):
+            ready = [s for s in ready if s not in batch]
+        for slot in ready:
+            if slot.busy:   # a batched step may have finished it
+                self._step(slot)
+
+    def _batched_step(self, batch: list[Slot]) -> bool:
+        """One forward for the slots' greedy decode steps; False (nothing changed) if it failed, so that each
+        slot steps alone and a fault stays with its own request."""
+        try:
+            tokens = self.decoder.step_greedy([s.engine.session for s in batch], [s.records.token for s in batch])
+        except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
+            log.exception("a batched decode step of slots %s failed; stepping them one by one", [s.id for s in batch])
+            return False
+        self.n_batched_steps += 1
+        self.n_batched_tokens += len(batch)
+        self.batch_compute_bytes = self.decoder.compute_bytes
+        for slot, token in zip(batch, tokens):
+            self._deliver(slot, lambda slot=slot, token=token: slot.records.advance(token))
+        return True
 
     def _admit(self) -> None:
         with self._wake:
@@ -180,13 +221,17 @@ class Scheduler:
             self._finish(slot, None, e)
 
     def _step(self, slot: Slot) -> None:
-        request = slot.request
-        if request.cancelled:
+        if slot.request.cancelled:
             self._finish(slot, None, RequestCancelled())
             return
+        self._deliver(slot, lambda: next(slot.records))
+
+    def _deliver(self, slot: Slot, step: Callable[[], GenerationRecord]) -> None:
+        """Run one step of the slot's generation and hand its record to the request."""
+        request = slot.request
         outer, self._current = self._current, slot
         try:
-            record = next(slot.records)
+            record = step()
         except RequestCancelled as e:
             self._finish(slot, None, e)
             return
@@ -208,9 +253,7 @@ class Scheduler:
         prefilling = self._current
         if self._stopping or (prefilling is not None and prefilling.request is not None and prefilling.request.cancelled):
             raise RequestCancelled()
-        for slot in self.slots:
-            if slot is not prefilling and slot.busy and slot.prefilled:
-                self._step(slot)
+        self._round(prefilling)
 
     def _finish(self, slot: Slot, record: Optional[GenerationRecord], error: Optional[BaseException]) -> None:
         request = slot.request

@@ -1,0 +1,44 @@
+#include "bindings/bindings.h"
+
+#include "runtime/batch_decoder.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+namespace kvf::bind {
+
+py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
+
+void register_batch(py::module_ & m) {
+    py::class_<BatchDecoder>(m, "BatchDecoder",
+                             "One decode step of several sessions of one Model as one graph: the weights are read once "
+                             "for all of them, attention runs per session over its own pool (runtime/batch_decoder.h).")
+        .def(py::init<std::shared_ptr<Model>>(), py::arg("model"), py::keep_alive<1, 2>())
+        .def("ineligible", [](const BatchDecoder & b, const Session & s) -> std::optional<std::string> {
+                 std::string why = without_gil([&] {
+                     const SessionLock held = s.lock(/*device =*/ false);
+                     return b.ineligible(s);
+                 });
+                 if (why.empty()) return std::nullopt;
+                 return why;
+             }, py::arg("session"), "why the session cannot join a batched step (None when it can)")
+        .def("step_greedy", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens) {
+                 std::vector<int32_t> out;
+                 without_gil([&] { b.step(sessions, tokens, &out, nullptr); });
+                 return out;
+             }, py::arg("sessions"), py::arg("tokens"),
+             "feed tokens[i] to sessions[i] at its n_tokens; the greedy token after each (argmax on the backend)")
+        .def("step", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens) {
+                 std::vector<float> out;
+                 without_gil([&] { b.step(sessions, tokens, nullptr, &out); });
+                 const int64_t n = (int64_t) sessions.size(), n_vocab = (int64_t) (out.size() / (size_t) n);
+                 return make_logits(std::move(out), n, n_vocab, true);
+             }, py::arg("sessions"), py::arg("tokens"),
+             "feed tokens[i] to sessions[i] at its n_tokens; logits [len(sessions), n_vocab]")
+        .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
+                               "device bytes of the batched step graphs' compute buffer");
+}
+
+}  // namespace kvf::bind

@@ -1,0 +1,165 @@
+#include "runtime/batch_decoder.h"
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+
+namespace kvf {
+
+namespace {
+
+constexpr int64_t k_max_lanes = 64;   // sessions in one step: the graph's node budget is sized for this many
+
+}  // namespace
+
+size_t BatchDecoder::graph_nodes(const Session & s) {
+    return s.graph_size() + (size_t) (k_max_lanes * s.model().hparams().n_layer * 24);
+}
+
+BatchDecoder::BatchDecoder(std::shared_ptr<Model> model) : model_(std::move(model)) {
+    if (!model_) throw std::invalid_argument("BatchDecoder needs a model");
+}
+
+BatchDecoder::~BatchDecoder() {
+    if (sched_) ggml_backend_sched_free(sched_);
+    if (graph_ctx_) ggml_free(graph_ctx_);
+}
+
+std::string BatchDecoder::ineligible(const Session & s) const {
+    if (&s.model() != model_.get()) return "it runs another Model object";
+    if (s.ring()) return "its model has sliding-window layers (their rings are not batched yet)";
+    if (s.config().track_summaries) return "it tracks chunk summaries (the qk / quest scorers read one session's step)";
+    if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";
+    return "";
+}
+
+int64_t BatchDecoder::compute_bytes() const {
+    if (!sched_) return 0;
+    return (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
+}
+
+void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
+                               bool greedy) {
+    const Session & first = *sessions.front();
+    const size_t n_nodes = graph_nodes(first);
+    if (!sched_) sched_ = first.new_sched(n_nodes);
+    if (graph_ctx_) ggml_free(graph_ctx_);
+    graph_ctx_ = first.new_graph_ctx(n_nodes);
+    graph_ = GraphCtx{};
+    GraphCtx & g = graph_;
+    const int64_t n = (int64_t) sessions.size();
+    g.ctx = graph_ctx_;
+    g.gf = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
+    g.n_tokens = g.n_outputs = n;
+    g.flash_attn = first.flash_attn();
+    g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
+    g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
+    ggml_set_input(g.in.tokens);
+    ggml_set_input(g.in.positions);
+    for (int64_t i = 0; i < n; ++i) {
+        const PooledKV & kv = sessions[i]->kv();
+        g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, orders[i].n_kv, orders[i].gathered),
+                           orders[i].n_kv});
+    }
+    const Model & m = *model_;
+    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n]
+    argmax_ = nullptr;
+    if (greedy) {
+        argmax_ = ggml_argmax(g.ctx, logits_);   // I32 [n]: one row per session
+        ggml_set_output(argmax_);
+        ggml_build_forward_expand(g.gf, argmax_);
+    }
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
+        shape_.clear();
+        throw std::runtime_error("could not allocate the batched decode graph (out of memory?)");
+    }
+}
+
+void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                        std::vector<int32_t> * greedy, std::vector<float> * logits) {
+    const int64_t n = (int64_t) sessions.size();
+    if (n == 0) throw std::invalid_argument("a batched step needs at least one session");
+    if (n > k_max_lanes) {
+        throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_lanes) + " sessions, got " +
+                                    std::to_string(n));
+    }
+    if ((int64_t) tokens.size() != n) {
+        throw std::invalid_argument("a batched step needs one token per session (" + std::to_string(tokens.size()) +
+                                    " tokens for " + std::to_string(n) + " sessions)");
+    }
+    std::vector<Session *> by_address(sessions);
+    std::sort(by_address.begin(), by_address.end());
+    if (std::adjacent_find(by_address.begin(), by_address.end()) != by_address.end()) {
+        throw std::invalid_argument("a session appears twice in one batched step");
+    }
+    std::vector<std::unique_lock<std::recursive_mutex>> held;
+    for (Session * s : by_address) {
+        if (!s) throw std::invalid_argument("a batched step got no session");
+        held.emplace_back(s->mutex_);
+    }
+    held.emplace_back(model_->compute_mutex());
+    for (int64_t i = 0; i < n; ++i) {
+        const Session & s = *sessions[i];
+        const std::string why = ineligible(s);
+        if (!why.empty()) throw std::invalid_argument("session " + std::to_string(i) + " cannot join a batched step: " + why);
+        if (s.flash_attn() != sessions.front()->flash_attn()) {
+            throw std::invalid_argument("session " + std::to_string(i) + " takes another attention path than session 0");
+        }
+        s.check_tokens(&tokens[i], 1, s.pager_->n_tokens());
+    }
+
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<Plan> plans;
+    std::vector<int32_t> pos(n);
+    auto undo = [&] {   // forget the positions placed so far: no session changes on an error
+        for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(pos[i]));
+    };
+    std::vector<KvKeyOrder> orders;
+    try {
+        for (int64_t i = 0; i < n; ++i) {
+            Session & s = *sessions[i];
+            pos[i] = (int32_t) s.pager_->n_tokens();
+            plans.push_back(s.pager_->plan_alloc(pos[i], 1));
+            s.execute(plans.back());
+            orders.push_back(kv_key_order(*s.pager_, s.kv_->layout(), s.ordered_, s.kv_pad_));
+        }
+        std::vector<int64_t> shape = {greedy != nullptr};
+        for (int64_t i = 0; i < n; ++i) {
+            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].n_kv, orders[i].gathered});
+        }
+        if (shape != shape_) {
+            build_graph(sessions, orders, greedy != nullptr);
+            shape_ = shape;
+        }
+        ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, n * sizeof(int32_t));
+        ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, n * sizeof(int32_t));
+        for (int64_t i = 0; i < n; ++i) {
+            kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i], &pos[i], scratch_);
+        }
+        if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("ggml graph compute failed");
+        }
+        if (greedy) {
+            greedy->resize((size_t) n);
+            ggml_backend_tensor_get(argmax_, greedy->data(), 0, n * sizeof(int32_t));
+        }
+        if (logits) {
+            logits->resize((size_t) ggml_nelements(logits_));
+            ggml_backend_tensor_get(logits_, logits->data(), 0, ggml_nbytes(logits_));
+        }
+    } catch (...) {
+        undo();
+        throw;
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (int64_t i = 0; i < n; ++i) {
+        Session & s = *sessions[i];
+        s.tokens_.push_back(tokens[i]);
+        s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
+        s.timings_.n_computes++;
+    }
+}
+
+}  // namespace kvf

@@ -1,0 +1,54 @@
+// BatchDecoder: one decode step of several sessions of one Model as one graph. Every layer's weights are
+// read once for all the sessions' tokens (what makes a server's aggregate decode grow with its streams);
+// attention runs per session over that session's own pool, under its own slot rows and mask
+// (GraphCtx::lanes). Each session's pager places its token and pages as its forward would, so a session
+// ends a batched step exactly where forward_greedy / forward would have left it.
+//
+// Which sessions can share a step (eligible()): same Model, same attention path, no sliding-window rings,
+// and no per-step captures for the scorers (track_summaries, capture_attention: the qk / quest / drafter
+// capture reads one sequence's step). Others decode alone.
+//
+// Threads: a step holds every session's mutex (taken in address order, so two steps over overlapping
+// sessions cannot deadlock) and then the model's compute mutex, as Session's own calls do.
+#pragma once
+
+#include "runtime/session.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvf {
+
+class BatchDecoder {
+public:
+    explicit BatchDecoder(std::shared_ptr<Model> model);
+    ~BatchDecoder();
+    BatchDecoder(const BatchDecoder &) = delete;
+    BatchDecoder & operator=(const BatchDecoder &) = delete;
+
+    // Why `s` cannot share this decoder's steps ("" when it can).
+    std::string ineligible(const Session & s) const;
+    // Feed tokens[i] to sessions[i] at its n_tokens(). greedy: each session's argmax after its token, else
+    // logits [n, n_vocab] row-major (the other output is left empty). On an error no session changes.
+    void step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+              std::vector<int32_t> * greedy, std::vector<float> * logits);
+    int64_t compute_bytes() const;   // the step graphs' compute buffer
+
+private:
+    // Graph nodes of a batched step: a session's graph, plus per session and layer its own attention (token
+    // views, K/V writes, pool views, permutes, attention, concat).
+    static size_t graph_nodes(const Session & s);
+    void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders, bool greedy);
+
+    std::shared_ptr<Model> model_;
+    ggml_backend_sched_t sched_ = nullptr;
+    ggml_context * graph_ctx_ = nullptr;
+    GraphCtx graph_;
+    ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n]
+    ggml_tensor * argmax_ = nullptr;   // I32 [n]
+    std::vector<int64_t> shape_;       // greedy, then per session: its pool, n_kv, gathered (rebuilt on change)
+    std::vector<uint8_t> scratch_;
+};
+
+}  // namespace kvf
