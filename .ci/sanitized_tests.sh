@@ -19,7 +19,7 @@ cp "$build"/sanitized/_core*.so "$site/kvflash_ggml/"
 
 tests=()
 for t in test_pager.py test_pooled_kv.py test_snapshot.py test_snapshot_fuzz.py test_gguf_fuzz.py \
-         test_session_threads.py test_threads.py test_sliding_window.py; do
+         test_session_threads.py test_threads.py test_sliding_window.py test_batch_decoder.py; do
     [ -f "tests/$t" ] && tests+=("tests/$t")
 done
 # Python itself is not instrumented: preload the ASan runtime (and libstdc++, or ASan cannot intercept

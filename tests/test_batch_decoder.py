@@ -30,6 +30,18 @@ def twins(model, pools, lengths, attention="auto"):
     return alone, batched, first
 
 
+def step_both(alone, batched, decoder, tokens, n_steps):
+    """n_steps greedy steps: `alone` one session at a time, `batched` through the decoder; the tokens must agree.
+    Returns the last tokens."""
+    tok_a = tok_b = tokens
+    for _ in range(n_steps):
+        tok_a = [s.forward_greedy(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok_a)]
+        tok_b = decoder.step_greedy(batched, tok_b)
+        assert tok_a == tok_b
+    assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    return tok_a
+
+
 def pager_state(s):
     st = s.pager.stats()
     return s.n_tokens, s.pager.n_resident(), st.page_outs, st.page_ins, s.tokens.tolist()
@@ -41,15 +53,10 @@ def test_batched_steps_equal_steps_alone(tiny_gguf, attention):
     model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     alone, batched, tok = twins(model, [448, 0, 640, 448], [400, 90, 700, 30], attention)
     decoder = _core.BatchDecoder(model)
-    tok_a = tok_b = tok
-    for _ in range(120):
-        tok_a = [s.forward_greedy(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok_a)]
-        tok_b = decoder.step_greedy(batched, tok_b)
-        assert tok_a == tok_b
-    assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    tok = step_both(alone, batched, decoder, tok, 120)
     assert any(s.pager.stats().page_outs > 0 for s in batched)   # the steps paged
-    logits_a = np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok_a)])
-    logits_b = decoder.step(batched, tok_b)
+    logits_a = np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)])
+    logits_b = decoder.step(batched, tok)
     assert logits_b.shape == logits_a.shape
     # f16 weights: a 4-column matmul sums in another order than a 1-column one (SmolLM2's Q4_1: equal bytes)
     np.testing.assert_allclose(logits_b, logits_a, rtol=0, atol=2e-3)
@@ -59,13 +66,7 @@ def test_batched_steps_equal_steps_alone(tiny_gguf, attention):
 @pytest.mark.slow
 def test_smollm2_batched_greedy(smollm2):
     alone, batched, tok = twins(smollm2, [512, 0, 1024], [700, 90, 1500])
-    decoder = _core.BatchDecoder(smollm2)
-    tok_a = tok_b = tok
-    for _ in range(32):
-        tok_a = [s.forward_greedy(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok_a)]
-        tok_b = decoder.step_greedy(batched, tok_b)
-        assert tok_a == tok_b
-    assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    step_both(alone, batched, _core.BatchDecoder(smollm2), tok, 32)
 
 
 def test_who_cannot_join(tiny_gguf, tmp_path):

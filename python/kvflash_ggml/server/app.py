@@ -208,24 +208,17 @@ def create_app(state: ServerState) -> FastAPI:
         http.state.logs_itself = True   # the middleware leaves this request's log line to _log_generation
         streaming, outcome = False, "cancelled"   # what the log line says if we leave before the end
         try:
-            first = await _next_or_disconnect(job, http)
-            if first is CLIENT_GONE:
-                return PlainTextResponse("client closed the request", status_code=499)
-            if isinstance(first, BaseException) or first is None:
-                outcome = "failed"
-                _raise_failed(first)
-            if body.stream:
-                streaming = True   # the stream's own generator cancels and logs from here on
-                return EventSourceResponse(_events(job, shape, first, include_usage=body.include_usage),
-                                           ping=15)
-            chunks = [shape.chunk(first)]
-            while chunks[-1]["choices"][0]["finish_reason"] is None:
+            chunks: list[dict] = []
+            while not chunks or chunks[-1]["choices"][0]["finish_reason"] is None:
                 item = await _next_or_disconnect(job, http)
                 if item is CLIENT_GONE:
                     return PlainTextResponse("client closed the request", status_code=499)
                 if isinstance(item, BaseException) or item is None:
-                    outcome = "failed"
+                    outcome = "failed"   # before the first token: an HTTP error with its status
                     _raise_failed(item)
+                if body.stream:   # the first token is out: stream from here (its generator cancels and logs)
+                    streaming = True
+                    return EventSourceResponse(_events(job, shape, item, include_usage=body.include_usage), ping=15)
                 chunks.append(shape.chunk(item))
             outcome = "done"
             return shape.collect(chunks)
