@@ -198,14 +198,14 @@ class Scheduler:
         return True
 
     def _admit(self) -> None:
-        with self._wake:
-            while self._pending:
+        while True:
+            with self._wake:   # only to take the request: assigning may write a snapshot, and submit() waits
                 idle = [s for s in self.slots if not s.busy]
-                if not idle:
+                if not idle or not self._pending:
                     return
                 request = self._pending.popleft()
-                slot = max(idle, key=lambda s: (common_prefix(s.held_tokens, request.tokens), -s.last_used))
-                self._assign(slot, request)
+            slot = max(idle, key=lambda s: (common_prefix(s.held_tokens, request.tokens), -s.last_used))
+            self._assign(slot, request)
 
     def _assign(self, slot: Slot, request: Request) -> None:
         engine = slot.engine
