@@ -31,12 +31,12 @@ class Logged(Request):
 def make_scheduler(smollm2, smollm2_path, tmp_path):
     made = []
 
-    def make(n_slots=2, max_queue=4, prefill="exact"):
+    def make(n_slots=2, max_queue=4, prefill="exact", batch=True):
         tok = Tokenizer(smollm2_path)
         pool = PoolConfig(n_ctx=4096, pool_tokens=512)
         engines = [Engine(smollm2, tok, pool, ResidencyConfig(prefill=prefill), prefix_cache_dir=tmp_path / "cache",
                           store_each_turn=False) for _ in range(n_slots)]
-        s = Scheduler(engines, max_queue=max_queue)
+        s = Scheduler(engines, max_queue=max_queue, batch=batch)
         made.append(s)
         return s, tok
 
@@ -197,3 +197,29 @@ def test_slot_commands_run_between_rounds(make_scheduler, tmp_path):
 
     run(main())
     assert _core.snapshot_file_info(path)["n_tokens"] == len(sched.slots[0].held_tokens)
+
+
+def test_batched_rounds_equal_slots_stepped_alone(make_scheduler):
+    """Greedy, seeded sampling and logprobs requests at once: batched (one forward per round, logits read back
+    since some sample) they give the records the same requests give with every slot stepping alone."""
+    kinds = [dict(max_tokens=24, temperature=0), dict(max_tokens=24, temperature=0.9, seed=5),
+             dict(max_tokens=24, temperature=0.7, top_p=0.9, seed=11)]
+
+    def run_all(batch):
+        sched, tok = make_scheduler(n_slots=3, batch=batch)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            reqs = [Request(tok.encode(f"Story number {i} begins"), SamplingParams(**kw), loop, logprobs=2 if i else None)
+                    for i, kw in enumerate(kinds)]
+            for r in reqs:
+                sched.submit(r)
+            return await asyncio.gather(*(drain(r) for r in reqs))
+
+        records = run(main())
+        return [[(r.token, r.text, r.logprobs) for r in recs[:-1]] for recs in records], sched.n_batched_steps
+
+    batched, n_batched = run_all(True)
+    alone, n_alone = run_all(False)
+    assert n_batched > 0 and n_alone == 0
+    assert batched == alone

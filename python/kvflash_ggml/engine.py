@@ -457,9 +457,9 @@ class Generation:
     token; each later one feeds the last token and picks the next (a decode step), until an end-of-generation
     token, a stop string, max_tokens or a full context; then a closing record with the stats.
 
-    A server steps many at once: while needs_greedy_step(), its decode step is feeding `token` and taking the
-    argmax, which the caller may run for several sessions in one batched forward (_core.BatchDecoder) and
-    hand back with advance(next_token), in place of next()."""
+    A server steps many at once: while needs_decode_step(), its decode step is feeding `token` and reading the
+    argmax (or the logits, if wants_logits), which the caller may run for several sessions in one batched
+    forward (_core.BatchDecoder) and hand back with advance(...), in place of next()."""
 
     def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams, owner: int,
                  n_logprobs: Optional[int]) -> None:
@@ -483,23 +483,31 @@ class Generation:
                 return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
             if self._state == "stopped" or self._at_limit():
                 return self._close("stop" if self._state == "stopped" else "length")
-            if self.sampler.greedy and self.n_logprobs is None:
+            if not self.wants_logits:
                 return self._emit(e._decode_one_greedy(self.token), None)
             return self._emit(*self._choose(e._decode_one(self.token)))
 
-    def needs_greedy_step(self) -> bool:
-        """The next record needs a greedy decode step of `token` (no logits read back)."""
-        return self._state == "decoding" and self.sampler.greedy and self.n_logprobs is None and \
-            not self._at_limit()
+    def needs_decode_step(self) -> bool:
+        """The next record needs a decode step: `token` fed to the session at its n_tokens."""
+        return self._state == "decoding" and not self._at_limit()
 
-    def advance(self, next_token: int) -> GenerationRecord:
-        """The next record, its decode step run by the caller: `token` was fed to the session (at its
-        n_tokens) and next_token is the argmax after it."""
+    @property
+    def wants_logits(self) -> bool:
+        """Its decode step must read the logits back (sampling, logprobs); else the argmax is enough."""
+        return not (self.sampler.greedy and self.n_logprobs is None)
+
+    def advance(self, next_token: Optional[int] = None, logits: Optional[np.ndarray] = None) -> GenerationRecord:
+        """The next record, its decode step run by the caller: `token` was fed to the session, and next_token
+        is the argmax after it, or logits are the logits after it (needed when wants_logits)."""
         e = self.engine
         with e._turn(self.owner):
-            if not self.needs_greedy_step():
-                raise RuntimeError("advance() without a pending greedy decode step")
+            if not self.needs_decode_step():
+                raise RuntimeError("advance() without a pending decode step")
+            if logits is None and self.wants_logits:
+                raise ValueError("this generation samples or reports logprobs: advance() needs the logits")
             e._after_decode()
+            if logits is not None:
+                return self._emit(*self._choose(logits))
             return self._emit(int(next_token), None)
 
     def close(self) -> None:

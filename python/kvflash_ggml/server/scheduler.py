@@ -7,9 +7,10 @@ chunk-aligned prefix in the prefix cache, so a conversation that comes back resu
 
 All computing happens on the scheduler thread, as in llama-server's main loop: each round steps every
 active slot once (the first step of a request runs its prompt and picks the first token, later steps one
-token each). The greedy decode steps of a round run as one batched forward (_core.BatchDecoder: the
-weights are read once for all slots, attention runs per slot over its own pool); the others (sampling,
-logprobs, the qk/quest/drafter scorers' captures, sliding-window models) step alone. A long prompt does
+token each). The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
+read once for all slots, attention runs per slot over its own pool; the argmax on the backend when every
+slot decodes greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
+drafter) and sliding-window models step alone. A long prompt does
 not stall the others: between its forward steps (and between layers of an exact prefill) the engine calls
 back here and the slots that are decoding take one step each. Records go to the request's asyncio queue on
 the event loop that submitted it. A cancelled request (the client went away) ends at its slot's next step,
@@ -25,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 from .. import _core
 from ..engine import Engine, Generation, GenerationRecord
@@ -171,11 +174,11 @@ class Scheduler:
         self._shutdown()
 
     def _round(self, prefilling: Optional[Slot] = None) -> None:
-        """Every busy slot (but `prefilling`) takes one step: the greedy decode steps together in one batched
-        forward, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
+        """Every busy slot (but `prefilling`) takes one step: the decode steps that can share one batched forward
+        together, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
         ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.prefilled)]
         batch = [s for s in ready if s.batchable and s.prefilled and not s.request.cancelled and
-                 s.records.needs_greedy_step()]
+                 s.records.needs_decode_step()]
         if len(batch) > 1 and self._batched_step(batch):
             ready = [s for s in ready if s not in batch]
         for slot in ready:
@@ -183,18 +186,28 @@ class Scheduler:
                 self._step(slot)
 
     def _batched_step(self, batch: list[Slot]) -> bool:
-        """One forward for the slots' greedy decode steps; False (nothing changed) if it failed, so that each
-        slot steps alone and a fault stays with its own request."""
+        """One forward for the slots' decode steps; False (nothing changed) if it failed, so that each slot
+        steps alone and a fault stays with its own request. The greedy token of a slot whose logits come back
+        is their argmax (NumPy's, the first maximum, as the backend's)."""
+        sessions, tokens = [s.engine.session for s in batch], [s.records.token for s in batch]
+        logits = any(s.records.wants_logits for s in batch)
         try:
-            tokens = self.decoder.step_greedy([s.engine.session for s in batch], [s.records.token for s in batch])
+            out = self.decoder.step(sessions, tokens) if logits else self.decoder.step_greedy(sessions, tokens)
         except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
             log.exception("a batched decode step of slots %s failed; stepping them one by one", [s.id for s in batch])
             return False
         self.n_batched_steps += 1
         self.n_batched_tokens += len(batch)
         self.batch_compute_bytes = self.decoder.compute_bytes
-        for slot, token in zip(batch, tokens):
-            self._deliver(slot, lambda slot=slot, token=token: slot.records.advance(token))
+        for slot, row in zip(batch, out):
+            gen = slot.records
+            if not logits:
+                step = lambda gen=gen, token=row: gen.advance(token)
+            elif gen.wants_logits:
+                step = lambda gen=gen, row=row: gen.advance(logits=row)
+            else:
+                step = lambda gen=gen, row=row: gen.advance(int(np.argmax(row)))
+            self._deliver(slot, step)
         return True
 
     def _admit(self) -> None:
