@@ -13,6 +13,7 @@ from another prompt's context. Streams on one Engine therefore cannot interleave
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ import numpy as np
 from . import _core
 from .companion import Companion
 from .drafter import DrafterPolicy, prompt_attention_scores
+from .known_models import resolve_model_path
 from .options import PoolConfig, ResidencyConfig, SamplingParams
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
@@ -85,6 +87,19 @@ def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Compa
         return BuiltinScorer(spec)
     raise ValueError(f"policy {spec!r} is not available (available: {', '.join(POLICY_NAMES)}, or a callable "
                      "view -> scores per chunk)")
+
+
+def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> ResidencyConfig:
+    """The residency with its drafter model loaded (as make_companion would load it), or the model itself when
+    it names the same GGUF: Engines built from the result share those weights (a Model's own drafter, the
+    server's slots)."""
+    drafter = residency.drafter_model
+    if drafter is None or isinstance(drafter, _core.Model):
+        return residency
+    path = resolve_model_path(drafter)
+    loaded = model if path == model.path else \
+        _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+    return dataclasses.replace(residency, drafter_model=loaded)
 
 
 def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
@@ -365,8 +380,11 @@ class Engine:
         """Store the session's chunk-aligned prefix in the prefix cache now (nothing without one; a prefix
         already stored is only marked as used)."""
         with self._turn():
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(self._cache_key, self.session)
+            self._store_prefix()
+
+    def _store_prefix(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self._cache_key, self.session)
 
     def prompt_tokens(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
         """Token ids for a prompt: text (str; bytes are UTF-8 text), chat messages, or token ids."""
@@ -487,6 +505,11 @@ class Generation:
                 return self._emit(e._decode_one_greedy(self.token), None)
             return self._emit(*self._choose(e._decode_one(self.token)))
 
+    @property
+    def started(self) -> bool:
+        """The prompt has run (the first record was given)."""
+        return self._state != "prompt"
+
     def needs_decode_step(self) -> bool:
         """The next record needs a decode step: `token` fed to the session at its n_tokens."""
         return self._state == "decoding" and not self._at_limit()
@@ -535,6 +558,6 @@ class Generation:
     def _close(self, finish: str) -> GenerationRecord:
         e = self.engine
         self._state = "closed"
-        if e.prefix_cache is not None and e.store_each_turn:   # before the closing record: a consumer may stop
-            e.prefix_cache.store(e._cache_key, e.session)      # after it
+        if e.store_each_turn:   # before the closing record: a consumer may stop after it
+            e._store_prefix()
         return GenerationRecord(None, self.stream.flush(), finish, e._stats())

@@ -38,7 +38,7 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
     mem = session.memory()
-    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"], "pool": mem["pool_bytes"],
+    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"],
             "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
             "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import CLOSED, Engine
+from .engine import CLOSED, Engine, with_loaded_drafter
 from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
 from .options import PoolConfig, ResidencyConfig, SamplingParams
@@ -65,10 +65,7 @@ class Model:
             log.info("pool_tokens='auto': %s", fit.reason)
             self.pool = dataclasses.replace(self.pool, pool_tokens=fit.pool_tokens)
         self.tokenizer = Tokenizer(self.model_path)
-        if drafter_model is not None and not isinstance(drafter_model, _core.Model) \
-                and resolve_model_path(drafter_model) == self.model_path:
-            # its own drafter: one copy of the weights
-            self.residency = dataclasses.replace(self.residency, drafter_model=self._core_model)
+        self.residency = with_loaded_drafter(self.residency, self._core_model)   # its own drafter: one copy
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, self.residency,
                              prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes,
                              chat_template=chat_template)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _core
-from ..engine import Engine
+from ..engine import Engine, with_loaded_drafter
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
 from ..model import cpu_threads
@@ -47,20 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def build_engines(args: argparse.Namespace) -> tuple[list[Engine], Tokenizer, str, str]:
-    """The slots' engines over one copy of the weights (and of a drafter's), the tokenizer, the model's
-    name, and why the pool has its size."""
+def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
+    """The slots' engines over one copy of the weights (and of a drafter's), the model's name in the API, and
+    why the pool has its size."""
     if args.parallel < 1:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     path = resolve_model_path(args.model)
     pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
     model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads))
     tokenizer = Tokenizer(path)
-    if isinstance(residency.drafter_model, (str, os.PathLike)):   # one copy for all slots
-        drafter_path = resolve_model_path(residency.drafter_model)
-        drafter = model if drafter_path == path else \
-            _core.Model(drafter_path, backend=args.backend, n_threads=cpu_threads(args.threads))
-        residency = dataclasses.replace(residency, drafter_model=drafter)
+    residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
     if pool.pool_tokens == "auto":
         fit = fit_pool_tokens(model, pool, args.parallel)
@@ -70,7 +66,7 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], Tokenizer, st
     engines = [Engine(model, tokenizer, pool, residency, prefix_cache_dir=cache,
                       prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False)
                for _ in range(args.parallel)]
-    return engines, tokenizer, args.alias or Path(path).stem, why
+    return engines, args.alias or Path(path).stem, why
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -91,15 +87,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         slot_dir = Path(args.slot_save_path).expanduser() if args.slot_save_path else None
         if slot_dir is not None:
             slot_dir.mkdir(parents=True, exist_ok=True)
-        engines, tokenizer, name, why = build_engines(args)
+        engines, name, why = build_engines(args)
     except USER_ERRORS as e:
         print(f"kvflash serve: {e}", file=sys.stderr)
         return 2
     log.info("%s: %d slots; pool %s", name, len(engines), why)
-    pool = engines[0].pool
-    state = ServerState(scheduler=Scheduler(engines, max_queue=args.queue), tokenizer=tokenizer, model_name=name,
-                        n_ctx=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), api_key=args.api_key,
-                        slot_save_path=slot_dir, chat_template=engines[0].chat_template)
+    state = ServerState(scheduler=Scheduler(engines, max_queue=args.queue), model_name=name, api_key=args.api_key,
+                        slot_save_path=slot_dir)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=10)
     return 0

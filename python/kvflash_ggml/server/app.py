@@ -23,7 +23,6 @@ from ..engine import GenerationRecord
 from ..options import SamplingParams
 from ..responses import Responses
 from ..snapshot import SnapshotError
-from ..tokenizer import Tokenizer
 from ..tokens import token_ids
 from .metrics import Metrics, log_request
 from .scheduler import QueueFull, Request as Job, Scheduler, SlotBusy
@@ -51,14 +50,12 @@ class APIError(Exception):
 
 @dataclass
 class ServerState:
+    """What the app serves: the slots (their engines share the model, the tokenizer, the pool config and the
+    chat template), the model's name in the API, the API key, and the folder of slot files."""
     scheduler: Scheduler
-    tokenizer: Tokenizer
     model_name: str
-    n_ctx: int
-    pool_tokens: int
     api_key: Optional[str] = None
     slot_save_path: Optional[Path] = None
-    chat_template: Optional[str] = None
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -74,7 +71,9 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.kvflash = state
     metrics = Metrics(state.scheduler)
     app.add_middleware(AuthAndCount, api_key=state.api_key, metrics=metrics)
-    scheduler, tokenizer = state.scheduler, state.tokenizer
+    scheduler = state.scheduler
+    engine = scheduler.slots[0].engine   # for what every slot shares: tokenizer, pool, prompt rendering
+    tokenizer, n_ctx, pool_tokens = engine.tokenizer, engine.pool.n_ctx, engine.pool.resolved_pool_tokens()
     created = int(time.time())
 
     def on_finish(slot, job, record, error) -> None:   # the scheduler thread
@@ -111,7 +110,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": created,
                                             "owned_by": "kvflash-ggml",
-                                            "meta": {"n_ctx": state.n_ctx, "pool_tokens": state.pool_tokens,
+                                            "meta": {"n_ctx": n_ctx, "pool_tokens": pool_tokens,
                                                      "slots": len(scheduler.slots)}}]}
 
     @app.get("/metrics")
@@ -135,7 +134,7 @@ def create_app(state: ServerState) -> FastAPI:
     # -- slots --------------------------------------------------------------------------------------
     @app.get("/slots")
     async def slots() -> list:
-        return [{"id": s.id, "n_ctx": state.n_ctx, "pool_tokens": state.pool_tokens, "is_processing": s.busy,
+        return [{"id": s.id, "n_ctx": n_ctx, "pool_tokens": pool_tokens, "is_processing": s.busy,
                  "n_tokens": len(s.held_tokens), "n_requests": s.n_requests,
                  "kvflash": {k: s.stats.get(k) for k in ("device_kv_bytes", "host_kv_bytes", "page_ins", "page_outs",
                                                          "prompt_tokens_reused")}}
@@ -174,29 +173,28 @@ def create_app(state: ServerState) -> FastAPI:
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (got a list of several)", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            tokens = tokenizer.encode(prompt, parse_special=True)
-        else:
-            tokens = _checked_ids(prompt, tokenizer)
-        return await _generate(http, body, tokens, chat=False, logprobs=body.logprobs,
+        return await _generate(http, body, _prompt_tokens(prompt), chat=False, logprobs=body.logprobs,
                                params=_params(body, COMPLETION_MAX_TOKENS))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
         _check_model(state, body.model)
+        return await _generate(http, body, _prompt_tokens(body.message_dicts(), param="messages"), chat=True,
+                               logprobs=body.n_logprobs(), params=_params(body, None))
+
+    def _prompt_tokens(prompt, param: str = "prompt") -> list[int]:
+        """Text, token ids or chat messages as the engines take them (Engine.prompt_tokens reads no session)."""
         try:
-            text = tokenizer.apply_chat_template(body.message_dicts(), template=state.chat_template)
+            return engine.prompt_tokens(prompt)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        tokens = tokenizer.encode(text, add_special=False, parse_special=True)   # BOS is in the template
-        return await _generate(http, body, tokens, chat=True, logprobs=body.n_logprobs(), params=_params(body, None))
+            raise APIError(400, str(e), param=param) from None
 
     async def _generate(http: Request, body, tokens: list[int], *, chat: bool, logprobs: Optional[int],
                         params: SamplingParams):
         if not tokens:
             raise APIError(400, "the prompt is empty", param="prompt")
-        if len(tokens) > state.n_ctx:
-            raise APIError(413, f"the prompt has {len(tokens)} tokens, more than the context of {state.n_ctx}",
+        if len(tokens) > n_ctx:
+            raise APIError(413, f"the prompt has {len(tokens)} tokens, more than the context of {n_ctx}",
                            code="context_length_exceeded", param="prompt")
         job = Job(tokens, params, asyncio.get_running_loop(), logprobs=logprobs)
         try:
@@ -282,13 +280,6 @@ def _check_model(state: ServerState, name: Optional[str]) -> None:
     if name is not None and name != state.model_name:
         raise APIError(404, f"the model {name!r} does not exist (this server serves {state.model_name!r})",
                        code="model_not_found", param="model")
-
-
-def _checked_ids(tokens: list[int], tokenizer: Tokenizer) -> list[int]:
-    try:
-        return token_ids(tokens, tokenizer.n_vocab)
-    except ValueError as e:
-        raise APIError(400, str(e), param="prompt") from None
 
 
 async def _next_or_disconnect(job: Job, http: Request):

@@ -72,7 +72,6 @@ class Slot:
         self.engine = engine
         self.request: Optional[Request] = None
         self.records: Optional[Generation] = None
-        self.prefilled = False
         self.last_used = 0.0
         self.held_tokens: list[int] = []     # what the session held after its last request (read without a lock)
         self.stats: dict = {}                # the engine's stats() after its last request
@@ -82,6 +81,11 @@ class Slot:
     @property
     def busy(self) -> bool:
         return self.request is not None
+
+    @property
+    def decoding(self) -> bool:
+        """Serving a request whose prompt has run."""
+        return self.records is not None and self.records.started
 
 
 class Scheduler:
@@ -97,12 +101,11 @@ class Scheduler:
             slot.batchable = why is None
             if why and self.decoder:
                 log.info("slot %d decodes alone: %s", slot.id, why)
+            slot.engine.between_prefill_steps = self._between_prefill_steps
+            slot.stats = slot.engine.stats()
         self.n_batched_steps = 0   # batched forwards run, and the tokens they decoded
         self.n_batched_tokens = 0
         self.batch_compute_bytes = 0   # the batched graphs' compute buffer (device bytes beside the slots')
-        for slot in self.slots:
-            slot.engine.between_prefill_steps = self._between_prefill_steps
-            slot.stats = slot.engine.stats()
         self.max_queue = max_queue
         self._pending: collections.deque[Request] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -176,9 +179,8 @@ class Scheduler:
     def _round(self, prefilling: Optional[Slot] = None) -> None:
         """Every busy slot (but `prefilling`) takes one step: the decode steps that can share one batched forward
         together, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
-        ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.prefilled)]
-        batch = [s for s in ready if s.batchable and s.prefilled and not s.request.cancelled and
-                 s.records.needs_decode_step()]
+        ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.decoding)]
+        batch = [s for s in ready if s.batchable and not s.request.cancelled and s.records.needs_decode_step()]
         if len(batch) > 1 and self._batched_step(batch):
             ready = [s for s in ready if s not in batch]
         for slot in ready:
@@ -217,16 +219,18 @@ class Scheduler:
                 if not idle or not self._pending:
                     return
                 request = self._pending.popleft()
-            slot = max(idle, key=lambda s: (common_prefix(s.held_tokens, request.tokens), -s.last_used))
-            self._assign(slot, request)
+            # the longest shared prefix, then the least recently used (then the lowest id: no tie reaches the slot)
+            shared, _, _, slot = max((common_prefix(s.held_tokens, request.tokens), -s.last_used, -s.id, s)
+                                     for s in idle)
+            self._assign(slot, request, shared)
 
-    def _assign(self, slot: Slot, request: Request) -> None:
+    def _assign(self, slot: Slot, request: Request, shared: int) -> None:
+        """shared: how many leading tokens the request's prompt shares with what the slot holds."""
         engine = slot.engine
-        held = slot.held_tokens
         chunk = engine.session.pager.config().chunk_tokens
-        if common_prefix(held, request.tokens) < len(held) // chunk * chunk:
+        if shared < len(slot.held_tokens) // chunk * chunk:
             engine.store_prefix()   # taken over: the conversation it held can come back from the cache
-        slot.request, slot.prefilled = request, False
+        slot.request = request
         request.slot_id, request.t_start = slot.id, time.perf_counter()
         try:
             slot.records = engine.generate(request.tokens, request.params, logprobs=request.logprobs)
@@ -254,8 +258,8 @@ class Scheduler:
             return
         finally:
             self._current = outer
-        if not slot.prefilled:
-            slot.prefilled, request.t_first = True, time.perf_counter()
+        if request.t_first is None:
+            request.t_first = time.perf_counter()
         request.deliver(record)
         if record.finish_reason is not None:
             self._finish(slot, record, None)
@@ -272,7 +276,7 @@ class Scheduler:
         request = slot.request
         if slot.records is not None:
             slot.records.close()
-        slot.request, slot.records, slot.prefilled = None, None, False
+        slot.request, slot.records = None, None
         slot.last_used = time.perf_counter()
         slot.n_requests += 1
         try:
