@@ -318,7 +318,7 @@ def test_unsupported_architecture_raises(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(RuntimeError, match="unsupported architecture 'gemma4' \\(supported: llama, qwen2, qwen3, gemma3\\)"):
+    with pytest.raises(RuntimeError, match="unsupported architecture 'gemma4' \\(supported: llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3\\)"):
         _core.Model(str(p), backend="cpu", n_threads=N_THREADS)
 
 

@@ -317,7 +317,7 @@ def test_bad_snapshots_raise_clear_errors(model, tiny_gguf):
         "truncated: 10 bytes": good[:10],
         "checksum mismatch: the snapshot is corrupt or truncated": good[: len(good) // 3],
         "not a kvflash snapshot": b"GGUF" + good[4:],
-        "format version 3 is not supported": reseal(bytearray(good[:8] + (3).to_bytes(4, "little") + good[12:])),
+        "format version 4 is not supported": reseal(bytearray(good[:8] + (4).to_bytes(4, "little") + good[12:])),
     }
     for reason, data in cases.items():
         with pytest.raises(SnapshotError, match=reason):

@@ -96,7 +96,18 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("n_ctx_train", &ModelHparams::n_ctx_train)
         .def_readonly("rope_freq_base", &ModelHparams::rope_freq_base)
         .def_readonly("n_swa", &ModelHparams::n_swa)
-        .def_readonly("swa_layers", &ModelHparams::swa_layers);
+        .def_readonly("swa_layers", &ModelHparams::swa_layers)
+        .def_readonly("recurrent_layers", &ModelHparams::recurrent_layers)
+        .def_readonly("ssm_d_conv", &ModelHparams::ssm_d_conv)
+        .def_readonly("ssm_d_inner", &ModelHparams::ssm_d_inner)
+        .def_readonly("ssm_d_state", &ModelHparams::ssm_d_state)
+        .def_readonly("ssm_dt_rank", &ModelHparams::ssm_dt_rank)
+        .def_readonly("ssm_n_group", &ModelHparams::ssm_n_group)
+        .def_readonly("n_expert", &ModelHparams::n_expert)
+        .def_readonly("n_expert_used", &ModelHparams::n_expert_used)
+        .def_readonly("n_ff_exp", &ModelHparams::n_ff_exp)
+        .def_readonly("n_ff_shexp", &ModelHparams::n_ff_shexp)
+        .def_property_readonly("n_pooled_layers", &ModelHparams::n_pooled_layers);
 
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init([](const std::string & path, const std::string & backend, int n_threads) {

@@ -102,7 +102,19 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "forget positions >= n_tokens; raises ValueError (changing nothing) unless can_truncate(n_tokens)")
         .def("can_truncate", &Session::can_truncate, py::arg("n_tokens"), released,
              "whether truncate(n_tokens) is exact: always, unless a sliding-window layer's ring no longer holds "
-             "the window before n_tokens (then start over: reset() and run the tokens again)")
+             "the window before n_tokens, or the model has linear-attention layers (their state goes back only to 0) "
+             "(then start over: reset() and run the tokens again)")
+        .def_property_readonly("has_recurrent_state", [](const Session & s) { return s.recurrent() != nullptr; },
+             "whether the model has linear-attention layers: a state that exists only for everything held "
+             "(no prefix snapshots, no truncate except to 0)")
+        .def("recurrent_state", [](const Session & s) {
+                 RecurrentState::Copy c = without_gil([&] {
+                     const SessionLock held = s.lock();
+                     if (!s.recurrent()) throw std::invalid_argument("this model has no linear-attention layers");
+                     return s.recurrent()->copy();
+                 });
+                 return py::bytes(reinterpret_cast<const char *>(c.bytes.data()), c.bytes.size());
+             }, "raw bytes of every linear-attention layer's conv and recurrent state (tests)")
         .def_property_readonly("ring_tokens", [](const Session & s) {
                  const SessionLock held = s.lock(false);
                  return s.ring() ? s.ring()->ring_tokens() : 0;
@@ -137,6 +149,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  py::dict d;
                  d["pool_bytes"] = m.pool_bytes;
                  d["ring_bytes"] = m.ring_bytes;
+                 d["recurrent_bytes"] = m.recurrent_bytes;
                  d["compute_bytes"] = m.compute_bytes;
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;

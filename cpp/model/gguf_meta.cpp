@@ -172,4 +172,30 @@ bool meta_bool_array(const gguf_context * g, const std::string & key, int64_t n,
     return true;
 }
 
+bool meta_int_array(const gguf_context * g, const std::string & key, int64_t n, int64_t lo, int64_t hi,
+                    std::vector<int64_t> & out) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) return false;
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY ||
+        (gguf_get_arr_type(g, id) != GGUF_TYPE_INT32 && gguf_get_arr_type(g, id) != GGUF_TYPE_UINT32)) {
+        wrong_type(g, id, key, "an array of 32-bit integers");
+    }
+    const int64_t have = (int64_t) gguf_get_arr_n(g, id);
+    if (have != n) {
+        throw std::runtime_error("GGUF key " + key + " has " + std::to_string(have) + " entries, expected " + std::to_string(n));
+    }
+    const void * data = gguf_get_arr_data(g, id);
+    const bool is_signed = gguf_get_arr_type(g, id) == GGUF_TYPE_INT32;
+    out.assign((size_t) n, 0);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t v = is_signed ? (int64_t) static_cast<const int32_t *>(data)[i] : (int64_t) static_cast<const uint32_t *>(data)[i];
+        if (v < lo || v > hi) {
+            throw std::runtime_error("GGUF key " + key + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                                     " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+        }
+        out[(size_t) i] = v;
+    }
+    return true;
+}
+
 }  // namespace kvf

@@ -40,5 +40,8 @@ bool meta_bool(const gguf_context * g, const std::string & key, bool & out);
 bool meta_array_n(const gguf_context * g, const std::string & key, gguf_type elem, int64_t & n);
 // A BOOL array of exactly n entries (per-layer flags); throws if the key holds anything else.
 bool meta_bool_array(const gguf_context * g, const std::string & key, int64_t n, std::vector<uint8_t> & out);
+// An INT32/UINT32 array of exactly n entries, each in [lo, hi]; throws if the key holds anything else.
+bool meta_int_array(const gguf_context * g, const std::string & key, int64_t n, int64_t lo, int64_t hi,
+                    std::vector<int64_t> & out);
 
 }  // namespace kvf

@@ -1,8 +1,10 @@
 #include "model/graph.h"
 
 #include "kv/kv_graph.h"
+#include "model/gguf_meta.h"
 
 #include <cmath>
+#include <stdexcept>
 
 namespace kvf {
 
@@ -14,6 +16,82 @@ ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) 
     ggml_tensor * gate = ggml_mul_mat(g.ctx, w.ffn_gate, x);
     ggml_tensor * up = ggml_mul_mat(g.ctx, w.ffn_up, x);
     return ggml_mul_mat(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+}
+
+ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
+    ggml_context * ctx = g.ctx;
+    const int64_t n_embd = x->ne[0], n = x->ne[1], k = hp.n_expert_used;
+    // Route: softmax over every expert, keep the top k, renormalise their weights to sum to 1 (libllama's
+    // softmax gating with norm_w, clamped as it does so a sum of tiny weights never divides by 0).
+    ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, w.ffn_gate_inp, x));   // [n_expert, n]
+    ggml_tensor * chosen = ggml_argsort_top_k(ctx, probs, (int) k);                    // I32 [k, n]
+    ggml_tensor * weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, hp.n_expert, n), chosen);   // [1, k, n]
+    weights = ggml_reshape_2d(ctx, weights, k, n);
+    weights = ggml_div(ctx, weights, ggml_clamp(ctx, ggml_sum_rows(ctx, weights), 6.103515625e-5f, INFINITY));
+    weights = ggml_reshape_3d(ctx, weights, 1, k, n);
+
+    ggml_tensor * xe = ggml_reshape_3d(ctx, x, n_embd, 1, n);
+    ggml_tensor * gate, * up;
+    if (w.ffn_gate_up_exps) {   // one matrix: gate rows then up rows of each expert
+        ggml_tensor * gu = ggml_mul_mat_id(ctx, w.ffn_gate_up_exps, xe, chosen);   // [2 * n_ff_exp, k, n]
+        const int64_t f = gu->ne[0] / 2;
+        gate = ggml_view_3d(ctx, gu, f, k, n, gu->nb[1], gu->nb[2], 0);
+        up = ggml_view_3d(ctx, gu, f, k, n, gu->nb[1], gu->nb[2], f * gu->nb[0]);
+    } else {
+        up = ggml_mul_mat_id(ctx, w.ffn_up_exps, xe, chosen);       // [n_ff_exp, k, n]
+        gate = ggml_mul_mat_id(ctx, w.ffn_gate_exps, xe, chosen);
+    }
+    ggml_tensor * experts = ggml_mul_mat_id(ctx, w.ffn_down_exps, ggml_swiglu_split(ctx, gate, up), chosen);   // [n_embd, k, n]
+    experts = ggml_mul(ctx, experts, weights);
+    ggml_tensor * out = nullptr;   // the sum over the k chosen experts, in libllama's order
+    for (int64_t i = 0; i < k; ++i) {
+        ggml_tensor * e = ggml_view_2d(ctx, experts, n_embd, n, experts->nb[2], i * experts->nb[1]);
+        out = out ? ggml_add(ctx, out, e) : e;
+    }
+    if (k == 1) out = ggml_cont(ctx, out);
+    if (w.ffn_up_shexp) {   // the shared expert, gated per token by a sigmoid
+        ggml_tensor * shared = ggml_mul_mat(ctx, w.ffn_down_shexp,
+                                            ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate_shexp, x),
+                                                              ggml_mul_mat(ctx, w.ffn_up_shexp, x)));
+        shared = ggml_mul(ctx, shared, ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ffn_gate_inp_shexp, x)));
+        out = ggml_add(ctx, out, shared);
+    }
+    return out;
+}
+
+void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const int64_t E = hp.n_expert, F = hp.n_ff_exp;
+    w.ffn_gate_inp = src.require(p + "ffn_gate_inp.weight", {hp.n_embd, E});
+    w.ffn_gate_up_exps = src.optional(p + "ffn_gate_up_exps.weight", {hp.n_embd, 2 * F, E});
+    if (!w.ffn_gate_up_exps) {
+        w.ffn_gate_exps = src.require(p + "ffn_gate_exps.weight", {hp.n_embd, F, E});
+        w.ffn_up_exps = src.require(p + "ffn_up_exps.weight", {hp.n_embd, F, E});
+    }
+    w.ffn_down_exps = src.require(p + "ffn_down_exps.weight", {F, hp.n_embd, E});
+    if (hp.n_ff_shexp > 0) {
+        w.ffn_gate_inp_shexp = src.require(p + "ffn_gate_inp_shexp.weight", {hp.n_embd});
+        w.ffn_gate_shexp = src.require(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
+        w.ffn_up_shexp = src.require(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
+        w.ffn_down_shexp = src.require(p + "ffn_down_shexp.weight", {hp.n_ff_shexp, hp.n_embd});
+    }
+}
+
+void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_expert) {
+    const std::string a = hp.arch + ".";
+    hp.n_expert = meta_require_int(g, a + "expert_count", 1, 4096);
+    hp.n_expert_used = meta_require_int(g, a + "expert_used_count", 1, hp.n_expert);
+    // libllama's defaults when a file leaves the expert sizes out: n_ff / n_expert_used, and n_ff.
+    hp.n_ff_exp = hp.n_ff > 0 ? hp.n_ff / hp.n_expert_used : 0;
+    meta_int(g, a + "expert_feed_forward_length", 1, INT32_MAX, hp.n_ff_exp);
+    if (hp.n_ff_exp <= 0) throw std::runtime_error("GGUF has neither " + a + "expert_feed_forward_length nor " + a + "feed_forward_length");
+    if (shared_expert) {
+        hp.n_ff_shexp = hp.n_ff;
+        meta_int(g, a + "expert_shared_feed_forward_length", 1, INT32_MAX, hp.n_ff_shexp);
+        if (hp.n_ff_shexp <= 0) {
+            throw std::runtime_error("GGUF has neither " + a + "expert_shared_feed_forward_length nor " + a + "feed_forward_length");
+        }
+    }
 }
 
 ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
@@ -99,10 +177,9 @@ ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
 
 }  // namespace
 
-ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                           float kq_scale) {
+ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                        float kq_scale) {
     ggml_context * ctx = g.ctx;
-    const LayerWeights & w = m.layers[il];
     if (!g.lanes.empty()) {   // a batched decode: each token attends its own session's pool
         const int64_t kl = m.hparams().kv_index(il);
         ggml_tensor * out = nullptr;
@@ -112,7 +189,7 @@ ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * 
                                      token_view(ctx, v, t), kq_scale, false);
             out = out ? ggml_concat(ctx, out, o, 1) : o;
         }
-        return ggml_mul_mat(ctx, w.wo, out);
+        return out;
     }
     const GraphCtx::LayerKv lkv = g.layer_kv(m.hparams(), il);
     if (lkv.pooled && g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
@@ -123,9 +200,12 @@ ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * 
         ggml_build_forward_expand(g.gf, last);
         g.queries.push_back(last);
     }
-    ggml_tensor * out = attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale,
-                               lkv.pooled && g.n_attn_tokens > 0);
-    return ggml_mul_mat(ctx, w.wo, out);
+    return attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale, lkv.pooled && g.n_attn_tokens > 0);
+}
+
+ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                           float kq_scale) {
+    return ggml_mul_mat(g.ctx, m.layers[il].wo, kv_attend(g, m, il, q, k, v, kq_scale));
 }
 
 ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x) {
@@ -149,7 +229,11 @@ ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor *
         x = select_outputs(g, x);
     }
     x = ggml_add(g.ctx, x, attn);
-    return ggml_add(g.ctx, x, ffn_swiglu(g, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+    return ggml_add(g.ctx, x, layer_ffn(g, hp, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+}
+
+ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
+    return w.ffn_gate_inp ? ffn_moe(g, hp, w, x) : ffn_swiglu(g, w, x);
 }
 
 ggml_tensor * build_stack(GraphCtx & g, const Model & m) {
@@ -174,7 +258,7 @@ ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h) {
 
 namespace kvf {
 
-void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool dense_ffn) {
     const std::string p = "blk." + std::to_string(il) + ".";
     w.attn_norm = src.require(p + "attn_norm.weight", {hp.n_embd});
     w.wq = src.require(p + "attn_q.weight", {hp.n_embd, hp.head_dim_k * hp.n_head});
@@ -182,6 +266,12 @@ void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams
     w.wv = src.require(p + "attn_v.weight", {hp.n_embd, hp.n_embd_v()});
     w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head, hp.n_embd});
     w.ffn_norm = src.require(p + "ffn_norm.weight", {hp.n_embd});
+    if (dense_ffn) load_dense_ffn(w, src, hp, il);
+}
+
+void load_dense_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    if (hp.n_ff <= 0) throw std::runtime_error("GGUF is missing the required key " + hp.arch + ".feed_forward_length");
     w.ffn_gate = src.require(p + "ffn_gate.weight", {hp.n_embd, hp.n_ff});
     w.ffn_up = src.require(p + "ffn_up.weight", {hp.n_embd, hp.n_ff});
     w.ffn_down = src.require(p + "ffn_down.weight", {hp.n_ff, hp.n_embd});

@@ -6,6 +6,7 @@
 
 #include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
+#include "kv/recurrent_state.h"
 #include "model/model.h"
 
 namespace kvf {
@@ -30,6 +31,9 @@ struct GraphCtx {
     const PooledKV * ring = nullptr;
     KvStepInputs ring_in;
     int64_t n_ring_kv = 0;
+    // The linear-attention layers' conv and recurrent state (kv/recurrent_state.h), when the model has such
+    // layers: a step reads layer l's and writes it back in place.
+    const RecurrentState * recurrent = nullptr;
     int64_t n_tokens = 0;
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
@@ -65,11 +69,17 @@ struct GraphCtx {
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);
 // SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
+// Mixture-of-experts feed-forward (qwen3moe, qwen35moe): the top n_expert_used SwiGLU experts by softmax
+// router probability, weighted by those renormalised; plus the sigmoid-gated shared expert when the layer has one.
+ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
 // q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v where layer il keeps
 // its K/V (the pool, or a sliding-window layer's ring: GraphCtx::layer_kv) with cpy_k / cpy_v, attends over
 // the slots of the step (get_k / get_v) under the step's mask, applies wo.
 ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                            float kq_scale);
+// The same before wo: [head_dim_v * n_head, n_tokens] (qwen35 gates it before its output projection).
+ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                        float kq_scale);
 // RoPE of layer il (sliding-window layers have their own base and scale).
 ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 // x + bias when bias is present; reshape to [head_dim, n_heads, n_tokens].
@@ -83,7 +93,13 @@ ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x);
 namespace kvf {
 
 // The tensors every llama-like layer has (norms, q/k/v/o projections, SwiGLU FFN).
-void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+// dense_ffn=false: the FFN is the family's own (experts), loaded separately.
+void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool dense_ffn = true);
+void load_dense_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);   // gate, up, down
+// A mixture-of-experts FFN's tensors (router, experts; the shared expert when hp.n_ff_shexp > 0), and the
+// metadata that sizes them (expert counts and widths, libllama's defaults where a file leaves them out).
+void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_expert);
 
 // The token embeddings of the step: [n_embd, n_tokens].
 ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
@@ -92,6 +108,8 @@ ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
 // `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);
+// The layer's feed-forward: its experts when it has a router (ffn_moe), else SwiGLU.
+ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
 
 // The whole stack of a step: the family's embed, then each of its layers; [n_embd, n_outputs].
 ggml_tensor * build_stack(GraphCtx & g, const Model & m);

@@ -147,7 +147,7 @@ void Model::read_hparams(gguf_context * g) {
                                  std::to_string(gguf_get_n_tensors(g)) + " tensors");
     }
     hp_.n_embd = meta_require_int(g, a + "embedding_length", 1, k_max_dim);
-    hp_.n_ff = meta_require_int(g, a + "feed_forward_length", 1, k_max_dim);
+    meta_int(g, a + "feed_forward_length", 1, k_max_dim, hp_.n_ff);   // dense families require it (load_dense_ffn)
     hp_.n_head = meta_require_int(g, a + "attention.head_count", 1, k_max_dim);
     hp_.n_head_kv = hp_.n_head;
     meta_int(g, a + "attention.head_count_kv", 1, hp_.n_head, hp_.n_head_kv);
@@ -183,9 +183,15 @@ int64_t ModelHparams::n_swa_layers() const {
     return n;
 }
 
+int64_t ModelHparams::n_recurrent_layers() const {
+    int64_t n = 0;
+    for (uint8_t f : recurrent_layers) n += f != 0;
+    return n;
+}
+
 int64_t ModelHparams::kv_index(int64_t il) const {
     int64_t i = 0;
-    for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il);
+    for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il) && is_recurrent(l) == is_recurrent(il);
     return i;
 }
 

@@ -1,5 +1,5 @@
 // Model: hyperparameters and weights of one GGUF file, placed on a ggml backend.
-// Families (llama, qwen2, qwen3, gemma3) are registered in registry.cpp; each has one file with its tensor
+// Families (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3) are registered in registry.cpp; each has one file with its tensor
 // list and graph builder. Nothing here knows about residency: graphs write K/V into a PooledKV.
 #pragma once
 
@@ -45,13 +45,36 @@ struct ModelHparams {
     float   rope_freq_base_swa  = 10000.0f;
     float   rope_freq_scale_swa = 1.0f;
 
+    // Linear-attention layers (qwen35's gated delta-net): flagged in recurrent_layers, each with a fixed-size
+    // conv state and recurrent state of its own (kv/recurrent_state.h), never paged. Sizes as libllama
+    // names them: the conv kernel, the value width (d_inner = d_state * dt_rank), the head size (d_state),
+    // the value heads (dt_rank) and key heads (n_group).
+    std::vector<uint8_t> recurrent_layers;
+    int64_t ssm_d_conv = 0, ssm_d_inner = 0, ssm_d_state = 0, ssm_dt_rank = 0, ssm_n_group = 0;
+    // Multi-section RoPE (qwen35's IMROPE): dimensions per section. A text token has the same position in
+    // every section, so the rotation equals NeoX RoPE over n_rot dimensions; read and checked, not needed.
+    int rope_sections[4] = {0, 0, 0, 0};
+
+    // Mixture of experts (qwen3moe, qwen35moe): n_expert routed experts of n_ff_exp, n_expert_used per token
+    // (softmax gate, weights renormalised over the chosen); n_ff_shexp: the shared expert (0: none).
+    int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
+
     int64_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int64_t n_embd_v() const { return head_dim_v * n_head_kv; }
     bool is_swa(int64_t il) const { return !swa_layers.empty() && swa_layers[(size_t) il]; }
+    bool is_recurrent(int64_t il) const { return !recurrent_layers.empty() && recurrent_layers[(size_t) il]; }
+    bool is_pooled(int64_t il) const { return !is_swa(il) && !is_recurrent(il); }
     int64_t n_swa_layers() const;
-    int64_t n_pooled_layers() const { return n_layer - n_swa_layers(); }
-    // Index of layer il among the layers of its kind (its row in the pool, or in the ring).
+    int64_t n_recurrent_layers() const;
+    int64_t n_pooled_layers() const { return n_layer - n_swa_layers() - n_recurrent_layers(); }
+    // Index of layer il among the layers of its kind (its row in the pool, its ring, or its recurrent state).
     int64_t kv_index(int64_t il) const;
+    // A recurrent layer's state sizes (F32 elements): the last d_conv - 1 inputs of every conv channel, and
+    // the delta-net state [head_v, head_v, n_v_heads].
+    int64_t ssm_conv_channels() const { return ssm_d_inner + 2 * ssm_n_group * ssm_d_state; }
+    int64_t ssm_conv_state() const { return (ssm_d_conv - 1) * ssm_conv_channels(); }
+    int64_t ssm_head_v() const { return ssm_dt_rank > 0 ? ssm_d_inner / ssm_dt_rank : 0; }
+    int64_t ssm_recurrent_state() const { return ssm_head_v() * ssm_head_v() * ssm_dt_rank; }
 };
 
 struct LayerWeights {
@@ -71,6 +94,26 @@ struct LayerWeights {
     ggml_tensor * ffn_down = nullptr;    // [n_ff, n_embd]
     ggml_tensor * attn_post_norm = nullptr;   // [n_embd]         gemma3 (norm of the attention output)
     ggml_tensor * ffn_post_norm  = nullptr;   // [n_embd]         gemma3
+    // gated delta-net (qwen35's linear-attention layers)
+    ggml_tensor * ssm_qkv = nullptr;      // [n_embd, 2 * key_dim + value_dim]   attn_qkv
+    ggml_tensor * ssm_z = nullptr;        // [n_embd, value_dim]                 attn_gate (output gate)
+    ggml_tensor * ssm_conv1d = nullptr;   // [d_conv, conv_channels]
+    ggml_tensor * ssm_dt = nullptr;       // [dt_rank]   bias of the decay
+    ggml_tensor * ssm_a = nullptr;        // [dt_rank]   -exp(A_log)
+    ggml_tensor * ssm_beta = nullptr;     // [n_embd, dt_rank]
+    ggml_tensor * ssm_alpha = nullptr;    // [n_embd, dt_rank]
+    ggml_tensor * ssm_norm = nullptr;     // [head_v]
+    ggml_tensor * ssm_out = nullptr;      // [value_dim, n_embd]
+    // mixture of experts
+    ggml_tensor * ffn_gate_inp = nullptr;     // [n_embd, n_expert]             router
+    ggml_tensor * ffn_gate_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_up_exps = nullptr;      // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_gate_up_exps = nullptr; // [n_embd, 2 * n_ff_exp, n_expert] (gate and up in one, newer files)
+    ggml_tensor * ffn_down_exps = nullptr;    // [n_ff_exp, n_embd, n_expert]
+    ggml_tensor * ffn_gate_inp_shexp = nullptr;   // [n_embd]   the shared expert's sigmoid gate
+    ggml_tensor * ffn_gate_shexp = nullptr;   // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_up_shexp = nullptr;     // [n_embd, n_ff_shexp]
+    ggml_tensor * ffn_down_shexp = nullptr;   // [n_ff_shexp, n_embd]
 };
 
 // Every tensor slot of a layer, for code that treats them alike (loading mirrors each one).
@@ -78,7 +121,12 @@ inline constexpr ggml_tensor * LayerWeights::* k_layer_tensors[] = {
     &LayerWeights::attn_norm, &LayerWeights::wq, &LayerWeights::wk, &LayerWeights::wv, &LayerWeights::wo,
     &LayerWeights::bq, &LayerWeights::bk, &LayerWeights::bv, &LayerWeights::q_norm, &LayerWeights::k_norm,
     &LayerWeights::ffn_norm, &LayerWeights::ffn_gate, &LayerWeights::ffn_up, &LayerWeights::ffn_down,
-    &LayerWeights::attn_post_norm, &LayerWeights::ffn_post_norm};
+    &LayerWeights::attn_post_norm, &LayerWeights::ffn_post_norm, &LayerWeights::ssm_qkv, &LayerWeights::ssm_z,
+    &LayerWeights::ssm_conv1d, &LayerWeights::ssm_dt, &LayerWeights::ssm_a, &LayerWeights::ssm_beta,
+    &LayerWeights::ssm_alpha, &LayerWeights::ssm_norm, &LayerWeights::ssm_out, &LayerWeights::ffn_gate_inp,
+    &LayerWeights::ffn_gate_exps, &LayerWeights::ffn_up_exps, &LayerWeights::ffn_gate_up_exps,
+    &LayerWeights::ffn_down_exps, &LayerWeights::ffn_gate_inp_shexp, &LayerWeights::ffn_gate_shexp,
+    &LayerWeights::ffn_up_shexp, &LayerWeights::ffn_down_shexp};
 
 class Model;
 struct GraphCtx;
@@ -107,7 +155,7 @@ struct ArchSpec {
 };
 
 const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupported
-std::string supported_archs();                          // "llama, qwen2, qwen3, gemma3"
+std::string supported_archs();                          // "llama, qwen2, qwen3, ..."
 
 struct ModelOptions {
     std::string backend = "auto";   // "auto" | "cpu" | "cuda"

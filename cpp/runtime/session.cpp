@@ -77,7 +77,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
                                  : cfg_.pool_tokens;
 
     KvLayout layout;
-    layout.n_layer = hp.n_pooled_layers();   // sliding-window layers keep their own ring
+    layout.n_layer = hp.n_pooled_layers();   // sliding-window layers keep their own ring, linear-attention ones a state
     layout.n_embd_k = hp.n_embd_k();
     layout.n_embd_v = hp.n_embd_v();
     layout.chunk_tokens = cfg_.chunk_tokens;
@@ -99,6 +99,10 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
         rl.n_layer = hp.n_swa_layers();
         rl.pool_tokens = SlidingWindowKV::ring_tokens_for(hp.n_swa, cfg_.n_batch, kv_pad_, cfg_.chunk_tokens);
         ring_ = std::make_unique<SlidingWindowKV>(model_->backend(), rl, hp.n_swa, kv_pad_);
+    }
+    if (hp.n_recurrent_layers() > 0) {
+        recurrent_ = std::make_unique<RecurrentState>(model_->backend(), hp.n_recurrent_layers(), hp.ssm_conv_state(),
+                                                      hp.ssm_recurrent_state());
     }
     pc.chunk_bytes = kv_->chunk_bytes();
     pager_ = std::make_unique<KvPager>(pc);
@@ -212,6 +216,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
     const auto t0 = std::chrono::steady_clock::now();
     const KvKeyOrder order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
     const Plan ring_alloc = ring_ ? ring_->place(alloc.span_start, n) : Plan{};
+    if (recurrent_) recurrent_->place(alloc.span_start, n);
     const KvKeyOrder ring_order = ring_ ? ring_->key_order() : KvKeyOrder{};
     const int64_t n_outputs = all_logits ? n : 1;
     if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered ||
@@ -254,6 +259,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
         if (t) ggml_set_input(t);
     }
     g.in.kv = kv_step_inputs_new(g.ctx, kv_->layout(), n_tokens, n_kv, gathered);
+    g.recurrent = recurrent_.get();
     if (ring_) {
         g.ring = &ring_->kv();
         g.n_ring_kv = n_ring_kv;
@@ -304,12 +310,17 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
 
 bool Session::can_truncate(int64_t n) const {
     const SessionLock held = lock(false);
-    return n >= 0 && n <= pager_->n_tokens() && (!ring_ || ring_->can_truncate(n));
+    return n >= 0 && n <= pager_->n_tokens() && (!ring_ || ring_->can_truncate(n)) &&
+           (!recurrent_ || recurrent_->can_truncate(n));
 }
 
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
-    if (ring_ && n >= 0 && n <= pager_->n_tokens()) ring_->truncate(n);   // throws, changing nothing, if it cannot
+    if (n >= 0 && n <= pager_->n_tokens()) {   // each throws, changing nothing, if it cannot
+        if (recurrent_ && !recurrent_->can_truncate(n)) recurrent_->truncate(n);
+        if (ring_) ring_->truncate(n);
+        if (recurrent_) recurrent_->truncate(n);
+    }
     execute(pager_->plan_truncate(n));
     tokens_.resize((size_t) n);
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
@@ -322,8 +333,9 @@ void Session::adopt(const Session & src, int64_t n) {
     std::scoped_lock sessions(mutex_, src.mutex_);
     std::scoped_lock devices(model_->compute_mutex(), src.model_->compute_mutex());
     const int64_t C = cfg_.chunk_tokens, start = n_tokens();
-    if (ring_) {
-        throw std::invalid_argument("adopt: it copies pooled chunks, and a sliding-window model's rings cannot be adopted");
+    if (ring_ || recurrent_) {
+        throw std::invalid_argument("adopt: it copies pooled chunks; a model's sliding-window rings or linear-attention "
+                                    "state cannot be adopted");
     }
     const KvLayout & a = kv_->layout(), & b = src.kv().layout();
     if (model_->fingerprint() != src.model().fingerprint()) {
@@ -428,6 +440,7 @@ void Session::reset() {
     pager_->reset();
     kv_->clear_host();
     if (ring_) ring_->clear();
+    if (recurrent_) recurrent_->clear();
     tokens_.clear();
     prefill_queries_ = StepQueries{};
     if (summaries_) summaries_->clear();

@@ -17,6 +17,7 @@
 
 #include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
+#include "kv/recurrent_state.h"
 #include "kv/sliding_window_kv.h"
 #include "model/graph.h"
 #include "model/model.h"
@@ -80,6 +81,7 @@ struct ExactPrefill {
 struct SessionMemory {
     int64_t pool_bytes = 0;            // the K/V pool (global layers)
     int64_t ring_bytes = 0;            // the sliding-window layers' rings (fixed size, never paged)
+    int64_t recurrent_bytes = 0;       // the linear-attention layers' conv and recurrent state (fixed size)
     int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
     int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
                                        // one-layer staging K/V + its compute buffer (freed after each prompt)
@@ -118,7 +120,8 @@ public:
     int32_t forward_greedy(const int32_t * tokens, int64_t n, int64_t start);
 
     void truncate(int64_t n);                        // forget positions >= n (throws unless can_truncate(n))
-    // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n.
+    // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n,
+    // or the model has linear-attention layers, whose state goes back only to 0 (or stays at the end).
     bool can_truncate(int64_t n) const;
     // Append positions [n_tokens(), n) with the K/V that `src` holds for them instead of computing them.
     // src ran the same tokens on the same model, so the bytes are what forward would have written had
@@ -175,6 +178,7 @@ public:
     PooledKV & kv() { return *kv_; }
     const PooledKV & kv() const { return *kv_; }
     const SlidingWindowKV * ring() const { return ring_.get(); }   // null: the model has no sliding-window layers
+    const RecurrentState * recurrent() const { return recurrent_.get(); }   // null: no linear-attention layers
     SessionTimings timings() const;   // a copy: the live counters change under the lock
     SessionMemory memory() const;   // session_prefill.cpp
 
@@ -186,7 +190,8 @@ public:
     // kv().state_from), its n_tokens() tokens, and the saved summaries (from summaries()->state_from;
     // null: none saved, so a session that tracks them starts over). Only allocation failures can throw.
     void restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
-                       std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring);
+                       std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring,
+                       const RecurrentState::Copy * recurrent);
 
 private:
     friend class BatchDecoder;   // runtime/batch_decoder.h: steps several sessions in one graph
@@ -221,6 +226,7 @@ private:
     std::unique_ptr<KvPager> pager_;
     std::unique_ptr<PooledKV> kv_;
     std::unique_ptr<SlidingWindowKV> ring_;       // null unless the model has sliding-window layers
+    std::unique_ptr<RecurrentState> recurrent_;   // null unless the model has linear-attention layers
     std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
     ggml_backend_sched_t sched_ = nullptr;
 

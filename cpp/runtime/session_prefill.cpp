@@ -92,22 +92,26 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     int64_t peak_compute = 0;
     const auto t0 = std::chrono::steady_clock::now();
     const SlidingWindowKV::Mark ring_start = ring_ ? ring_->mark() : SlidingWindowKV::Mark{};
+    // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
+    // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
+    const RecurrentState::Copy recurrent_start = recurrent_ ? recurrent_->copy() : RecurrentState::Copy{};
     try {
         place_prompt(tokens, n, start);
+        if (recurrent_) recurrent_->place(start, n);   // every recurrent layer consumes the prompt in turn
         const std::vector<int64_t> blocks = pager_->chunk_blocks();   // where each chunk ends: block, or -1 (host)
         // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held
         // tokens end inside is both: it goes into staging whole and comes back whole).
         const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
         std::vector<int32_t> pos;
         for (int il = 0; il < hp.n_layer; ++il) {
-            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il);
-            const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring)
+            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), pooled = hp.is_pooled(il);
+            const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring, or its state)
             auto t_io = std::chrono::steady_clock::now();
             if (swa) {
                 // A sliding-window layer runs the prompt through its own ring, from where the ring stood
                 // before the prompt (every ring layer takes the same positions, one layer after another).
                 ring_->rewind_to(ring_start);
-            } else {
+            } else if (pooled) {
                 // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
                 stage_pager.reset();
                 if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
@@ -132,7 +136,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 if (swa) {
                     plan = ring_->place(p0, mt);
                     order = ring_->key_order();
-                } else {
+                } else if (pooled) {
                     plan = stage_pager.plan_alloc(p0, mt);
                     stage_pager.apply(plan);
                     order = kv_key_order(stage_pager, sl, false, kv_pad_);
@@ -145,27 +149,29 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
                 g.kv = &stage;
                 g.one_layer_kv = true;
+                g.recurrent = recurrent_.get();   // a recurrent layer carries its state from step to step
                 g.n_tokens = mt;
                 g.n_outputs = last_layer ? 1 : mt;
                 g.flash_attn = flash_attn_;
                 // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
-                g.n_attn_tokens = final_step && !swa ? std::min(mt, k_capture_tokens) : 0;
-                g.n_query_tokens = final_step && !swa && summaries_ ? std::min(mt, k_capture_tokens) : 0;
+                g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
+                g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
                 g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
-                g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
+                // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
+                g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
                 g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
                 ggml_tensor * h_in = il == 0 ? nullptr : ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n_embd, mt);
                 for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
                     if (t) ggml_set_input(t);
                 }
                 if (h_in) place_in(hidden_buf, h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
-                KvStepInputs * step_kv;
+                KvStepInputs * step_kv = nullptr;   // none for a recurrent layer
                 if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
                     g.ring = &ring_->kv();
                     g.n_ring_kv = order.n_kv;
                     g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, order.n_kv, false);
                     step_kv = &g.ring_in;
-                } else {
+                } else if (pooled) {
                     g.n_kv = order.n_kv;
                     g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, band.mask(g.ctx, order.n_kv, mt, p0));
                     step_kv = &g.in.kv;
@@ -188,12 +194,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 pos.resize((size_t) mt);
                 for (int64_t i = 0; i < mt; ++i) pos[i] = (int32_t) (p0 + i);
                 if (g.in.tokens) ggml_backend_tensor_set(g.in.tokens, tokens + (p0 - start), 0, mt * sizeof(int32_t));
-                ggml_backend_tensor_set(g.in.positions, pos.data(), 0, mt * sizeof(int32_t));
+                if (g.in.positions) ggml_backend_tensor_set(g.in.positions, pos.data(), 0, mt * sizeof(int32_t));
                 if (g.in.out_ids) {
                     const int32_t last = (int32_t) (mt - 1);
                     ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
                 }
-                kv_step_inputs_set(*step_kv, swa ? ring_->kv().layout() : sl, order, plan, pos.data(), input_scratch_);
+                if (step_kv) kv_step_inputs_set(*step_kv, swa ? ring_->kv().layout() : sl, order, plan, pos.data(), input_scratch_);
                 timings_.t_prefill_io_ms += ms_since(t_io);
                 if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
                     throw std::runtime_error("ggml graph compute failed");
@@ -203,7 +209,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 t_io = std::chrono::steady_clock::now();   // includes waiting for the compute to finish
                 if (!last_layer) ggml_backend_tensor_get(y, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(y));
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
-                if (final_step && !swa) {
+                if (final_step && pooled) {
                     // The last tokens' attention, staging slot j = position j: max over queries and layers.
                     const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
                     std::vector<float> rows((size_t) ggml_nelements(a));
@@ -228,7 +234,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 p0 += mt;
             }
 
-            if (!swa) {
+            if (pooled) {
                 // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
                 // evicted chunks straight into their host images.
                 t_io = std::chrono::steady_clock::now();
@@ -251,6 +257,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     } catch (...) {
         kv_->synchronize();
         if (ring_) ring_->rewind_to(ring_start);
+        if (recurrent_) recurrent_->restore(recurrent_start);
         truncate(start);   // no new position is complete before its last layer is written: forget them all
         throw;
     }
@@ -263,9 +270,14 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
 
 SessionMemory Session::memory() const {
     const SessionLock held = lock(false);
-    return SessionMemory{kv_->device_bytes(), ring_ ? ring_->device_bytes() : 0,
-                         (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()), prefill_peak_bytes_,
-                         prefill_host_bytes_};
+    SessionMemory mem;
+    mem.pool_bytes = kv_->device_bytes();
+    mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
+    mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
+    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
+    mem.prefill_peak_bytes = prefill_peak_bytes_;
+    mem.prefill_host_bytes = prefill_host_bytes_;
+    return mem;
 }
 
 }  // namespace kvf

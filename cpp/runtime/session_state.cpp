@@ -50,11 +50,13 @@ SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n
 }
 
 void Session::restore_state(KvPager && pager, const std::vector<const uint8_t *> & images, std::vector<int32_t> tokens,
-                            std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring) {
+                            std::unique_ptr<ChunkSummaries> summaries, const SlidingWindowKV::Saved * ring,
+                            const RecurrentState::Copy * recurrent) {
     const SessionLock held = lock();
     const auto t0 = std::chrono::steady_clock::now();
     kv_->load_state(images, pager.chunk_blocks(), pager.chunk_host_valid());
     if (ring_) ring_->load_state(*ring);
+    if (recurrent_) recurrent_->restore(*recurrent);
     pager_->replace_state(std::move(pager));
     tokens_ = std::move(tokens);
     if (summaries_ && summaries) {

@@ -26,7 +26,8 @@ constexpr uint32_t tag_of(const char (&s)[5]) {
            (uint32_t) (uint8_t) s[3] << 24;
 }
 constexpr uint32_t k_modl = tag_of("MODL"), k_sess = tag_of("SESS"), k_toks = tag_of("TOKS"),
-                   k_pagr = tag_of("PAGR"), k_summ = tag_of("SUMM"), k_kvim = tag_of("KVIM"), k_ring = tag_of("RING");
+                   k_pagr = tag_of("PAGR"), k_summ = tag_of("SUMM"), k_kvim = tag_of("KVIM"), k_ring = tag_of("RING"),
+                   k_rcur = tag_of("RCUR");
 
 std::string tag_name(uint32_t t) {
     std::string s = "'";
@@ -47,20 +48,21 @@ struct Section {
 // Everything of a snapshot that is not the pager ledger and the KV images (those are read against the
 // session they go into).
 struct Parsed {
+    uint32_t format_version = 0;   // the file's own
     std::string fingerprint;
     SessionConfig config;
     int64_t n_tokens = 0;
     std::vector<int32_t> tokens;
-    Section pager, summaries, kv, ring;
+    Section pager, summaries, kv, ring, recurrent;
 };
 
-std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
+std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size, uint32_t & format_version) {
     if (size < k_header_bytes + k_trailer_bytes) {
         throw SnapshotError("truncated: " + std::to_string(size) + " bytes is less than a snapshot header and checksum");
     }
     if (std::memcmp(data, k_magic, sizeof k_magic) != 0) throw SnapshotError("not a kvflash snapshot (bad magic)");
     ByteReader head(data + sizeof k_magic, k_header_bytes - sizeof k_magic, "snapshot header");
-    const uint32_t version = head.get<uint32_t>("format_version");
+    const uint32_t version = format_version = head.get<uint32_t>("format_version");
     if (version < 1 || version > k_snapshot_format_version) {
         throw SnapshotError("snapshot format version " + std::to_string(version) + " is not supported (this build reads 1 to " +
                             std::to_string(k_snapshot_format_version) + ")");
@@ -84,7 +86,7 @@ std::map<uint32_t, Section> read_container(const uint8_t * data, size_t size) {
         s.size = (size_t) length;
         s.data = body.take(s.size, "section");
         const bool known = tag == k_modl || tag == k_sess || tag == k_toks || tag == k_pagr || tag == k_summ ||
-                           tag == k_kvim || (tag == k_ring && version >= 2);
+                           tag == k_kvim || (tag == k_ring && version >= 2) || (tag == k_rcur && version >= 3);
         if (!known) {
             body.fail("unknown section " + tag_name(tag));
         }
@@ -105,8 +107,8 @@ void check_version(ByteReader & r, uint32_t version, uint32_t supported) {
 }
 
 Parsed parse(const uint8_t * data, size_t size) {
-    std::map<uint32_t, Section> sections = read_container(data, size);
     Parsed p;
+    std::map<uint32_t, Section> sections = read_container(data, size, p.format_version);
     const Section & modl = sections[k_modl];
     ByteReader mr(modl.data, modl.size, "model section");
     check_version(mr, modl.version, k_modl_version);
@@ -131,6 +133,7 @@ Parsed parse(const uint8_t * data, size_t size) {
     p.summaries = sections[k_summ];   // optional: present when the saved session tracked summaries
     p.kv = sections[k_kvim];
     p.ring = sections[k_ring];   // present when the saved model has sliding-window layers
+    p.recurrent = sections[k_rcur];   // ... and linear-attention layers
     return p;
 }
 
@@ -192,7 +195,16 @@ void load_parsed(Session & s, const Parsed & p) {
     } else if (p.ring.present) {
         throw SnapshotError("the snapshot has sliding-window rings but this model has no sliding-window layers");
     }
-    s.restore_state(std::move(ledger), images, p.tokens, std::move(summaries), ring.get());
+    std::unique_ptr<RecurrentState::Copy> recurrent;
+    if (s.recurrent()) {
+        if (!p.recurrent.present) throw SnapshotError("snapshot: section 'RCUR' (the linear-attention layers' state) is missing");
+        ByteReader r(p.recurrent.data, p.recurrent.size, "recurrent-state section");
+        recurrent = std::make_unique<RecurrentState::Copy>(s.recurrent()->state_from(r, p.recurrent.version, ledger.n_tokens()));
+        r.expect_end();
+    } else if (p.recurrent.present) {
+        throw SnapshotError("the snapshot has a linear-attention state but this model has no linear-attention layers");
+    }
+    s.restore_state(std::move(ledger), images, p.tokens, std::move(summaries), ring.get(), recurrent.get());
 }
 
 void write_section(ByteWriter & w, uint32_t tag, uint32_t version, const std::function<void(ByteWriter &)> & body) {
@@ -228,9 +240,11 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
     const std::vector<int32_t> tokens(s.tokens().begin(), s.tokens().begin() + n_tokens);
 
     const SlidingWindowKV * ring = s.ring();
+    const RecurrentState * recurrent = s.recurrent();
     w.raw(k_magic, sizeof k_magic);
-    w.put<uint32_t>(ring ? 2 : 1);   // version 1 files stay readable by builds that predate rings
-    w.put<uint32_t>(5 + (s.summaries() ? 1 : 0) + (ring ? 1 : 0));
+    // The oldest version that has every section written, so older builds keep reading what they can.
+    w.put<uint32_t>(recurrent ? 3 : ring ? 2 : 1);
+    w.put<uint32_t>(5 + (s.summaries() ? 1 : 0) + (ring ? 1 : 0) + (recurrent ? 1 : 0));
     write_section(w, k_modl, k_modl_version, [&](ByteWriter & o) { o.str(s.model().fingerprint()); });
     write_section(w, k_sess, Session::k_state_version, [&](ByteWriter & o) { s.save_state(o, n_tokens); });
     write_section(w, k_toks, k_toks_version, [&](ByteWriter & o) { o.array(tokens); });
@@ -242,6 +256,9 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
     }
     if (ring) {
         write_section(w, k_ring, SlidingWindowKV::k_state_version, [&](ByteWriter & o) { ring->save_state(o, n_tokens); });
+    }
+    if (recurrent) {
+        write_section(w, k_rcur, RecurrentState::k_state_version, [&](ByteWriter & o) { recurrent->save_state(o, n_tokens); });
     }
     // The KV images are most of the file: streamed straight out rather than staged.
     const int64_t kv_bytes = s.kv().state_bytes(ledger.n_chunks());
@@ -374,7 +391,7 @@ std::unique_ptr<Session> snapshot_restore(std::shared_ptr<Model> model, const ui
 
 SnapshotInfo snapshot_info(const uint8_t * data, size_t size) {
     Parsed p = parse(data, size);
-    return SnapshotInfo{k_snapshot_format_version, p.fingerprint, p.config, p.n_tokens};
+    return SnapshotInfo{p.format_version, p.fingerprint, p.config, p.n_tokens};
 }
 
 uint64_t snapshot_checksum(const uint8_t * data, size_t size) {

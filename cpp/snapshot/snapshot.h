@@ -11,7 +11,10 @@
 // history, i32 array), PAGR (KvPager), SUMM (ChunkSummaries: only when the session tracks them, so qk and
 // quest are warm after a restore), KVIM (PooledKV; written last, streamed). All but SUMM are required.
 // Format version 2 adds RING (SlidingWindowKV: the sliding-window layers' rings), present exactly when the
-// model has such layers; files without it are still written as version 1.
+// model has such layers; files without it are still written as version 1. Format version 3 adds RCUR
+// (RecurrentState: the linear-attention layers' conv and recurrent state), present exactly when the model
+// has such layers; it exists only for everything the session consumed, so a prefix snapshot of a hybrid
+// model is refused.
 // A new section comes with a format version bump; readers refuse versions and tags they do not know.
 // A session that tracks summaries, loading a snapshot without them, drops its own (scores NaN until
 // chunks are sealed again); one that does not track them ignores SUMM.
@@ -43,7 +46,7 @@ public:
     std::string path;
 };
 
-constexpr uint32_t k_snapshot_format_version = 2;   // the newest this build reads (2 adds RING)
+constexpr uint32_t k_snapshot_format_version = 3;   // the newest this build reads (2 adds RING, 3 RCUR)
 
 // prefix_chunks < 0: everything the session holds; else only the first prefix_chunks chunks, with the
 // ledger the session would have after truncating to them (the live session is not touched).

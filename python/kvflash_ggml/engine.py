@@ -422,7 +422,8 @@ class Engine:
 
     def _device_bytes(self) -> dict:
         """Every device byte the configuration holds besides the pool (on the CPU backend, host RAM): weights,
-        the sliding-window layers' rings (fixed, never paged), the step graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
+        the sliding-window layers' rings and the linear-attention layers' state (fixed, never paged), the step
+        graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
         one layer's staging K/V + its compute buffer), and the drafter's full-cache session (not bounded by
         the pool). device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
         buffer)."""
@@ -430,7 +431,7 @@ class Engine:
         drafter = 0
         if self.companion is not None:
             dm = self.companion.session.memory()
-            drafter = dm["pool_bytes"] + dm["ring_bytes"] + dm["compute_bytes"] + \
+            drafter = dm["pool_bytes"] + dm["ring_bytes"] + dm["recurrent_bytes"] + dm["compute_bytes"] + \
                 (self.companion.model.weight_bytes if self.companion.model is not self.model else 0)
         weights = self.model.weight_bytes
         return {
@@ -439,7 +440,8 @@ class Engine:
             "device_prefill_peak_bytes": mem["prefill_peak_bytes"],
             "device_drafter_bytes": drafter,
             "device_ring_bytes": mem["ring_bytes"],
-            "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["compute_bytes"] +
+            "device_recurrent_bytes": mem["recurrent_bytes"],
+            "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["recurrent_bytes"] + mem["compute_bytes"] +
             mem["prefill_peak_bytes"] + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],
         }

@@ -38,7 +38,7 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
     mem = session.memory()
-    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"],
+    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"] + mem["recurrent_bytes"],
             "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
             "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn}
 
@@ -46,7 +46,7 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
 @dataclasses.dataclass(frozen=True)
 class SlotCosts:
     """What one session costs on the device, measured by _probe: bytes per pool token (K/V, and the compute
-    buffer's growth with the pool), fixed bytes (compute buffer, sliding-window rings), and one layer's K/V
+    buffer's growth with the pool), fixed bytes (compute buffer, sliding-window rings, linear-attention state: `ring`), and one layer's K/V
     per prompt token (the exact prefill's staging pool)."""
     kv_per_token: float
     compute_per_token: float
@@ -88,7 +88,7 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     chosen = min(fitted, ceiling)
     figures = (f"{free / 2**30:.2f} GiB free after the weights; per session {costs.kv_per_token / 1024:.1f} KiB of "
                f"K/V + {costs.compute_per_token / 1024:.1f} KiB of compute per pool token, "
-               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.ring / 2**20:.0f} MiB rings fixed; "
+               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.ring / 2**20:.0f} MiB rings and recurrent state fixed; "
                f"{prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
     if chosen < min_pool:
         raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit the GPU's free memory ({figures}); "

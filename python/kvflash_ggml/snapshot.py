@@ -119,12 +119,13 @@ class PrefixCache:
 
     def store(self, key: str, session: _core.Session) -> Optional[Path]:
         """Save the session's chunk-aligned prefix (if it has a whole chunk and fits the cap); returns
-        the file, or None when nothing was stored (a failure to write is a logged warning, not an error)."""
+        the file, or None when nothing was stored (a failure to write is a logged warning, not an error).
+        A model with linear-attention layers has its state only for everything held: it stores all of it."""
         ct = session.pager.config().chunk_tokens
         n_chunks = session.n_tokens // ct
         if n_chunks == 0:
             return None
-        n = n_chunks * ct
+        n = session.n_tokens if session.has_recurrent_state else n_chunks * ct
         if n_chunks * session.kv.chunk_bytes + 4 * n > self.max_bytes:
             log.info("prefix cache: a %d-token prefix would exceed prefix_cache_bytes=%d; not stored", n, self.max_bytes)
             return None
@@ -134,7 +135,7 @@ class PrefixCache:
             if path.exists():
                 _touch(path)
                 return path
-            session.save(path, prefix_chunks=n_chunks)
+            session.save(path, prefix_chunks=None if session.has_recurrent_state else n_chunks)
         except (OSError, SnapshotError) as e:
             self._warn("store a snapshot", e)
             return None

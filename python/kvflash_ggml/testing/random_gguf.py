@@ -7,17 +7,35 @@
 
 (Moved from kvflash_ggml.bench.random_gguf: a test fixture, not a benchmark; the command line moved along.)
 
-The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 (tensor names from gguf-py's
-constants, the same metadata keys), so libllama loads them too and is the reference in tests. Each
-file carries a small byte-level BPE tokenizer (256 byte tokens, merges learned from a built-in text,
-chatml special tokens, padded with unused tokens up to n_vocab) and a chatml chat template.
+The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 / gemma3 / qwen3moe / qwen35 /
+qwen35moe (tensor names from gguf-py's constants, the same metadata keys and shapes), so libllama loads
+them too and is the reference in tests. Each file carries a small byte-level BPE tokenizer (256 byte
+tokens, merges learned from a built-in text, chatml special tokens, padded with unused tokens up to
+n_vocab) and a chatml chat template.
 
-Weights: norms are 1, everything else ~N(0, weight_std). Quantized types (q8_0, q4_0) are written as
-random blocks directly (random quants, one fp16 scale per block with a random sign, sized so the
-dequantized weights have std weight_std): nothing is quantized in Python. Tensors are streamed to disk
-in pieces, so memory stays bounded (tens of MB) whatever the model size. Tensors larger than
-_FRESH_MAX elements take their values from random windows of a fixed random reservoir, so an 8B model
-is written at disk speed; small (test-sized) tensors get fresh values.
+The newer families:
+  qwen3moe   qwen3's attention, every FFN replaced by n_expert routed experts (n_expert_used per token,
+             width n_ff_exp); 3-D expert tensors, ne = (n_embd, n_ff_exp, n_expert) for gate/up and
+             (n_ff_exp, n_embd, n_expert) for down.
+  qwen35     Qwen3.5 dense hybrid: gated delta-net (linear attention) layers, and every
+             full_attention_interval-th layer (layer i iff (i + 1) % interval == 0) full attention with
+             an output gate (attn_q is twice as wide: queries and gate), partial interleaved M-RoPE
+             (n_rot < head_dim, rope_sections). Delta-net shape: ssm_n_group key heads and ssm_dt_rank
+             value heads of ssm_d_state each, a causal conv of ssm_d_conv taps.
+  qwen35moe  qwen35 with routed experts plus a gated shared expert (n_ff_shexp) instead of the dense FFN;
+             no feed_forward_length key, as the converter writes none for it.
+No MTP (nextn) layers are written.
+
+Weights: norms are 1, everything else ~N(0, weight_std), but for the delta-net's own parameters, which
+get what an untrained real model has so the recurrence is stable and not trivial: ssm_a = -A with
+A ~ U(1, 16), ssm_dt.bias = softplus^-1(dt) with dt log-uniform in [1e-3, 0.1] (Mamba2's dt init: the
+per-token decay exp(-A * softplus(dt_bias + alpha)) spans short to very long memories), ssm_conv1d ~
+N(0, 1/d_conv) (the conv's fan-in scale). Quantized types (q8_0, q4_0) are written as random blocks
+directly (random quants, one fp16 scale per block with a random sign, sized so the dequantized weights
+have std weight_std): nothing is quantized in Python. Tensors are streamed to disk in pieces, so memory
+stays bounded (tens of MB) whatever the model size. Tensors larger than _FRESH_MAX elements take their
+values from random windows of a fixed random reservoir, so an 8B model is written at disk speed; small
+(test-sized) tensors get fresh values.
 """
 from __future__ import annotations
 
@@ -36,7 +54,9 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as QT
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe")
+MOE_ARCHS = ("qwen3moe", "qwen35moe")        # routed experts instead of the dense FFN
+HYBRID_ARCHS = ("qwen35", "qwen35moe")       # gated delta-net layers + every interval-th layer full attention
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 _FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
@@ -66,6 +86,42 @@ SHAPES: dict[str, dict] = {
                       n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5),
     "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
                      n_vocab=151936, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
+    # 4 experts, 2 a token; n_ff (written, unused by the MoE graph) differs from n_ff_exp to catch mix-ups
+    "tiny-qwen3moe": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+                          n_expert=4, n_expert_used=2, n_ff_exp=64, n_vocab=1000, n_ctx_train=4096),
+    # layers 0 and 2 delta-net, 1 and 3 full attention; 2 key heads and 4 value heads of 32; n_rot 8 of 32
+    "tiny-qwen35": dict(arch="qwen35", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+                        n_vocab=1000, n_ctx_train=4096, full_attention_interval=2, ssm_d_conv=4, ssm_d_state=32,
+                        ssm_n_group=2, ssm_dt_rank=4, n_rot=8, rope_sections=(2, 1, 1, 0)),
+    "tiny-qwen35moe": dict(arch="qwen35moe", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+                           n_expert=4, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128,
+                           n_vocab=1000, n_ctx_train=4096, full_attention_interval=2, ssm_d_conv=4, ssm_d_state=32,
+                           ssm_n_group=2, ssm_dt_rank=4, n_rot=8, rope_sections=(2, 1, 1, 0)),
+    # Qwen3-30B-A3B as released (Qwen/Qwen3-30B-A3B config.json: hidden 2048, intermediate 6144, moe_intermediate
+    # 768, 48 layers, 32 heads / 4 KV of 128, 128 experts, 8 a token, 40960 positions, rope_theta 1e6, vocab 151936,
+    # untied; read from public copies of that config, not from the Hugging Face page itself).
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144,
+                          n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, n_ctx_train=40960,
+                          rope_freq_base=1000000.0, rms_eps=1e-6),
+    # Qwen3.5-27B as released (text_config of Qwen/Qwen3.5-27B config.json, read from public copies of it and
+    # cross-checked with THUDM/slime scripts/models/qwen3.5-27B.sh): hidden 5120, intermediate 17408, 64 layers
+    # (full_attention_interval 4: 16 full-attention layers), 24 heads / 4 KV of 256, partial_rotary_factor 0.25
+    # (n_rot 64), mrope_section [11, 11, 10], rope_theta 1e7, linear attention 16 key / 48 value heads of 128,
+    # conv kernel 4, 262144 positions, vocab 248320, untied, rms_norm_eps 1e-6.
+    "qwen35-27b": dict(arch="qwen35", n_layer=64, n_embd=5120, n_head=24, n_head_kv=4, head_dim=256, n_ff=17408,
+                       n_vocab=248320, n_ctx_train=262144, rope_freq_base=10000000.0, rms_eps=1e-6,
+                       full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48,
+                       n_rot=64, rope_sections=(11, 11, 10, 0)),
+    # Qwen3.5-35B-A3B as released (text_config of Qwen/Qwen3.5-35B-A3B config.json, from public copies, cross-checked
+    # with THUDM/slime scripts/models/qwen3.5-35B-A3B.sh and transformers' Qwen3_5MoeTextConfig defaults): hidden
+    # 2048, 40 layers (interval 4: 10 full-attention), 16 heads / 2 KV of 256, 256 experts, 8 a token,
+    # moe_intermediate 512, shared expert 512, linear attention 16 key / 32 value heads of 128, conv 4, rope as
+    # qwen35-27b, 262144 positions, vocab 248320, untied. The config has no intermediate_size: no n_ff.
+    "qwen35-35b-a3b": dict(arch="qwen35moe", n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,
+                           n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                           n_vocab=248320, n_ctx_train=262144, rope_freq_base=10000000.0, rms_eps=1e-6,
+                           full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32,
+                           n_rot=64, rope_sections=(11, 11, 10, 0)),
 }
 
 CHATML_TEMPLATE = (
@@ -76,7 +132,9 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>")
 # Pre-tokenizer names libllama knows (src/llama-vocab.cpp), one per family, as the real models use.
-_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default"}
+# Qwen3.5's tokenizer.json has its own split regex (\p{M} joins letters), which libllama knows as "qwen35".
+_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default", "qwen3moe": "qwen2",
+                  "qwen35": "qwen35", "qwen35moe": "qwen35"}
 _MAX_MERGES = 600
 
 # The text the BPE merges are learned from (ASCII; any text tokenizes, this only decides the merges).
@@ -205,7 +263,9 @@ def build_tokenizer(arch: str, n_vocab: int) -> TokenizerSpec:
 class TensorSpec:
     name: str
     ne: tuple[int, ...]        # ggml order: ne[0] is the row length
-    kind: str                  # "weight" (weight_type), "norm" (F32 ones) or "bias" (F32 random)
+    # "weight" (weight_type, or F32 where the converter keeps F32), "norm" (F32 ones), "bias" (F32 random), and the
+    # delta-net's own F32 parameters: "conv" (ssm_conv1d), "decay" (ssm_a, negative), "dt_bias" (ssm_dt.bias)
+    kind: str
     qtype: QT
 
     @property
@@ -219,41 +279,142 @@ class TensorSpec:
 
 
 def _name(t: T, suffix: str, bid: int | None = None) -> str:
+    """gguf-py's name for tensor t (of block bid), then "." + suffix; suffix "" for bare names (ssm_a)."""
     base = gguf.TENSOR_NAMES[t]
-    return (base.format(bid=bid) if bid is not None else base) + "." + suffix
+    base = base.format(bid=bid) if bid is not None else base
+    return base + "." + suffix if suffix else base
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The widths one layer's tensors are cut to (see tensor_specs for what each means)."""
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_expert: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    ssm_d_conv: int
+    ssm_d_state: int
+    ssm_n_group: int
+    ssm_dt_rank: int
 
 
 def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
-                 n_vocab: int, weight_type: str = "f32", tied_embeddings: bool = False) -> list[TensorSpec]:
-    """Every tensor of the model, in file order, with llama.cpp's names and shapes."""
+                 n_vocab: int, weight_type: str = "f32", tied_embeddings: bool = False, n_expert: int = 0,
+                 n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
+                 ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4) -> list[TensorSpec]:
+    """Every tensor of the model, in file order, with llama.cpp's names and shapes.
+
+    n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe); n_ff_shexp: the shared expert's
+    width (qwen35moe). ssm_*: the delta-net's conv taps, head size, key heads and value heads (qwen35*);
+    full_attention_interval: which of their layers attend (layer i iff (i + 1) % interval == 0).
+    """
     wt = WEIGHT_TYPES[weight_type]
-    n_q, n_kv = head_dim * n_head, head_dim * n_head_kv
+    d = _Dims(n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp, n_ff_shexp, ssm_d_conv, ssm_d_state,
+              ssm_n_group, ssm_dt_rank)
     specs = [TensorSpec(_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "weight", wt)]
     for il in range(n_layer):
-        specs.append(TensorSpec(_name(T.ATTN_NORM, "weight", il), (n_embd,), "norm", QT.F32))
-        specs.append(TensorSpec(_name(T.ATTN_Q, "weight", il), (n_embd, n_q), "weight", wt))
-        specs.append(TensorSpec(_name(T.ATTN_K, "weight", il), (n_embd, n_kv), "weight", wt))
-        specs.append(TensorSpec(_name(T.ATTN_V, "weight", il), (n_embd, n_kv), "weight", wt))
-        if arch == "qwen2":
-            specs.append(TensorSpec(_name(T.ATTN_Q, "bias", il), (n_q,), "bias", QT.F32))
-            specs.append(TensorSpec(_name(T.ATTN_K, "bias", il), (n_kv,), "bias", QT.F32))
-            specs.append(TensorSpec(_name(T.ATTN_V, "bias", il), (n_kv,), "bias", QT.F32))
-        if arch in ("qwen3", "gemma3"):
-            specs.append(TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (head_dim,), "norm", QT.F32))
-            specs.append(TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (head_dim,), "norm", QT.F32))
-        specs.append(TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, n_embd), "weight", wt))
-        if arch == "gemma3":
-            specs.append(TensorSpec(_name(T.ATTN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
-        specs.append(TensorSpec(_name(T.FFN_NORM, "weight", il), (n_embd,), "norm", QT.F32))
-        specs.append(TensorSpec(_name(T.FFN_GATE, "weight", il), (n_embd, n_ff), "weight", wt))
-        specs.append(TensorSpec(_name(T.FFN_UP, "weight", il), (n_embd, n_ff), "weight", wt))
-        specs.append(TensorSpec(_name(T.FFN_DOWN, "weight", il), (n_ff, n_embd), "weight", wt))
-        if arch == "gemma3":
-            specs.append(TensorSpec(_name(T.FFN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
+        if arch in HYBRID_ARCHS:
+            specs += _hybrid_layer(arch, il, d, wt, attends=(il + 1) % full_attention_interval == 0)
+        else:
+            specs += _transformer_layer(arch, il, d, wt)
     specs.append(TensorSpec(_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm", QT.F32))
     if not tied_embeddings:
         specs.append(TensorSpec(_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "weight", wt))
     return specs
+
+
+def _transformer_layer(arch: str, il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """llama / qwen2 / qwen3 / gemma3 / qwen3moe: attention then a dense or routed FFN, each pre-normed."""
+    n_embd, head_dim = d.n_embd, d.head_dim
+    n_q, n_kv = head_dim * d.n_head, head_dim * d.n_head_kv
+    specs = [TensorSpec(_name(T.ATTN_NORM, "weight", il), (n_embd,), "norm", QT.F32),
+             TensorSpec(_name(T.ATTN_Q, "weight", il), (n_embd, n_q), "weight", wt),
+             TensorSpec(_name(T.ATTN_K, "weight", il), (n_embd, n_kv), "weight", wt),
+             TensorSpec(_name(T.ATTN_V, "weight", il), (n_embd, n_kv), "weight", wt)]
+    if arch == "qwen2":
+        specs.append(TensorSpec(_name(T.ATTN_Q, "bias", il), (n_q,), "bias", QT.F32))
+        specs.append(TensorSpec(_name(T.ATTN_K, "bias", il), (n_kv,), "bias", QT.F32))
+        specs.append(TensorSpec(_name(T.ATTN_V, "bias", il), (n_kv,), "bias", QT.F32))
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
+        specs.append(TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (head_dim,), "norm", QT.F32))
+        specs.append(TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (head_dim,), "norm", QT.F32))
+    specs.append(TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, n_embd), "weight", wt))
+    if arch == "gemma3":
+        specs.append(TensorSpec(_name(T.ATTN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
+    specs.append(TensorSpec(_name(T.FFN_NORM, "weight", il), (n_embd,), "norm", QT.F32))
+    specs += _routed_experts(il, d, wt) if arch in MOE_ARCHS else _dense_ffn(il, d, wt)
+    if arch == "gemma3":
+        specs.append(TensorSpec(_name(T.FFN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
+    return specs
+
+
+def _hybrid_layer(arch: str, il: int, d: _Dims, wt: QT, attends: bool) -> list[TensorSpec]:
+    """qwen35 / qwen35moe: gated attention or gated delta-net, post-attention norm, dense FFN or experts."""
+    specs = [TensorSpec(_name(T.ATTN_NORM, "weight", il), (d.n_embd,), "norm", QT.F32)]
+    specs += _gated_attention(il, d, wt) if attends else _delta_net(il, d, wt)
+    # Qwen3.5 names its FFN pre-norm post_attention_layernorm: libllama's ATTN_POST_NORM, there is no ffn_norm
+    specs.append(TensorSpec(_name(T.ATTN_POST_NORM, "weight", il), (d.n_embd,), "norm", QT.F32))
+    if arch == "qwen35moe":
+        return specs + _routed_experts(il, d, wt) + _shared_expert(il, d, wt)
+    return specs + _dense_ffn(il, d, wt)
+
+
+def _gated_attention(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """Full attention whose attn_q also projects a per-head output gate: queries and gate interleaved per head,
+    so its output width is twice n_head * head_dim."""
+    n_q, n_kv = d.head_dim * d.n_head, d.head_dim * d.n_head_kv
+    return [TensorSpec(_name(T.ATTN_Q, "weight", il), (d.n_embd, 2 * n_q), "weight", wt),
+            TensorSpec(_name(T.ATTN_K, "weight", il), (d.n_embd, n_kv), "weight", wt),
+            TensorSpec(_name(T.ATTN_V, "weight", il), (d.n_embd, n_kv), "weight", wt),
+            TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
+            TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
+            TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, d.n_embd), "weight", wt)]
+
+
+def _delta_net(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """Gated delta-net, in libllama's layout: q, k (ssm_n_group heads) and v (ssm_dt_rank heads), all of
+    ssm_d_state, come from one attn_qkv projection and a depthwise causal conv over its channels."""
+    key_dim, value_dim = d.ssm_d_state * d.ssm_n_group, d.ssm_d_state * d.ssm_dt_rank
+    conv_dim = 2 * key_dim + value_dim
+    return [TensorSpec(_name(T.ATTN_QKV, "weight", il), (d.n_embd, conv_dim), "weight", wt),
+            TensorSpec(_name(T.ATTN_GATE, "weight", il), (d.n_embd, value_dim), "weight", wt),
+            # ggml_ssm_conv reads its kernel as F32, and the converter keeps SSM_CONV1D F32 whatever the type
+            TensorSpec(_name(T.SSM_CONV1D, "weight", il), (d.ssm_d_conv, conv_dim), "conv", QT.F32),
+            TensorSpec(_name(T.SSM_DT, "bias", il), (d.ssm_dt_rank,), "dt_bias", QT.F32),
+            TensorSpec(_name(T.SSM_A, "", il), (d.ssm_dt_rank,), "decay", QT.F32),    # -exp(A_log): no suffix
+            TensorSpec(_name(T.SSM_BETA, "weight", il), (d.n_embd, d.ssm_dt_rank), "weight", wt),
+            TensorSpec(_name(T.SSM_ALPHA, "weight", il), (d.n_embd, d.ssm_dt_rank), "weight", wt),
+            TensorSpec(_name(T.SSM_NORM, "weight", il), (d.ssm_d_state,), "norm", QT.F32),
+            TensorSpec(_name(T.SSM_OUT, "weight", il), (value_dim, d.n_embd), "weight", wt)]
+
+
+def _dense_ffn(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    return [TensorSpec(_name(T.FFN_GATE, "weight", il), (d.n_embd, d.n_ff), "weight", wt),
+            TensorSpec(_name(T.FFN_UP, "weight", il), (d.n_embd, d.n_ff), "weight", wt),
+            TensorSpec(_name(T.FFN_DOWN, "weight", il), (d.n_ff, d.n_embd), "weight", wt)]
+
+
+def _routed_experts(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """The router (F32: the converter and llama-quantize never quantize ffn_gate_inp) and the experts stacked
+    into 3-D tensors, expert index outermost."""
+    e, f = d.n_expert, d.n_ff_exp
+    return [TensorSpec(_name(T.FFN_GATE_INP, "weight", il), (d.n_embd, e), "weight", QT.F32),
+            TensorSpec(_name(T.FFN_GATE_EXP, "weight", il), (d.n_embd, f, e), "weight", wt),
+            TensorSpec(_name(T.FFN_UP_EXP, "weight", il), (d.n_embd, f, e), "weight", wt),
+            TensorSpec(_name(T.FFN_DOWN_EXP, "weight", il), (f, d.n_embd, e), "weight", wt)]
+
+
+def _shared_expert(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """qwen35moe's shared expert and its sigmoid gate (one output: a 1-D F32 tensor, as the converter writes it)."""
+    f = d.n_ff_shexp
+    return [TensorSpec(_name(T.FFN_GATE_INP_SHEXP, "weight", il), (d.n_embd,), "weight", QT.F32),
+            TensorSpec(_name(T.FFN_GATE_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
+            TensorSpec(_name(T.FFN_UP_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
+            TensorSpec(_name(T.FFN_DOWN_SHEXP, "weight", il), (f, d.n_embd), "weight", wt)]
 
 
 _FRESH_MAX = 1 << 20         # tensors up to this many elements get fresh random values
@@ -301,11 +462,28 @@ class _Random:
         return res[start:start + n // block * block_bytes]
 
 
+def _delta_net_values(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """F32 values for the delta-net's own parameters, as an untrained real model has them (small tensors)."""
+    n = spec.n_elements
+    if spec.kind == "conv":        # depthwise conv: fan-in d_conv (ne[0]) scale
+        return rng.standard_normal(n, dtype=np.float32) / np.float32(np.sqrt(spec.ne[0]))
+    if spec.kind == "decay":       # ssm_a = -exp(A_log), A ~ U(1, 16) (HF inits A ~ U(0, 16)): strictly negative
+        return -rng.uniform(1.0, 16.0, n).astype(np.float32)
+    if spec.kind == "dt_bias":     # softplus^-1 of a log-uniform dt in [1e-3, 0.1] (Mamba2's dt init)
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), n))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    raise ValueError(f"unknown tensor kind {spec.kind!r} ({spec.name})")
+
+
 def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
     """The tensor's bytes, in pieces of at most _PIECE elements."""
     n = spec.n_elements
     if spec.kind == "norm":
         yield np.ones(n, dtype=np.float32).view(np.uint8)
+        return
+    if spec.kind in ("conv", "decay", "dt_bias"):
+        assert spec.qtype == QT.F32, spec
+        yield _delta_net_values(spec, rnd.rng).view(np.uint8)
         return
     for p0 in range(0, n, _PIECE):
         m = min(_PIECE, n - p0)
@@ -322,6 +500,12 @@ def _check_shape(arch: str, weight_type: str, n_layer: int, n_embd: int, n_head:
         raise ValueError(f"unknown weight_type {weight_type!r} (expected one of {', '.join(WEIGHT_TYPES)})")
     dims = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff,
                 n_vocab=n_vocab, n_ctx_train=n_ctx_train)
+    if arch == "qwen35moe":
+        # its FFN is the experts: Qwen3.5 MoE configs have no intermediate_size, the converter no feed_forward_length
+        if n_ff:
+            raise ValueError(f"qwen35moe has no dense FFN: n_ff must be 0 (its widths are n_ff_exp and n_ff_shexp), "
+                             f"got {n_ff}")
+        del dims["n_ff"]
     for k, v in dims.items():
         if int(v) <= 0:
             raise ValueError(f"{k} must be positive, got {v}")
@@ -332,37 +516,131 @@ def _check_shape(arch: str, weight_type: str, n_layer: int, n_embd: int, n_head:
     if arch == "qwen2" and head_dim * n_head != n_embd:
         raise ValueError(f"qwen2 needs head_dim * n_head == n_embd (llama.cpp's qwen2 has square q/o), "
                          f"got {head_dim} * {n_head} != {n_embd}")
+    _check_rows(weight_type, n_embd=n_embd, n_ff=n_ff, head_dim_x_n_head=head_dim * n_head)
+
+
+def _check_rows(weight_type: str, **rows: int) -> None:
+    """Quantized rows (ne[0]) come in whole blocks. Real models' rows all do; tensors whose rows may not
+    (1-D ones, ssm_conv1d, the routers) are F32, as the converter writes them."""
     block = gguf.GGML_QUANT_SIZES[WEIGHT_TYPES[weight_type]][0]
-    for k, v in dict(n_embd=n_embd, n_ff=n_ff, head_dim_x_n_head=head_dim * n_head).items():
+    for k, v in rows.items():
         if v % block:
             raise ValueError(f"{weight_type} rows come in blocks of {block}: {k}={v} is not a multiple")
 
 
+def _check_moe(arch: str, weight_type: str, n_expert: int, n_expert_used: int, n_ff_exp: int, n_ff_shexp: int) -> None:
+    if arch not in MOE_ARCHS:
+        if n_expert or n_expert_used or n_ff_exp or n_ff_shexp:
+            raise ValueError(f"experts (n_expert, n_expert_used, n_ff_exp, n_ff_shexp) are {' / '.join(MOE_ARCHS)} "
+                             f"options, not {arch}'s")
+        return
+    for k, v in dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp).items():
+        if int(v) <= 0:
+            raise ValueError(f"{arch} needs {k} > 0, got {v}")
+    if n_expert_used > n_expert:
+        raise ValueError(f"n_expert_used={n_expert_used} must be at most n_expert={n_expert}")
+    if arch == "qwen35moe" and n_ff_shexp <= 0:
+        # libllama would fall back to n_ff, which qwen35moe files do not have
+        raise ValueError(f"qwen35moe needs a shared expert: n_ff_shexp > 0, got {n_ff_shexp}")
+    if arch == "qwen3moe" and n_ff_shexp:
+        raise ValueError(f"qwen3moe has no shared expert: n_ff_shexp must be 0, got {n_ff_shexp}")
+    _check_rows(weight_type, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
+
+
+def _check_delta_net(arch: str, weight_type: str, n_layer: int, ssm_d_conv: int, ssm_d_state: int, ssm_n_group: int,
+                     ssm_dt_rank: int, full_attention_interval: int | None) -> None:
+    shape = dict(ssm_d_conv=ssm_d_conv, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group, ssm_dt_rank=ssm_dt_rank)
+    if arch not in HYBRID_ARCHS:
+        if any(shape.values()) or full_attention_interval is not None:
+            raise ValueError(f"delta-net layers ({', '.join(shape)}, full_attention_interval) are "
+                             f"{' / '.join(HYBRID_ARCHS)} options, not {arch}'s")
+        return
+    for k, v in shape.items():
+        if int(v) <= 0:
+            raise ValueError(f"{arch} needs {k} > 0 (the gated delta-net's shape), got {v}")
+    if ssm_dt_rank % ssm_n_group:
+        # libllama repeats (or broadcasts) the key heads over the value heads
+        raise ValueError(f"ssm_dt_rank={ssm_dt_rank} (value heads) must be a multiple of ssm_n_group={ssm_n_group} "
+                         f"(key heads)")
+    interval = 4 if full_attention_interval is None else full_attention_interval
+    if interval <= 0:
+        raise ValueError(f"full_attention_interval must be positive, got {interval}")
+    if interval > n_layer:
+        # libllama sizes a KV cache for the attention layers and fails on an empty one (GGML_ASSERT(buffer))
+        raise ValueError(f"{arch} needs a full-attention layer: full_attention_interval={interval} > n_layer={n_layer}")
+    _check_rows(weight_type, ssm_d_state_x_ssm_dt_rank=ssm_d_state * ssm_dt_rank)   # ssm_out's rows
+
+
+def _default_sections(n_rot: int) -> list[int]:
+    """M-RoPE sections (pairs per t/h/w position) that split n_rot / 2 pairs as Qwen3.5 does: 32 -> [11, 11, 10, 0]."""
+    q, r = divmod(n_rot // 2, 3)
+    return [q + (r > 0), q + (r > 1), q, 0]
+
+
+def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
+               rope_sections: Sequence[int] | None) -> tuple[int, list[int] | None]:
+    """(rope.dimension_count, rope.dimension_sections or None), checked. Only the qwen35 families rotate part of
+    the head (n_rot defaults to head_dim / 4, partial_rotary_factor 0.25 as released) with interleaved M-RoPE."""
+    if arch not in HYBRID_ARCHS:
+        if (n_rot is not None and n_rot != head_dim) or rope_sections is not None:
+            raise ValueError(f"partial rotary (n_rot) and rope_sections are {' / '.join(HYBRID_ARCHS)} options, "
+                             f"not {arch}'s (which rotates all head_dim={head_dim})")
+        return head_dim, None
+    n_rot = head_dim // 4 if n_rot is None else n_rot
+    if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
+        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
+    sections = _default_sections(n_rot) if rope_sections is None else [int(v) for v in rope_sections]
+    if len(sections) != 4 or min(sections) < 0 or 2 * sum(sections) != n_rot:
+        # ggml's rope_multi gives each of the n_rot / 2 rotated pairs a section (t, h, w, extra)
+        raise ValueError(f"rope_sections={sections} must be 4 non-negative pair counts summing to n_rot / 2 = "
+                         f"{n_rot // 2}")
+    return n_rot, sections
+
+
 def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
-                      head_dim: int, n_ff: int, n_vocab: int, n_ctx_train: int, weight_type: str = "f32",
+                      head_dim: int, n_ff: int = 0, n_vocab: int, n_ctx_train: int, weight_type: str = "f32",
                       tied_embeddings: bool = False, seed: int = 0, rope_freq_base: float = 10000.0,
                       rms_eps: float = 1e-6, weight_std: float = 0.02, name: str | None = None,
                       omit_tensors: Iterable[str] = (), n_swa: int = 0, swa_pattern: int | Sequence[bool] | None = None,
                       rope_freq_base_swa: float | None = None, rope_scaling_factor: float | None = None,
-                      logit_softcap: float | None = None) -> Path:
+                      logit_softcap: float | None = None, n_expert: int = 0, n_expert_used: int = 0,
+                      n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
+                      ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int | None = None,
+                      n_rot: int | None = None, rope_sections: Sequence[int] | None = None) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
     gemma3 only: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: every period-th layer
     is global, libllama's default 6; or one flag per layer, True = sliding window), rope_freq_base_swa,
     logit_softcap (final_logit_softcapping). rope_scaling_factor: linear RoPE scaling (global layers).
 
-    weight_type applies to every 2-D weight (embeddings and output included); norms and biases are F32.
+    qwen3moe / qwen35moe: n_expert routed experts of width n_ff_exp, n_expert_used a token; qwen35moe also a
+    shared expert of width n_ff_shexp, and no n_ff (qwen3moe writes n_ff, which its graph does not use).
+    qwen35 / qwen35moe: ssm_d_conv (conv taps), ssm_d_state (key and value head size), ssm_n_group (key heads),
+    ssm_dt_rank (value heads), full_attention_interval (default 4: layers 3, 7, ... attend), n_rot (rotated
+    head dims, default head_dim / 4) and rope_sections (4 M-RoPE pair counts summing to n_rot / 2; default
+    the n_rot / 2 pairs split in three as Qwen3.5's [11, 11, 10, 0]).
+
+    weight_type applies to every 2-D and 3-D weight (embeddings, output and experts included) but the expert
+    routers and ssm_conv1d; those, norms, biases and the other 1-D tensors are F32, as the converter writes them.
     tied_embeddings: no output.weight (the model reuses token_embd.weight, like small Qwen models).
     omit_tensors: tensor names to leave out (tests of the loader's error for a missing tensor).
     """
     _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train)
     if arch != "gemma3" and (n_swa or swa_pattern is not None or rope_freq_base_swa or logit_softcap):
         raise ValueError(f"sliding windows and logit soft-capping are gemma3 options, not {arch}'s")
+    _check_moe(arch, weight_type, n_expert, n_expert_used, n_ff_exp, n_ff_shexp)
+    _check_delta_net(arch, weight_type, n_layer, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank,
+                     full_attention_interval)
+    n_rot, rope_sections = _rope_dims(arch, head_dim, n_rot, rope_sections)
+    if full_attention_interval is None:
+        full_attention_interval = 4    # libllama's default for a file without the key; written anyway
     path = Path(path)
     tok = build_tokenizer(arch, n_vocab)
     specs = tensor_specs(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                          head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, weight_type=weight_type,
-                         tied_embeddings=tied_embeddings)
+                         tied_embeddings=tied_embeddings, n_expert=n_expert, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
+                         ssm_d_conv=ssm_d_conv, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group,
+                         ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval)
     omit = set(omit_tensors)
     unknown = omit - {s.name for s in specs}
     if unknown:
@@ -377,12 +655,13 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
+    if n_ff:
+        w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(n_rot)
     w.add_rope_freq_base(rope_freq_base)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
@@ -397,6 +676,11 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
             w.add_rope_freq_base_swa(rope_freq_base_swa)
     if logit_softcap:
         w.add_final_logit_softcapping(logit_softcap)
+    if arch in MOE_ARCHS:
+        _add_moe_keys(w, n_expert, n_expert_used, n_ff_exp, n_ff_shexp)
+    if arch in HYBRID_ARCHS:
+        _add_delta_net_keys(w, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank, full_attention_interval,
+                            rope_sections)
 
     _add_tokenizer(w, tok)
     for s in specs:
@@ -408,6 +692,29 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     _write_tensor_data(w, specs, _Random(seed, weight_std))
     w.close()
     return path
+
+
+def _add_moe_keys(w: gguf.GGUFWriter, n_expert: int, n_expert_used: int, n_ff_exp: int, n_ff_shexp: int) -> None:
+    """What the converter's Qwen2MoeModel writes (expert_count / expert_used_count come from TextModel)."""
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    if n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(n_ff_shexp)
+
+
+def _add_delta_net_keys(w: gguf.GGUFWriter, ssm_d_conv: int, ssm_d_state: int, ssm_n_group: int, ssm_dt_rank: int,
+                        full_attention_interval: int, rope_sections: Sequence[int] | None) -> None:
+    """What the converter's Qwen3NextModel / Qwen3.5 classes write; libllama requires every one but the interval.
+    The converter also writes attention.recurrent_layers when config.json lists layer_types; the interval alone
+    says the same here (and is all libllama reads without the array)."""
+    w.add_ssm_conv_kernel(ssm_d_conv)
+    w.add_ssm_state_size(ssm_d_state)
+    w.add_ssm_group_count(ssm_n_group)
+    w.add_ssm_time_step_rank(ssm_dt_rank)
+    w.add_ssm_inner_size(ssm_d_state * ssm_dt_rank)    # linear_value_head_dim * linear_num_value_heads
+    w.add_full_attention_interval(full_attention_interval)
+    w.add_rope_dimension_sections(list(rope_sections or ()))
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, tok: TokenizerSpec) -> None:
@@ -448,14 +755,15 @@ def write_preset(path: str | Path, shape: str, **overrides) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvflash_ggml.testing.random_gguf",
-                                 description="Write a GGUF model with random weights (llama / qwen2 / qwen3 / gemma3).")
+                                 description="Write a GGUF model with random weights (" + " / ".join(ARCHS) + ").")
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--shape", default="tiny-llama", choices=sorted(SHAPES), help="named shape (default tiny-llama)")
     ap.add_argument("--type", dest="weight_type", default="f16", choices=list(WEIGHT_TYPES),
                     help="type of the 2-D weights (default f16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tied-embeddings", action="store_true", help="no output.weight: reuse token_embd.weight")
-    ap.add_argument("--n-layer", type=int, default=None, help="override the shape's layer count")
+    ap.add_argument("--n-layer", type=int, default=None,
+                    help="override the shape's layer count (hybrid shapes keep their full-attention interval)")
     ap.add_argument("--n-ctx-train", type=int, default=None, help="override the shape's trained context")
     args = ap.parse_args(argv)
     overrides = dict(weight_type=args.weight_type, seed=args.seed, tied_embeddings=args.tied_embeddings)

@@ -1,0 +1,123 @@
+#include "kv/recurrent_state.h"
+
+#include "common/byte_io.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace kvf {
+
+RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems)
+    : conv_elems_(conv_elems), ssm_elems_(ssm_elems) {
+    if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0) {
+        throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
+    }
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 1), nullptr, true};
+    ctx_ = ggml_init(params);
+    if (!ctx_) throw std::runtime_error("could not create the recurrent state's context");
+    for (int64_t l = 0; l < n_layer; ++l) {
+        conv_.push_back(ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, conv_elems));
+        ssm_.push_back(ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, ssm_elems));
+        ggml_format_name(conv_.back(), "conv_state.%d", (int) l);
+        ggml_format_name(ssm_.back(), "ssm_state.%d", (int) l);
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+    if (!buf_) {
+        ggml_free(ctx_);
+        throw std::runtime_error("could not allocate the recurrent state (" + std::to_string(n_layer) + " layers of " +
+                                 std::to_string((conv_elems + ssm_elems) * 4) + " bytes) on " + ggml_backend_name(backend));
+    }
+    clear();
+}
+
+RecurrentState::~RecurrentState() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+int64_t RecurrentState::device_bytes() const { return (int64_t) ggml_backend_buffer_get_size(buf_); }
+
+size_t RecurrentState::total_bytes() const { return (size_t) (n_layer() * (conv_elems_ + ssm_elems_)) * sizeof(float); }
+
+void RecurrentState::place(int64_t start, int64_t n) {
+    if (start != n_tokens_ || n < 0) {
+        throw std::logic_error("recurrent state: positions [" + std::to_string(start) + ", " + std::to_string(start + n) +
+                               ") placed after " + std::to_string(n_tokens_) + " consumed");
+    }
+    n_tokens_ += n;
+}
+
+void RecurrentState::truncate(int64_t n) {
+    if (!can_truncate(n)) {
+        throw std::invalid_argument("the recurrent state of the linear-attention layers cannot go back to position " +
+                                    std::to_string(n) + " of " + std::to_string(n_tokens_) + " (only to 0: start over)");
+    }
+    if (n == 0) clear();
+}
+
+void RecurrentState::clear() {
+    ggml_backend_buffer_clear(buf_, 0);
+    n_tokens_ = 0;
+}
+
+RecurrentState::Copy RecurrentState::copy() const {
+    Copy c;
+    c.n_tokens = n_tokens_;
+    c.bytes.resize(total_bytes());
+    uint8_t * p = c.bytes.data();
+    for (int64_t l = 0; l < n_layer(); ++l) {
+        for (const ggml_tensor * t : {conv_[(size_t) l], ssm_[(size_t) l]}) {
+            ggml_backend_tensor_get(t, p, 0, ggml_nbytes(t));
+            p += ggml_nbytes(t);
+        }
+    }
+    return c;
+}
+
+void RecurrentState::restore(const Copy & c) {
+    if (c.bytes.size() != total_bytes()) throw std::logic_error("recurrent state: a copy of another size");
+    const uint8_t * p = c.bytes.data();
+    for (int64_t l = 0; l < n_layer(); ++l) {
+        for (ggml_tensor * t : {conv_[(size_t) l], ssm_[(size_t) l]}) {
+            ggml_backend_tensor_set(t, p, 0, ggml_nbytes(t));
+            p += ggml_nbytes(t);
+        }
+    }
+    n_tokens_ = c.n_tokens;
+}
+
+void RecurrentState::save_state(ByteWriter & w, int64_t n_tokens) const {
+    if (n_tokens != n_tokens_) {
+        throw SnapshotError("cannot save the linear-attention layers' state at " + std::to_string(n_tokens) + " of " +
+                            std::to_string(n_tokens_) + " tokens: a recurrent state exists only for everything consumed "
+                            "(save the whole session)");
+    }
+    w.put<int64_t>(n_layer());
+    w.put<int64_t>(conv_elems_);
+    w.put<int64_t>(ssm_elems_);
+    w.put<int64_t>(n_tokens_);
+    const Copy c = copy();
+    w.raw(c.bytes.data(), c.bytes.size());
+}
+
+RecurrentState::Copy RecurrentState::state_from(ByteReader & r, uint32_t version, int64_t n_tokens) const {
+    if (version != k_state_version) {
+        r.fail("version " + std::to_string(version) + " is not supported (this build reads " + std::to_string(k_state_version) + ")");
+    }
+    const int64_t L = r.get<int64_t>("n_layer"), conv = r.get<int64_t>("conv_elems"), ssm = r.get<int64_t>("ssm_elems");
+    if (L != n_layer() || conv != conv_elems_ || ssm != ssm_elems_) {
+        r.fail("saved for " + std::to_string(L) + " layers of " + std::to_string(conv) + " + " + std::to_string(ssm) +
+               " state values, this model has " + std::to_string(n_layer()) + " of " + std::to_string(conv_elems_) + " + " +
+               std::to_string(ssm_elems_));
+    }
+    Copy c;
+    c.n_tokens = r.get<int64_t>("n_tokens");
+    if (c.n_tokens != n_tokens) {
+        r.fail("the state holds " + std::to_string(c.n_tokens) + " tokens, the session " + std::to_string(n_tokens));
+    }
+    const uint8_t * p = r.take(total_bytes(), "state bytes");
+    c.bytes.assign(p, p + total_bytes());
+    return c;
+}
+
+}  // namespace kvf
