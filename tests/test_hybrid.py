@@ -170,6 +170,48 @@ def test_truncate_goes_only_to_the_end_or_to_zero(model_path):
     np.testing.assert_array_equal(again, session(model, 0).forward(tokens(200), 0))
 
 
+def test_checkpoints_are_the_points_to_go_back_to(model_path):
+    model = model_of(model_path("qwen35-f32"))
+    s = session(model, POOL, n_batch=64)
+    s.forward(tokens(100), 0)
+    s.checkpoint()
+    s.forward(tokens(100, seed=2), 100)
+    s.checkpoint()
+    at_200 = s.recurrent_state()
+    s.forward(tokens(60, seed=3), 200)
+    assert s.memory()["recurrent_checkpoint_bytes"] == 2 * len(at_200)
+    assert [s.rewind_point(n) for n in (260, 250, 200, 199, 100, 99)] == [260, 200, 200, 100, 100, 0]
+    assert not s.can_truncate(250) and s.can_truncate(200)
+    s.truncate(200)
+    assert s.n_tokens == 200 and s.recurrent_state() == at_200
+    s.pager.check_invariants()
+    cold = session(model, POOL, n_batch=64)
+    cold.forward(np.concatenate([tokens(100), tokens(100, seed=2)]), 0)
+    follow = tokens(30, seed=4)
+    np.testing.assert_array_equal(s.forward(follow, 200, all_logits=True), cold.forward(follow, 200, all_logits=True))
+    # the newest two are kept: a third (at 230) drops the oldest (100)
+    assert s.rewind_point(150) == 100
+    s.checkpoint()
+    assert [s.rewind_point(n) for n in (150, 215, 230)] == [0, 200, 230]
+
+
+def test_the_next_turn_restarts_at_the_prompts_checkpoint(model_path):
+    # A chat's next turn shares the previous prompt, not always the generated tail (a template renders the
+    # reply its own way): the state kept before the prompt's last token serves it.
+    from kvflash_ggml import Model
+
+    kw = dict(model_path=model_path("qwen35moe-f32"), n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu", n_threads=1)
+    a = tokens(600)
+    b = a.tolist() + tokens(60, seed=7).tolist()   # the first prompt, then something else than the reply
+    with Model(**kw) as llm, Model(**kw) as fresh:
+        llm.create_completion(a.tolist(), max_tokens=8, temperature=0.0)
+        out = llm.create_completion(b, max_tokens=12, temperature=0.0)
+        assert llm.stats()["prompt_tokens_reused"] == len(a) - 1
+        assert llm.stats()["host_checkpoint_bytes"] > 0
+        cold = fresh.create_completion(b, max_tokens=12, temperature=0.0)
+    assert out["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("variant", HYBRID)
 def test_a_diverging_prompt_starts_over_and_equals_a_cold_run(model_path, variant):
     from kvflash_ggml import Model

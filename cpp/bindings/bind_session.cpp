@@ -104,6 +104,12 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "whether truncate(n_tokens) is exact: always, unless a sliding-window layer's ring no longer holds "
              "the window before n_tokens, or the model has linear-attention layers (their state goes back only to 0) "
              "(then start over: reset() and run the tokens again)")
+        .def("rewind_point", &Session::rewind_point, py::arg("n_tokens"), released,
+             "the latest position <= n_tokens that truncate() reaches exactly (n_tokens itself unless a sliding-"
+             "window ring or a linear-attention state cannot go back so far: then a checkpoint, or 0)")
+        .def("checkpoint", &Session::checkpoint, released,
+             "keep the linear-attention layers' state at n_tokens in host memory, so truncate() can come back "
+             "here (the newest 2 are kept); no-op for models without such layers")
         .def_property_readonly("has_recurrent_state", [](const Session & s) { return s.recurrent() != nullptr; },
              "whether the model has linear-attention layers: a state that exists only for everything held "
              "(no prefix snapshots, no truncate except to 0)")
@@ -150,6 +156,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  d["pool_bytes"] = m.pool_bytes;
                  d["ring_bytes"] = m.ring_bytes;
                  d["recurrent_bytes"] = m.recurrent_bytes;
+                 d["recurrent_checkpoint_bytes"] = m.recurrent_checkpoint_bytes;
                  d["compute_bytes"] = m.compute_bytes;
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;

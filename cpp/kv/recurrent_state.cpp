@@ -2,6 +2,7 @@
 
 #include "common/byte_io.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -47,17 +48,50 @@ void RecurrentState::place(int64_t start, int64_t n) {
     n_tokens_ += n;
 }
 
+bool RecurrentState::can_truncate(int64_t n) const {
+    if (n == n_tokens_ || n == 0) return true;
+    for (const Copy & c : checkpoints_) if (c.n_tokens == n) return true;
+    return false;
+}
+
 void RecurrentState::truncate(int64_t n) {
     if (!can_truncate(n)) {
         throw std::invalid_argument("the recurrent state of the linear-attention layers cannot go back to position " +
-                                    std::to_string(n) + " of " + std::to_string(n_tokens_) + " (only to 0: start over)");
+                                    std::to_string(n) + " of " + std::to_string(n_tokens_) +
+                                    " (only to 0, or to a checkpoint: rewind_point)");
     }
-    if (n == 0) clear();
+    if (n == n_tokens_) return;
+    if (n == 0) {
+        clear();
+        return;
+    }
+    while (checkpoints_.back().n_tokens > n) checkpoints_.pop_back();   // the one at n stays: sorted, and it exists
+    load(checkpoints_.back());
 }
 
 void RecurrentState::clear() {
     ggml_backend_buffer_clear(buf_, 0);
     n_tokens_ = 0;
+    checkpoints_.clear();
+}
+
+void RecurrentState::checkpoint() {
+    while (!checkpoints_.empty() && checkpoints_.back().n_tokens >= n_tokens_) checkpoints_.pop_back();
+    checkpoints_.push_back(copy());
+    if (checkpoints_.size() > k_max_checkpoints) checkpoints_.erase(checkpoints_.begin());
+}
+
+int64_t RecurrentState::rewind_point(int64_t n) const {
+    if (n >= n_tokens_) return n_tokens_;
+    int64_t best = 0;
+    for (const Copy & c : checkpoints_) if (c.n_tokens <= n) best = std::max(best, c.n_tokens);
+    return best;
+}
+
+int64_t RecurrentState::checkpoint_bytes() const {
+    int64_t n = 0;
+    for (const Copy & c : checkpoints_) n += (int64_t) c.bytes.size();
+    return n;
 }
 
 RecurrentState::Copy RecurrentState::copy() const {
@@ -75,6 +109,16 @@ RecurrentState::Copy RecurrentState::copy() const {
 }
 
 void RecurrentState::restore(const Copy & c) {
+    load(c);
+    checkpoints_.clear();
+}
+
+void RecurrentState::rewind_to(const Copy & c) {
+    while (!checkpoints_.empty() && checkpoints_.back().n_tokens > c.n_tokens) checkpoints_.pop_back();
+    load(c);
+}
+
+void RecurrentState::load(const Copy & c) {
     if (c.bytes.size() != total_bytes()) throw std::logic_error("recurrent state: a copy of another size");
     const uint8_t * p = c.bytes.data();
     for (int64_t l = 0; l < n_layer(); ++l) {

@@ -6,12 +6,14 @@
 // see only the full-attention layers, and this state stays resident beside them.
 //
 // What the state cannot do is go back: it describes exactly the tokens it has consumed, all of them. So
-// forgetting positions is exact only to the end (nothing forgotten) or to 0 (start over); any other
-// truncate is refused, and callers (the engine's rewind, prefix reuse, snapshots) start over instead.
-// That is a cost, written in docs/DESIGN.md: a prompt sharing only part of the held history recomputes
-// from position 0, as libllama does without its recurrent-state checkpoints.
+// forgetting positions is exact only to the end (nothing forgotten), to 0 (start over), or to a checkpoint:
+// a host copy of the whole state taken at some position (checkpoint(); the engine takes one before the
+// last token of every prompt, so the next turn or a rerun of the prompt restarts there). The newest
+// k_max_checkpoints are kept. Any other truncate is refused; callers go back to rewind_point(n), the
+// latest position <= n they can reach exactly, and recompute from there.
 //
-// Invariant: the state holds exactly the first n_tokens() positions of its session.
+// Invariants: the state holds exactly the first n_tokens() positions of its session; every checkpoint
+// holds the state after its first n positions of the same tokens (n <= n_tokens()), sorted by n.
 #pragma once
 
 #include "ggml.h"
@@ -41,9 +43,15 @@ public:
 
     // Positions [start, start+n) are consumed next (start == n_tokens()): the graph about to run writes them.
     void place(int64_t start, int64_t n);
-    bool can_truncate(int64_t n) const { return n == n_tokens_ || n == 0; }
+    bool can_truncate(int64_t n) const;
+    // Back to n: nothing (the end), zero state (0), or the checkpoint at n; later checkpoints are dropped.
     void truncate(int64_t n);   // throws std::invalid_argument unless can_truncate(n)
-    void clear();               // zero state, nothing consumed
+    void clear();               // zero state, nothing consumed, no checkpoints
+    // Keep a copy of the state at n_tokens() (host memory; the oldest goes beyond k_max_checkpoints).
+    static constexpr size_t k_max_checkpoints = 2;
+    void checkpoint();
+    int64_t rewind_point(int64_t n) const;   // the latest position <= n that truncate reaches
+    int64_t checkpoint_bytes() const;        // host memory the checkpoints hold
 
     // Every byte of the state (all layers, conv then recurrent) and its token count: a copy to go back to.
     struct Copy {
@@ -51,7 +59,8 @@ public:
         std::vector<uint8_t> bytes;
     };
     Copy copy() const;
-    void restore(const Copy & c);
+    void restore(const Copy & c);   // another session's state (a snapshot): drops the checkpoints
+    void rewind_to(const Copy & c);  // this state as copy() took it earlier: keeps the checkpoints up to it
 
     // ---- state: n_layer, conv and recurrent sizes, n_tokens, then every byte ----
     static constexpr uint32_t k_state_version = 1;
@@ -68,6 +77,8 @@ private:
     std::vector<ggml_tensor *> conv_, ssm_;
     int64_t conv_elems_, ssm_elems_;
     int64_t n_tokens_ = 0;
+    std::vector<Copy> checkpoints_;
+    void load(const Copy & c);
 };
 
 }  // namespace kvf

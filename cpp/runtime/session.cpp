@@ -314,6 +314,19 @@ bool Session::can_truncate(int64_t n) const {
            (!recurrent_ || recurrent_->can_truncate(n));
 }
 
+int64_t Session::rewind_point(int64_t n) const {
+    const SessionLock held = lock(false);
+    n = std::clamp<int64_t>(n, 0, pager_->n_tokens());
+    if (can_truncate(n)) return n;
+    const int64_t c = recurrent_ ? recurrent_->rewind_point(n) : 0;
+    return can_truncate(c) ? c : 0;
+}
+
+void Session::checkpoint() {
+    const SessionLock held = lock();
+    if (recurrent_) recurrent_->checkpoint();
+}
+
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
     if (n >= 0 && n <= pager_->n_tokens()) {   // each throws, changing nothing, if it cannot

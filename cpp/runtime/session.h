@@ -82,6 +82,7 @@ struct SessionMemory {
     int64_t pool_bytes = 0;            // the K/V pool (global layers)
     int64_t ring_bytes = 0;            // the sliding-window layers' rings (fixed size, never paged)
     int64_t recurrent_bytes = 0;       // the linear-attention layers' conv and recurrent state (fixed size)
+    int64_t recurrent_checkpoint_bytes = 0;   // host copies of that state kept to go back to (checkpoint())
     int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
     int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
                                        // one-layer staging K/V + its compute buffer (freed after each prompt)
@@ -120,6 +121,12 @@ public:
     int32_t forward_greedy(const int32_t * tokens, int64_t n, int64_t start);
 
     void truncate(int64_t n);                        // forget positions >= n (throws unless can_truncate(n))
+    // The latest position <= n that truncate reaches exactly (n itself unless rings or a linear-attention
+    // state cannot go back that far: then a checkpoint, or 0).
+    int64_t rewind_point(int64_t n) const;
+    // Keep the linear-attention state at n_tokens() in host memory (RecurrentState::checkpoint), so a later
+    // truncate can go back here; a no-op for models without such layers.
+    void checkpoint();
     // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n,
     // or the model has linear-attention layers, whose state goes back only to 0 (or stays at the end).
     bool can_truncate(int64_t n) const;

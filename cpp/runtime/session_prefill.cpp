@@ -257,7 +257,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     } catch (...) {
         kv_->synchronize();
         if (ring_) ring_->rewind_to(ring_start);
-        if (recurrent_) recurrent_->restore(recurrent_start);
+        if (recurrent_) recurrent_->rewind_to(recurrent_start);
         truncate(start);   // no new position is complete before its last layer is written: forget them all
         throw;
     }
@@ -274,6 +274,7 @@ SessionMemory Session::memory() const {
     mem.pool_bytes = kv_->device_bytes();
     mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
     mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
+    mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
     mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
     mem.prefill_peak_bytes = prefill_peak_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;

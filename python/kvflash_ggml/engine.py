@@ -227,6 +227,16 @@ class Engine:
         return common_prefix(self.session.tokens, tokens)
 
     def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
+        if not self.session.has_recurrent_state or len(tokens) - n_keep < 2:
+            return self._compute_prompt(tokens, n_keep)
+        # A linear-attention state cannot go back: keep it before the prompt's last token, which every later
+        # prompt sharing this one (the next chat turn, a rerun) reruns for its logits anyway, so it restarts
+        # there instead of at 0. Costs one more one-token step per prompt and a host copy of the state.
+        self._compute_prompt(tokens[:-1], n_keep)
+        self.session.checkpoint()
+        return self._forward_prompt(self.session, tokens[-1:], len(tokens) - 1)
+
+    def _compute_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
         if self._layer_major(tokens):
             return self._exact_prefill(tokens, n_keep)
         logits = None
@@ -441,6 +451,7 @@ class Engine:
             "device_drafter_bytes": drafter,
             "device_ring_bytes": mem["ring_bytes"],
             "device_recurrent_bytes": mem["recurrent_bytes"],
+            "host_checkpoint_bytes": mem["recurrent_checkpoint_bytes"],
             "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["recurrent_bytes"] + mem["compute_bytes"] +
             mem["prefill_peak_bytes"] + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],

@@ -28,14 +28,17 @@ def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
 
 
 def rewind(session: _core.Session, n: int) -> int:
-    """Make the session hold its first n tokens; returns how many it holds. A sliding-window model's rings
-    hold only the last window + n_batch positions, so going back further than they reach starts over from
-    nothing held (0): continuing from rings that do not belong to the held tokens would be wrong."""
-    if not session.can_truncate(n):
+    """Make the session hold its first n tokens, or as many of them as it can go back to exactly; returns how
+    many it holds. A sliding-window model's rings hold only the last window + n_batch positions, and a
+    linear-attention state only the end and its checkpoints (Session.rewind_point), so going back further
+    lands on the latest checkpoint before n, or starts over from nothing held (0): continuing from a state
+    that does not belong to the held tokens would be wrong."""
+    m = session.rewind_point(n)
+    if m == 0:
         session.reset()
-        return 0
-    session.truncate(n)
-    return n
+    else:
+        session.truncate(m)
+    return m
 
 
 def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
