@@ -5,6 +5,7 @@
 #     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
 #     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_K:
 #                  a pytest -k expression, e.g. "paging or adopt")
+#     model        write MODEL (SHAPE) now, so the next call's phases find it
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
 #     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
 #     prefill      kvflash bench prefill on the 8B shape: full / exact / pooled vs llama-bench -p N, with the
@@ -23,7 +24,7 @@
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
 # pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
-# Q4_0 weights, written here in seconds), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
+# Q4_0 weights, written here in seconds; SHAPE: another random_gguf preset for it, e.g. qwen35-27b), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
 # this depth), PREFILL (bench: exact or pooled).
 # KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
 # only get a new mtime, so a kept build folder recompiles only what changed), then run from KVF_DIR.
@@ -67,7 +68,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 need_model() {
-    [ -f "$MODEL" ] || python3 -m kvflash_ggml.testing.random_gguf "$MODEL" --shape llama3-8b --type q4_0 2>&1 | tee -a "$OUT/session.log"
+    [ -f "$MODEL" ] || python3 -m kvflash_ggml.testing.random_gguf "$MODEL" --shape "${SHAPE:-llama3-8b}" --type q4_0 2>&1 | tee -a "$OUT/session.log"
 }
 
 for phase in "$@"; do
@@ -87,6 +88,8 @@ for phase in "$@"; do
           so=$(python3 -c 'import kvflash_ggml._core as c; print(c.__file__)')
           echo "libstdc++ symbols exported by _core: $(nm -D --defined-only "$so" | grep -c 'St6locale\|codecvt')"; } 2>&1 | tee -a "$OUT/session.log"
         python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py -k "${CHECK_K:-}" 2>&1 | tee "$OUT/check.log" | grep -E "CUDA-|passed|failed|Error|^#" ;;
+    model)
+        need_model ;;
     bench-small)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --kvflash "$POOL" --n-gen 32 \

@@ -50,6 +50,10 @@ VARIANTS = {
     "gemma3-f32": ("tiny-gemma3", dict(weight_type="f32", n_embd=128, n_head=4, n_head_kv=2, head_dim=64,
                                        n_ff=256), TOL_FLOAT),
     "llama-hd32": ("tiny-llama", dict(weight_type="f32"), TOL_FLOAT),   # flash attention falls back to CPU
+    # hybrids: gated delta-net layers (head 32: a size ggml-cuda's kernel has) beside attention of head 64
+    "qwen35-f32": ("tiny-qwen35", dict(weight_type="f32", n_embd=128, head_dim=64, n_ff=256), TOL_FLOAT),
+    "qwen35moe-q8_0": ("tiny-qwen35moe", dict(weight_type="q8_0", n_embd=128, head_dim=64), TOL_QUANT),
+    "qwen3moe-f32": ("tiny-qwen3moe", dict(weight_type="f32", n_embd=128, head_dim=64), TOL_FLOAT),
 }
 
 
@@ -334,6 +338,33 @@ def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path):
     same = sum(exact.ring_block(b) == full.ring_block(b) for b in range(exact.ring_tokens // 64))
     report(f"CUDA-SWA exact: max |logit diff| {diff:.2e}, ring blocks byte-equal {same}/{exact.ring_tokens // 64}")
     assert diff <= TOL_SAME and same == exact.ring_tokens // 64
+
+
+@pytest.mark.parametrize("variant", ["qwen35-f32", "qwen35moe-q8_0"])
+def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
+    """qwen35: the linear-attention layers' state beside a pool of 512 over the attention layers, 900 tokens so
+    the pool pages and a reselect pages back in; CUDA (flash) against CPU (matmul). Layer-major exact prefill
+    on CUDA leaves the logits and the recurrent state a full cache leaves, byte for byte."""
+    path = model_path(variant)
+    tol = VARIANTS[variant][2]
+    cpu = _core.Model(path, backend="cpu", n_threads=4)
+    gpu = _core.Model(path, backend="cuda")
+    prompt = prompt_for(cpu.hparams.n_vocab, n=900)
+    fed = greedy_tokens(cpu, _core.SessionConfig(max_tokens=1024, attention="matmul"), prompt)
+    kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128)
+    ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
+    ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
+    assert sess.flash_attn and sess.memory()["recurrent_bytes"] > 0 and sess.pager.stats().page_outs > 0
+    assert_close(f"{variant} pool 512 cuda vs cpu", ours_gpu, ours_cpu, tol)
+
+    full = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, n_batch=128))
+    logits_full = full.forward(prompt, 0)
+    exact = _core.Session(gpu, _core.SessionConfig(**kw))
+    logits, _ = exact.prefill_exact(prompt, 0)
+    diff = float(np.abs(logits - logits_full).max())
+    same_state = exact.recurrent_state() == full.recurrent_state()
+    report(f"CUDA-HYBRID {variant} exact: max |logit diff| {diff:.2e}, recurrent state byte-equal {same_state}")
+    assert diff <= TOL_SAME and same_state
 
 
 @pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32"])
