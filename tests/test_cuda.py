@@ -75,6 +75,17 @@ def prompt_for(n_vocab: int, n: int = N_PROMPT, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
 
 
+def assert_mostly_close(name: str, a: np.ndarray, b: np.ndarray, tol: float, min_share: float = 0.9) -> None:
+    """MoE across backends: a router's top-k takes another expert where two probabilities are within the
+    backends' rounding of each other (random routers are nearly flat), and that row moves by O(0.1) (measured
+    on the H100: 9 and 13 rows of 332; against libllama on CUDA the same graphs agree to 0.0 / 3e-3). So: the
+    median row within tol, and at least min_share of the rows."""
+    rows = np.abs(a - b).max(-1)
+    share = float((rows <= tol).mean())
+    report(f"CUDA-DIFF {name}: median row max|diff| {np.median(rows):.3g}, {share:.1%} of rows within tol {tol:g}")
+    assert np.isfinite(a).all() and np.median(rows) <= tol and share >= min_share
+
+
 def run_session(model, cfg, prompt, fed, reselect_at=None, seed=0):
     """Prompt (all logits) then the fed tokens one by one; optionally a reselect with random scores
     before decode step `reselect_at`. Returns logits [len(prompt) + len(fed), n_vocab] and the session."""
@@ -146,7 +157,8 @@ def test_full_cache_cuda_matches_cpu_and_libllama_cuda(model_path, variant, tmp_
 
     ours_gpu, _ = run_session(gpu, _core.SessionConfig(max_tokens=MAX_TOKENS), prompt, fed)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(max_tokens=MAX_TOKENS, attention="matmul"), prompt, fed)
-    assert_close(f"{variant} ours-cuda vs ours-cpu", ours_gpu, ours_cpu, tol)
+    cpu_check = assert_mostly_close if "moe" in variant else assert_close
+    cpu_check(f"{variant} ours-cuda vs ours-cpu", ours_gpu, ours_cpu, tol)
 
     theirs = libllama_cuda(path, prompt, fed, tmp_path)
     assert_close(f"{variant} ours-cuda vs libllama-cuda", ours_gpu, theirs, tol)
@@ -355,7 +367,7 @@ def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
     ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
     assert sess.flash_attn and sess.memory()["recurrent_bytes"] > 0 and sess.pager.stats().page_outs > 0
-    assert_close(f"{variant} pool 512 cuda vs cpu", ours_gpu, ours_cpu, tol)
+    (assert_mostly_close if "moe" in variant else assert_close)(f"{variant} pool 512 cuda vs cpu", ours_gpu, ours_cpu, tol)
 
     full = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, n_batch=128))
     logits_full = full.forward(prompt, 0)
