@@ -368,7 +368,7 @@ def test_missing_tensor_is_named(tmp_path, shape, missing):
     ("qwen35.ssm.group_count", 3, "must be a multiple of ssm.group_count=3"),
     ("qwen35.full_attention_interval", 5, "leaves no full-attention layer"),
     ("qwen35.ssm.conv_kernel", 1, "qwen35.ssm.conv_kernel"),
-    ("qwen35.ssm.conv_kernel", 3, r"tensor blk.0.ssm_conv1d.weight has shape \[4, 192\], expected \[3, 192\]"),
+    ("qwen35.ssm.conv_kernel", 3, r"tensor blk.0.ssm_conv1d.weight has shape \[4, 256\], expected \[3, 256\]"),
     ("qwen35.ssm.state_size", 16, "ssm.inner_size=128 must equal ssm.state_size x ssm.time_step_rank = 16 x 4"),
 ])
 def test_inconsistent_hyperparameters_are_named(model_path, tmp_path, key, value, message):
