@@ -27,10 +27,11 @@ from . import _core
 from .companion import Companion
 from .drafter import DrafterPolicy, prompt_attention_scores
 from .known_models import resolve_model_path
-from .options import PoolConfig, ResidencyConfig, SamplingParams
+from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
+from .speculative import Speculator, accept
 from .tokenizer import TextStream, Tokenizer, check_messages
 from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
 
@@ -89,17 +90,23 @@ def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Compa
                      "view -> scores per chunk)")
 
 
+def load_like(spec: Union[str, os.PathLike, _core.Model], model: _core.Model) -> _core.Model:
+    """A second model (a drafter's, a draft model) on the same backend and threads as `model`; `model` itself
+    when spec names its GGUF, and spec itself when it is loaded already."""
+    if isinstance(spec, _core.Model):
+        return spec
+    path = resolve_model_path(spec)
+    return model if path == model.path else \
+        _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+
+
 def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> ResidencyConfig:
     """The residency with its drafter model loaded (as make_companion would load it), or the model itself when
     it names the same GGUF: Engines built from the result share those weights (a Model's own drafter, the
     server's slots)."""
-    drafter = residency.drafter_model
-    if drafter is None or isinstance(drafter, _core.Model):
+    if residency.drafter_model is None:
         return residency
-    path = resolve_model_path(drafter)
-    loaded = model if path == model.path else \
-        _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
-    return dataclasses.replace(residency, drafter_model=loaded)
+    return dataclasses.replace(residency, drafter_model=load_like(residency.drafter_model, model))
 
 
 def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
@@ -120,6 +127,7 @@ class Engine:
     store_prefix() is called (the server: when a slot is taken over, and at shutdown).
     between_prefill_steps: called between the forward steps of a prompt (the server runs the other slots'
     decode steps there); it may raise to abandon the prompt (the session is rolled back).
+    speculative: decode by drafting and verifying on the pool (speculative.py); None: one token per step.
     chat_template: renders chat messages instead of the GGUF's own template.
     See the module docstring for threads and streams."""
 
@@ -127,7 +135,8 @@ class Engine:
                  residency: Optional[ResidencyConfig] = None, *,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None,
-                 store_each_turn: bool = True, between_prefill_steps: Optional[Callable[[], None]] = None) -> None:
+                 store_each_turn: bool = True, between_prefill_steps: Optional[Callable[[], None]] = None,
+                 speculative: Optional[SpeculativeConfig] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -136,6 +145,7 @@ class Engine:
         self.companion = make_companion(model, tokenizer, pool, residency)
         self.policy = make_policy(residency.policy, companion=self.companion)
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
+        self.speculator = Speculator(speculative, model, pool) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.store_each_turn = store_each_turn
@@ -173,7 +183,7 @@ class Engine:
         ValueError. Waits for a step running in another thread."""
         with self._lock:
             self._closed = True
-            self.session = self.policy = self.companion = self.prefix_cache = self.model = None
+            self.session = self.policy = self.companion = self.prefix_cache = self.model = self.speculator = None
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
@@ -341,8 +351,8 @@ class Engine:
         self._after_decode()
         return next_token
 
-    def _after_decode(self) -> None:
-        self._since_reselect += 1
+    def _after_decode(self, n_fed: int = 1) -> None:
+        self._since_reselect += n_fed
         if self._since_reselect >= self.residency.reselect_every(self.session.n_tokens):
             self.reselect()
 
@@ -444,6 +454,9 @@ class Engine:
             drafter = dm["pool_bytes"] + dm["ring_bytes"] + dm["recurrent_bytes"] + dm["compute_bytes"] + \
                 (self.companion.model.weight_bytes if self.companion.model is not self.model else 0)
         weights = self.model.weight_bytes
+        draft = getattr(self.speculator, "drafter", None)
+        if draft is not None and hasattr(draft, "device_bytes"):   # a draft model: its session, its weights
+            drafter += draft.device_bytes + (draft.model.weight_bytes if draft.model is not self.model else 0)
         return {
             "device_weight_bytes": weights,
             "device_compute_bytes": mem["compute_bytes"],
@@ -480,6 +493,7 @@ class Engine:
             "time_compute_ms": round(t.t_compute_ms, 3),
             "time_scoring_ms": round(t.t_scoring_ms + self._t_policy_ms, 3),
             "policy": self.policy.name,
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
 
@@ -490,7 +504,11 @@ class Generation:
 
     A server steps many at once: while needs_decode_step(), its decode step is feeding `token` and reading the
     argmax (or the logits, if wants_logits), which the caller may run for several sessions in one batched
-    forward (_core.BatchDecoder) and hand back with advance(...), in place of next()."""
+    forward (_core.BatchDecoder) and hand back with advance(...), in place of next().
+
+    With an engine that speculates (and no logprobs asked), a decode step verifies drafts and yields several
+    tokens: the records after it come from the queue of kept tokens, without a step; such a generation steps
+    alone (needs_decode_step() is False)."""
 
     def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams, owner: int,
                  n_logprobs: Optional[int]) -> None:
@@ -499,6 +517,9 @@ class Generation:
         self.token: Optional[int] = None   # the last token picked (fed by the next decode step)
         self.n_generated = 0               # token records given
         self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
+        self._speculate = engine.speculator is not None and n_logprobs is None
+        self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
+        self._queue: list[int] = []        # speculation: tokens verified, not yet given
 
     def __iter__(self) -> "Generation":
         return self
@@ -514,6 +535,10 @@ class Generation:
                 return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
             if self._state == "stopped" or self._at_limit():
                 return self._close("stop" if self._state == "stopped" else "length")
+            if self._speculate:
+                if not self._queue:
+                    self._queue = self._verify_drafts()
+                return self._emit(self._queue.pop(0), None)
             if not self.wants_logits:
                 return self._emit(e._decode_one_greedy(self.token), None)
             return self._emit(*self._choose(e._decode_one(self.token)))
@@ -524,8 +549,9 @@ class Generation:
         return self._state != "prompt"
 
     def needs_decode_step(self) -> bool:
-        """The next record needs a decode step: `token` fed to the session at its n_tokens."""
-        return self._state == "decoding" and not self._at_limit()
+        """The next record needs a decode step: `token` fed to the session at its n_tokens (one the caller may
+        batch: never a speculative one)."""
+        return self._state == "decoding" and not self._at_limit() and not self._speculate
 
     @property
     def wants_logits(self) -> bool:
@@ -552,7 +578,34 @@ class Generation:
     def _at_limit(self) -> bool:
         p = self.params
         return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
-            self.engine.session.n_tokens >= self.engine.pool.n_ctx
+            (not self._queue and self.engine.session.n_tokens >= self.engine.pool.n_ctx)
+
+    def _verify_drafts(self) -> list[int]:
+        """One speculative step: `token` and the drafts after it through the session at once; the drafts the
+        model keeps and its own next token, the rejected positions truncated. Falls back to a plain step when
+        the drafter has nothing to propose."""
+        e, s = self.engine, self.engine.session
+        p = self.params
+        left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
+        room = min(left, e.pool.n_ctx - s.n_tokens) - 1   # the pending token and the model's own take one each
+        if not s.full_cache:
+            # Plain decoding pages once per token; a verify step places all its tokens first. So that every
+            # kept token sees the pool it would have seen, a step ends before a chunk boundary (a new chunk
+            # may evict one) and where a reselect falls due (it then runs after the same token).
+            C = _core.CHUNK_TOKENS
+            room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1,
+                       e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
+        drafts, q = e.speculator.propose(self._history, room, self.sampler)
+        if not drafts:
+            return [self.sampler(e._decode_one(self.token))] if self.wants_logits else [e._decode_one_greedy(self.token)]
+        n0 = s.n_tokens
+        rows = s.forward(np.asarray([self.token, *drafts], dtype=np.int32), n0, all_logits=True)
+        kept, own = accept(drafts, rows, q, self.sampler)
+        if len(kept) < len(drafts):
+            s.truncate(n0 + 1 + len(kept))
+        e.speculator.record(len(drafts), len(kept))
+        e._after_decode(1 + len(kept))
+        return [*kept, own]
 
     def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
         token = self.sampler(logits)
@@ -560,6 +613,7 @@ class Generation:
 
     def _emit(self, token: int, logprobs: Optional[TokenLogprobs]) -> GenerationRecord:
         self.token = token
+        self._history.append(token)
         if self.engine.tokenizer.is_eog(token):
             return self._close("stop")
         text = self.stream.push(self.engine.tokenizer.piece(token))

@@ -16,7 +16,7 @@ from . import _core
 from .engine import CLOSED, Engine, with_loaded_drafter
 from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
-from .options import PoolConfig, ResidencyConfig, SamplingParams
+from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
@@ -50,7 +50,9 @@ class Model:
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike] = ResidencyConfig.drafter_model,
                  refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill,
-                 prompt_scores: str = ResidencyConfig.prompt_scores) -> None:
+                 prompt_scores: str = ResidencyConfig.prompt_scores,
+                 speculative: Union[None, str, os.PathLike, SpeculativeConfig] = None,
+                 draft_max: int = SpeculativeConfig.max_draft) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.
@@ -59,6 +61,9 @@ class Model:
         self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
                                          refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
                                          drafter_model=drafter_model)
+        # speculative: "prompt_lookup", "mtp", a draft GGUF, or a SpeculativeConfig (checked before loading).
+        self.speculative = speculative if isinstance(speculative, SpeculativeConfig) or speculative is None else \
+            SpeculativeConfig(draft=speculative, max_draft=draft_max)
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
         if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
             fit = fit_pool_tokens(self._core_model, self.pool, 1)
@@ -68,7 +73,7 @@ class Model:
         self.residency = with_loaded_drafter(self.residency, self._core_model)   # its own drafter: one copy
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, self.residency,
                              prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes,
-                             chat_template=chat_template)
+                             chat_template=chat_template, speculative=self.speculative)
         self.model_name = Path(self.model_path).stem
 
     def _open_engine(self) -> Engine:

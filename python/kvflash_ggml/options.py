@@ -137,6 +137,33 @@ class ResidencyConfig:
         return max(self.tau, n_tokens // TAU_CONTEXT_DIVISOR)
 
 
+SPECULATIVE_MODES = ("prompt_lookup", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes up to max_draft tokens, the model verifies them in one step on
+    the pool and keeps the longest prefix its own choice agrees with (greedy), or accepts each by the standard
+    rule (sampling), so the output is what plain decoding gives (greedy) or follows its distribution (sampled).
+    draft: "prompt_lookup" (the continuation of the latest earlier occurrence of the last n-gram of the held
+    tokens: no second model), "mtp" (the GGUF's own multi-token-prediction layers), or a smaller GGUF (a path,
+    a short name or a loaded _core.Model) with the same vocabulary.
+    max_draft: the most tokens proposed per step; the count adapts to the recent acceptance.
+    ngram: prompt lookup matches the last ngram tokens, then fewer, down to 1."""
+
+    draft: Union[str, os.PathLike, _core.Model] = "prompt_lookup"
+    max_draft: int = 8
+    ngram: int = 3
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_draft) or not 1 <= self.max_draft <= 64:
+            raise ValueError(f"max_draft must be an integer in [1, 64], got {self.max_draft!r}")
+        if not _is_int(self.ngram) or not 1 <= self.ngram <= 16:
+            raise ValueError(f"ngram must be an integer in [1, 16], got {self.ngram!r}")
+        if not isinstance(self.draft, (str, os.PathLike, _core.Model)):
+            raise ValueError(f"draft must be 'prompt_lookup', 'mtp', a GGUF path or a loaded model, got {self.draft!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen, with llama-cpp-python's conventions: temperature 0 is greedy

@@ -19,9 +19,29 @@ class Sampler:
         return self.params.temperature <= 0.0
 
     def __call__(self, logits: np.ndarray) -> int:
-        p = self.params
-        if p.temperature <= 0.0:
+        if self.greedy:
             return int(np.argmax(logits))
+        candidates, probs = self._candidates(logits)
+        return int(candidates[self.rng.choice(probs.shape[0], p=probs)])
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """The probabilities __call__ samples from, over the whole vocabulary (one-hot at the argmax when greedy):
+        what speculative decoding accepts drafts against."""
+        out = np.zeros(logits.shape[0], dtype=np.float64)
+        if self.greedy:
+            out[int(np.argmax(logits))] = 1.0
+            return out
+        candidates, probs = self._candidates(logits)
+        out[candidates] = probs
+        return out
+
+    def choose_from(self, probs: np.ndarray) -> int:
+        """A token drawn from a distribution over the vocabulary (this sampler's random stream)."""
+        return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))
+
+    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that survive temperature, top_k, min_p and top_p, most likely first, and their probabilities."""
+        p = self.params
         x = logits.astype(np.float64) / p.temperature
         candidates = np.arange(x.shape[0])
         if 0 < p.top_k < x.shape[0]:
@@ -39,7 +59,7 @@ class Sampler:
             keep &= np.concatenate(([True], np.cumsum(probs)[:-1] < p.top_p))
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
-        return int(candidates[self.rng.choice(probs.shape[0], p=probs)])
+        return candidates, probs
 
 
 class TokenLogprobs(NamedTuple):

@@ -1,0 +1,175 @@
+"""Speculative decoding verified on the pool.
+
+A drafter proposes k tokens after the held history; the model runs the pending token and the k drafts as one
+step through its pooled session (slot-mapped writes, the slot mask's causal order among the drafts), which
+gives k + 1 rows of logits at the price of about one weight read. The model keeps the drafts its own choice
+agrees with and one token of its own after them; the rejected positions are truncated from the session (the
+pager forgets them, their slots go back to the pool).
+
+- Greedy: draft i is kept while it equals the argmax of row i; the next token is the argmax after the last
+  kept one. The tokens are exactly plain greedy decoding's (up to the float summation order of a batched step).
+- Sampled (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"): draft i, drawn
+  from the drafter's distribution q, is kept with probability min(1, p(d) / q(d)) under the model's sampling
+  distribution p (temperature, top-k, top-p, min-p); at the first rejection the next token is drawn from
+  normalize(max(p - q, 0)), and after k kept drafts from p. Prompt lookup proposes deterministically (q is one-hot).
+  Every emitted token is then distributed as plain sampling's.
+
+Drafters: PromptLookup (n-gram lookup in the history: no second model) and DraftModel (a smaller GGUF of the
+same vocabulary, its own pooled session that follows the history). Speculator holds the drafter, the adaptive
+draft length and the counters stats() reports.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .options import PoolConfig, SpeculativeConfig
+from .sampling import Sampler
+from .tokens import common_prefix, forward_in_steps, rewind
+
+
+class PromptLookup:
+    """Proposes what followed the latest earlier occurrence of the history's last n tokens (n = ngram, then
+    fewer, down to 1), as llama.cpp's prompt-lookup decoding does. The index (n-gram -> the position after its
+    latest occurrence) grows with the history; a history that is not an extension of the indexed one is
+    indexed afresh."""
+
+    def __init__(self, ngram: int) -> None:
+        self.ngram = ngram
+        self._seen: list[int] = []
+        self._index: list[dict[tuple, int]] = [{} for _ in range(ngram + 1)]
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
+        self._extend(history)
+        h = self._seen
+        for n in range(min(self.ngram, len(h) - 1), 0, -1):
+            at = self._index[n].get(tuple(h[-n:]))
+            if at is not None:
+                return list(h[at:at + k]), None
+        return [], None
+
+    def _extend(self, history: Sequence[int]) -> None:
+        m = len(self._seen)
+        if len(history) < m or list(history[max(0, m - 1):m]) != self._seen[max(0, m - 1):m]:
+            self._seen, self._index, m = [], [{} for _ in range(self.ngram + 1)], 0
+        self._seen.extend(history[m:])
+        h = self._seen
+        # n-grams ending before the last token: each has at least one token after it to propose
+        for end in range(max(m, 1), len(h)):
+            for n in range(1, min(self.ngram, end) + 1):
+                self._index[n][tuple(h[end - n:end])] = end
+
+
+class DraftModel:
+    """A smaller model of the same vocabulary in a pooled session of its own (the same pool size as the
+    model's, so its memory is bounded too) that follows the history and proposes its own next tokens: its
+    greedy choices when the model decodes greedily, samples from its sampling distribution otherwise (returned
+    with their probabilities, for the acceptance rule)."""
+
+    def __init__(self, model: _core.Model, pool: PoolConfig) -> None:
+        from .engine import make_session   # engine imports this module
+
+        self.model = model
+        self.session = make_session(model, pool)
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], Optional[list[np.ndarray]]]:
+        s = self.session
+        n_keep = min(common_prefix(s.tokens, history), len(history) - 1)   # the last token runs for its logits
+        if n_keep < s.n_tokens:
+            n_keep = rewind(s, n_keep)
+        logits = forward_in_steps(s, np.asarray(history[n_keep:], dtype=np.int32), n_keep)
+        drafts: list[int] = []
+        q: list[np.ndarray] = []
+        for i in range(k):
+            if i > 0:
+                logits = s.forward(np.asarray(drafts[-1:], dtype=np.int32), s.n_tokens)
+            if sampler.greedy:
+                drafts.append(int(np.argmax(logits)))
+            else:
+                dist = sampler.distribution(logits)
+                drafts.append(sampler.choose_from(dist))
+                q.append(dist)
+        return drafts, (None if sampler.greedy else q)
+
+    @property
+    def device_bytes(self) -> int:
+        m = self.session.memory()
+        return m["pool_bytes"] + m["ring_bytes"] + m["recurrent_bytes"] + m["compute_bytes"]
+
+
+def accept(drafts: Sequence[int], rows: np.ndarray, q: Optional[Sequence[np.ndarray]],
+           sampler: Sampler) -> tuple[list[int], int]:
+    """The drafts kept and the model's own next token, from rows [len(drafts) + 1, n_vocab]: row i is the
+    model's logits before draft i (row len(drafts): after the last). q: the drafter's distribution of each
+    draft (None: each draft was certain)."""
+    kept: list[int] = []
+    for i, d in enumerate(drafts):
+        if sampler.greedy:
+            choice = int(np.argmax(rows[i]))
+            if choice != d:
+                return kept, choice
+            kept.append(d)
+            continue
+        p = sampler.distribution(rows[i])
+        q_d = 1.0 if q is None else float(q[i][d])
+        if sampler.rng.random() < min(1.0, p[d] / q_d):
+            kept.append(d)
+            continue
+        residual = np.maximum(p - (_one_hot(d, p.shape[0]) if q is None else q[i]), 0.0)
+        if residual.sum() <= 0.0:   # p and q agree everywhere but at d: p itself (happens only in float ties)
+            residual = p
+        return kept, sampler.choose_from(residual)
+    return kept, sampler(rows[len(drafts)])
+
+
+def _one_hot(i: int, n: int) -> np.ndarray:
+    v = np.zeros(n, dtype=np.float64)
+    v[i] = 1.0
+    return v
+
+
+class Speculator:
+    """The drafter of a SpeculativeConfig, the draft length and what it achieved. The length adapts: after a
+    step that kept every draft it grows by 2 (up to max_draft); otherwise it becomes what was kept plus one
+    (at least 1), so a drafter that misses costs one wasted draft per step."""
+
+    def __init__(self, config: SpeculativeConfig, model: _core.Model, pool: PoolConfig) -> None:
+        self.config = config
+        draft = config.draft
+        if model.hparams.recurrent_layers and any(model.hparams.recurrent_layers):
+            raise ValueError("speculative decoding on a model with linear-attention layers (qwen35) is not built yet: "
+                             "its recurrent state cannot roll back rejected drafts")
+        if draft == "mtp":
+            raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
+                             f"{model.hparams.arch} models are run without them here (they are skipped on load)")
+        if draft == "prompt_lookup":
+            self.drafter = PromptLookup(config.ngram)
+        else:
+            from .engine import load_like   # engine imports this module
+
+            draft_model = load_like(draft, model)
+            if draft_model.hparams.n_vocab != model.hparams.n_vocab:
+                raise ValueError(f"the draft model has {draft_model.hparams.n_vocab} tokens and the model "
+                                 f"{model.hparams.n_vocab}: a draft model must share the vocabulary (mapping "
+                                 "through text is not built yet)")
+            self.drafter = DraftModel(draft_model, pool)
+        self.k = max(1, config.max_draft // 2)
+        self.drafted = self.accepted = self.steps = 0
+
+    def propose(self, history: Sequence[int], room: int, sampler: Sampler):
+        """Up to min(k, room) drafts (room: tokens the generation may still take, less the model's own)."""
+        k = min(self.k, room)
+        return self.drafter.propose(history, k, sampler) if k > 0 else ([], None)
+
+    def record(self, n_drafted: int, n_kept: int) -> None:
+        self.drafted += n_drafted
+        self.accepted += n_kept
+        self.steps += 1
+        self.k = min(self.config.max_draft, self.k + 2) if n_kept == n_drafted else max(1, n_kept + 1)
+
+    def stats(self) -> dict:
+        return {"spec_mode": "prompt_lookup" if isinstance(self.drafter, PromptLookup) else "draft_model",
+                "spec_drafted": self.drafted, "spec_accepted": self.accepted, "spec_steps": self.steps,
+                "spec_acceptance": self.accepted / self.drafted if self.drafted else 0.0}
