@@ -12,6 +12,7 @@ BENCHES = {
     "niah": "kvflash_ggml.bench.niah",
     "ruler": "kvflash_ggml.bench.ruler",
     "serve": "kvflash_ggml.bench.serve",
+    "spec": "kvflash_ggml.bench.spec",
     "merge": "kvflash_ggml.bench.merge",
 }
 

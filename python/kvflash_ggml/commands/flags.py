@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from .. import _core
 from ..engine import POLICY_NAMES
-from ..options import PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig, SamplingParams
+from ..options import PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 
 def parse_pool(value: str) -> Union[None, int, str]:
     if value in ("off", "none", "full"):
@@ -86,6 +86,20 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                          f"{ResidencyConfig.refresh_tokens})")
 
 
+def add_speculative_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--draft", default=None,
+                    help="speculative decoding: 'prompt_lookup' (n-gram lookup in the context), 'mtp' (the GGUF's own "
+                         "multi-token-prediction layers), or a smaller GGUF of the same vocabulary (path or short name)")
+    ap.add_argument("--draft-max", type=int, default=None,
+                    help=f"most tokens drafted per step (default {SpeculativeConfig.max_draft}; adapts to the acceptance)")
+
+
+def speculative_config(args: argparse.Namespace, **overrides: object) -> Optional[SpeculativeConfig]:
+    if args.draft is None:
+        return None
+    return SpeculativeConfig(**{**given(draft=args.draft, max_draft=args.draft_max), **overrides})
+
+
 def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
@@ -124,4 +138,5 @@ def model_keywords(args: argparse.Namespace) -> dict:
     return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, backend=args.backend,
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
-                      refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores), pool_tokens=args.kvflash)
+                      refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),
+                pool_tokens=args.kvflash, speculative=speculative_config(args))

@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 
 from ..model import Model
 from . import INTERRUPTED
-from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags, model_keywords,
+from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags, add_speculative_flags,
+                    model_keywords,
                     sampling_params)
 
 # What a user can get wrong (a path, an option, a prompt): one line on stderr and exit code 2, no traceback.
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(ap)
     add_pool_flags(ap)
     add_residency_flags(ap)
+    add_speculative_flags(ap)
     add_sampling_flags(ap)
     ap.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")

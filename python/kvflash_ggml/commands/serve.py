@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _core
-from ..engine import Engine, with_loaded_drafter
+from ..engine import Engine, load_like, with_loaded_drafter
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
+from ..options import SPECULATIVE_MODES
 from ..model import cpu_threads
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
-from .flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
+from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, pool_config,
+                    residency_config, speculative_config)
 from .generate import USER_ERRORS
 
 log = logging.getLogger("kvflash_ggml.server")
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(ap)
     add_pool_flags(ap, pool="auto")
     add_residency_flags(ap)
+    add_speculative_flags(ap)
     ap.add_argument("--parallel", "-np", type=int, default=4, help="slots: conversations computed at once (default 4)")
     ap.add_argument("--queue", type=int, default=64,
                     help="requests that may wait for a free slot; more get HTTP 503 with Retry-After (default 64)")
@@ -57,6 +60,9 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads))
     tokenizer = Tokenizer(path)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
+    speculative = speculative_config(args)
+    if speculative is not None and speculative.draft not in SPECULATIVE_MODES:   # one draft model for all slots
+        speculative = dataclasses.replace(speculative, draft=load_like(speculative.draft, model))
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
     if pool.pool_tokens == "auto":
         fit = fit_pool_tokens(model, pool, args.parallel)
@@ -64,7 +70,8 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     template = Path(args.chat_template).read_text() if args.chat_template else None
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
     engines = [Engine(model, tokenizer, pool, residency, prefix_cache_dir=cache,
-                      prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False)
+                      prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,
+                      speculative=speculative)
                for _ in range(args.parallel)]
     return engines, args.alias or Path(path).stem, why
 
