@@ -532,6 +532,8 @@ class Generation:
             if self._state == "prompt":
                 self._state = "decoding"
                 token, logprobs = self._choose(e._prefill(self.tokens))
+                if self._speculate:
+                    e.speculator.follow(self.tokens)
                 return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
             if self._state == "stopped" or self._at_limit():
                 return self._close("stop" if self._state == "stopped" else "length")

@@ -74,12 +74,17 @@ class DraftModel:
         self.model = model
         self.session = make_session(model, pool)
 
-    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], Optional[list[np.ndarray]]]:
+    def follow(self, history: Sequence[int]) -> np.ndarray:
+        """Make the draft session hold `history` (computing only what differs); its logits after the last token."""
         s = self.session
         n_keep = min(common_prefix(s.tokens, history), len(history) - 1)   # the last token runs for its logits
         if n_keep < s.n_tokens:
             n_keep = rewind(s, n_keep)
-        logits = forward_in_steps(s, np.asarray(history[n_keep:], dtype=np.int32), n_keep)
+        return forward_in_steps(s, np.asarray(history[n_keep:], dtype=np.int32), n_keep)
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], Optional[list[np.ndarray]]]:
+        s = self.session
+        logits = self.follow(history)
         drafts: list[int] = []
         q: list[np.ndarray] = []
         for i in range(k):
@@ -157,6 +162,11 @@ class Speculator:
             self.drafter = DraftModel(draft_model, pool)
         self.k = max(1, config.max_draft // 2)
         self.drafted = self.accepted = self.steps = 0
+
+    def follow(self, history: Sequence[int]) -> None:
+        """After a prompt: a draft model computes it now (part of the prompt's time, not of the first step's)."""
+        if isinstance(self.drafter, DraftModel):
+            self.drafter.follow(history)
 
     def propose(self, history: Sequence[int], room: int, sampler: Sampler):
         """Up to min(k, room) drafts (room: tokens the generation may still take, less the model's own)."""

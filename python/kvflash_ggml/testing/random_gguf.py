@@ -82,6 +82,10 @@ SHAPES: dict[str, dict] = {
     "gemma3-12b": dict(arch="gemma3", n_layer=48, n_embd=3840, n_head=16, n_head_kv=8, head_dim=256, n_ff=15360,
                        n_vocab=262144, n_ctx_train=131072, n_swa=1024, rope_freq_base=1000000.0,
                        rope_scaling_factor=8.0, tied_embeddings=True),
+    # Llama 3.2 1B as released (tied embeddings, the 128K vocabulary of the 8B): a draft for the 8B shape.
+    "llama3.2-1b": dict(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, head_dim=64, n_ff=8192,
+                        n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5,
+                        tied_embeddings=True),
     "llama3-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=14336,
                       n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5),
     "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
