@@ -100,7 +100,7 @@ def test_greedy_speculation_equals_plain_on_smollm2(smollm2_path, pool, draft):
         # The model as its own draft: with a full cache every draft is what the model picks. In a pool the draft
         # session computed the prompt in its pool (not layer-major) and pages on its own schedule, so it sees
         # another context now and then (measured 0.993).
-        assert st["spec_acceptance"] == 1.0 if pool is None else st["spec_acceptance"] > 0.95
+        assert (st["spec_acceptance"] == 1.0 if pool is None else st["spec_acceptance"] > 0.95), st["spec_acceptance"]
     if pool:   # the pool paged while the drafts were verified
         assert st["page_outs"] > before["page_outs"]
 

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _core
+from .drafter import prompt_attention_scores
 from .options import PoolConfig, SpeculativeConfig
 from .sampling import Sampler
 from .tokens import common_prefix, forward_in_steps, rewind
@@ -66,30 +67,48 @@ class DraftModel:
     """A smaller model of the same vocabulary in a pooled session of its own (the same pool size as the
     model's, so its memory is bounded too) that follows the history and proposes its own next tokens: its
     greedy choices when the model decodes greedily, samples from its sampling distribution otherwise (returned
-    with their probabilities, for the acceptance rule)."""
+    with their probabilities, for the acceptance rule). A prompt larger than the pool runs layer-major, as the
+    model's does, so both see the same context."""
 
     def __init__(self, model: _core.Model, pool: PoolConfig) -> None:
         from .engine import make_session   # engine imports this module
 
         self.model = model
+        self.pool = pool
         self.session = make_session(model, pool)
+        self._held: list[int] = []   # the session's tokens (kept here: reading them from the core is O(n))
+        self._synced = 0             # history[:_synced] is what the last call saw, and the session holds it
 
-    def follow(self, history: Sequence[int]) -> np.ndarray:
-        """Make the draft session hold `history` (computing only what differs); its logits after the last token."""
+    def follow(self, history: Sequence[int], *, extends: bool = False) -> np.ndarray:
+        """Make the draft session hold `history` (computing only what differs); its logits after the last token.
+        extends: history extends the one of the last call (within a generation), so only its tail is compared."""
         s = self.session
-        n_keep = min(common_prefix(s.tokens, history), len(history) - 1)   # the last token runs for its logits
+        start = self._synced if extends else 0
+        n_keep = start + common_prefix(self._held[start:], history[start:])
+        n_keep = min(n_keep, len(history) - 1)   # the last token runs for its logits
         if n_keep < s.n_tokens:
             n_keep = rewind(s, n_keep)
-        return forward_in_steps(s, np.asarray(history[n_keep:], dtype=np.int32), n_keep)
+        new = np.asarray(history[n_keep:], dtype=np.int32)
+        if not s.full_cache and len(history) > s.pager.config().pool_tokens and len(new) > 1:
+            step = self.pool.exact_prefill_batch(s.flash_attn, s.kv.layer_chunk_bytes // _core.CHUNK_TOKENS)
+            logits, attention = s.prefill_exact(new, n_keep, n_batch=step)
+            if s.pager.n_chunks() > s.pager.n_blocks():   # what the model's post-prompt reselect pages in, too
+                s.reselect(prompt_attention_scores(attention, s.pager.n_chunks()))
+        else:
+            logits = forward_in_steps(s, new, n_keep)
+        self._held = list(history)
+        self._synced = len(history)
+        return logits
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], Optional[list[np.ndarray]]]:
         s = self.session
-        logits = self.follow(history)
+        logits = self.follow(history, extends=True)
         drafts: list[int] = []
         q: list[np.ndarray] = []
         for i in range(k):
             if i > 0:
                 logits = s.forward(np.asarray(drafts[-1:], dtype=np.int32), s.n_tokens)
+                self._held.append(drafts[-1])
             if sampler.greedy:
                 drafts.append(int(np.argmax(logits)))
             else:
