@@ -1,4 +1,5 @@
-"""Shared check for Session.forward_greedy (used by the CPU, SmolLM2 and CUDA tests)."""
+"""Shared checks and helpers: Session.forward_greedy against the argmax, our sessions against libllama, and the
+small pieces the family tests (test_families, test_sliding_window, test_hybrid) all need."""
 import numpy as np
 
 from kvflash_ggml import _core
@@ -30,3 +31,20 @@ def greedy_against_libllama(session: _core.Session, ref, prompt: np.ndarray, n_d
         ours.append(session.forward(np.array([tok], np.int32), len(prompt) + i)[None, :])
         theirs.append(ref.decode([tok])[None, :])
     return np.concatenate(ours), np.concatenate(theirs), fed
+
+
+def cpu_model(path: str) -> _core.Model:
+    """The model on the CPU, one thread (ours and libllama then run the same kernels in the same order)."""
+    return _core.Model(path, backend="cpu", n_threads=1)
+
+
+def random_tokens(n: int, seed: int = 1, n_vocab: int = 1000) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
+
+
+def run_fed(sess: _core.Session, prompt: np.ndarray, fed: list[int]) -> np.ndarray:
+    """Logits of every prompt position, then after each fed token (teacher-forced)."""
+    rows = [sess.forward(prompt, sess.n_tokens, all_logits=True)]
+    for t in fed:
+        rows.append(sess.forward(np.array([t], np.int32), sess.n_tokens)[None, :])
+    return np.concatenate(rows)

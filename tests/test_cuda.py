@@ -326,12 +326,10 @@ def test_attention_capture_on_cuda_matches_cpu(model_path):
     np.testing.assert_allclose(gpu, cpu, rtol=1e-2, atol=1e-4)
 
 
-def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path):
-    """gemma3: the local layers' rings (window 96) beside a pool of 512 over the global layers, 900 tokens so
-    that rings wrap and the pool pages. CUDA (flash) and CPU (matmul) take the same steps, so the rings and
-    the pool hold the same keys in the same rows; layer-major exact prefill on CUDA leaves the rings a full
-    cache leaves, byte for byte."""
-    path = model_path("gemma3-f32")
+def paged_on_both(path: str):
+    """900 tokens through a pool of 512 (it pages; a reselect at decode step 8) on CUDA (flash) and on the CPU
+    (matmul), in the same steps. Returns the GPU model, the prompt, the session keywords, the CUDA logits and
+    session, and the CPU logits."""
     cpu = _core.Model(path, backend="cpu", n_threads=4)
     gpu = _core.Model(path, backend="cuda")
     prompt = prompt_for(cpu.hparams.n_vocab, n=900)
@@ -339,6 +337,15 @@ def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path):
     kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128)
     ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
+    return gpu, prompt, kw, ours_gpu, sess, ours_cpu
+
+
+def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path):
+    """gemma3: the local layers' rings (window 96) beside a pool of 512 over the global layers, 900 tokens so
+    that rings wrap and the pool pages. CUDA (flash) and CPU (matmul) take the same steps, so the rings and
+    the pool hold the same keys in the same rows; layer-major exact prefill on CUDA leaves the rings a full
+    cache leaves, byte for byte."""
+    gpu, prompt, kw, ours_gpu, sess, ours_cpu = paged_on_both(model_path("gemma3-f32"))
     assert sess.flash_attn and sess.ring_tokens == 256 and sess.pager.stats().page_outs > 0
     assert_close("gemma3-f32 pool 512 cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
 
@@ -357,15 +364,8 @@ def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
     """qwen35: the linear-attention layers' state beside a pool of 512 over the attention layers, 900 tokens so
     the pool pages and a reselect pages back in; CUDA (flash) against CPU (matmul). Layer-major exact prefill
     on CUDA leaves the logits and the recurrent state a full cache leaves, byte for byte."""
-    path = model_path(variant)
     tol = VARIANTS[variant][2]
-    cpu = _core.Model(path, backend="cpu", n_threads=4)
-    gpu = _core.Model(path, backend="cuda")
-    prompt = prompt_for(cpu.hparams.n_vocab, n=900)
-    fed = greedy_tokens(cpu, _core.SessionConfig(max_tokens=1024, attention="matmul"), prompt)
-    kw = dict(max_tokens=1024, pool_tokens=512, n_batch=128)
-    ours_gpu, sess = run_session(gpu, _core.SessionConfig(**kw), prompt, fed, reselect_at=8)
-    ours_cpu, _ = run_session(cpu, _core.SessionConfig(attention="matmul", **kw), prompt, fed, reselect_at=8)
+    gpu, prompt, kw, ours_gpu, sess, ours_cpu = paged_on_both(model_path(variant))
     assert sess.flash_attn and sess.memory()["recurrent_bytes"] > 0 and sess.pager.stats().page_outs > 0
     (assert_mostly_close if "moe" in variant else assert_close)(f"{variant} pool 512 cuda vs cpu", ours_gpu, ours_cpu, tol)
 

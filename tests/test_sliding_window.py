@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
-from greedy_check import greedy_against_libllama
+from greedy_check import cpu_model as model_of, greedy_against_libllama, random_tokens as tokens, run_fed as run
 
 C = _core.CHUNK_TOKENS
 N_PROMPT, N_DECODE = 300, 24     # the prompt is three windows long: every ring wraps
@@ -46,25 +46,9 @@ def gemma(tmp_path_factory):
     return get
 
 
-def model_of(path: str) -> _core.Model:
-    return _core.Model(path, backend="cpu", n_threads=1)
-
-
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 1000, n).astype(np.int32)
-
-
 def session(model, pool: int = 0, **kw) -> _core.Session:
     kw.setdefault("attention", "matmul")
     return _core.Session(model, _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=pool, **kw))
-
-
-def run(sess: _core.Session, prompt: np.ndarray, fed: list[int]) -> np.ndarray:
-    """Logits of every prompt position, then after each fed token."""
-    rows = [sess.forward(prompt, sess.n_tokens, all_logits=True)]
-    for t in fed:
-        rows.append(sess.forward(np.array([t], np.int32), sess.n_tokens)[None, :])
-    return np.concatenate(rows)
 
 
 def greedy_with_reference(path: str, attention: str):

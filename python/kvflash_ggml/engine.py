@@ -31,7 +31,7 @@ from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeCon
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
-from .speculative import Speculator, accept
+from .speculative import DraftModel, PromptLookup, Speculator, accept
 from .tokenizer import TextStream, Tokenizer, check_messages
 from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
 
@@ -109,6 +109,24 @@ def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> Resid
     return dataclasses.replace(residency, drafter_model=load_like(residency.drafter_model, model))
 
 
+def make_speculator(config: SpeculativeConfig, model: _core.Model, pool: PoolConfig) -> Speculator:
+    """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built)."""
+    if any(model.hparams.recurrent_layers):
+        raise ValueError("speculative decoding on a model with linear-attention layers (qwen35) is not built yet: "
+                         "its recurrent state cannot roll back rejected drafts")
+    if config.draft == "mtp":
+        raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
+                         f"{model.hparams.arch} models are run without them here (they are skipped on load)")
+    if config.draft == "prompt_lookup":
+        return Speculator(config, PromptLookup(config.ngram))
+    draft_model = load_like(config.draft, model)
+    if draft_model.hparams.n_vocab != model.hparams.n_vocab:
+        raise ValueError(f"the draft model has {draft_model.hparams.n_vocab} tokens and the model "
+                         f"{model.hparams.n_vocab}: a draft model must share the vocabulary (mapping through text "
+                         "is not built yet)")
+    return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool))
+
+
 def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
                    residency: ResidencyConfig) -> Optional[Companion]:
     """The full-cache session of the drafter model that policy="drafter" scores from (None for the others)."""
@@ -145,7 +163,7 @@ class Engine:
         self.companion = make_companion(model, tokenizer, pool, residency)
         self.policy = make_policy(residency.policy, companion=self.companion)
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
-        self.speculator = Speculator(speculative, model, pool) if speculative else None
+        self.speculator = make_speculator(speculative, model, pool) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.store_each_turn = store_each_turn

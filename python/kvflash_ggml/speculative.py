@@ -20,7 +20,7 @@ draft length and the counters stats() reports.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -70,12 +70,10 @@ class DraftModel:
     with their probabilities, for the acceptance rule). A prompt larger than the pool runs layer-major, as the
     model's does, so both see the same context."""
 
-    def __init__(self, model: _core.Model, pool: PoolConfig) -> None:
-        from .engine import make_session   # engine imports this module
-
+    def __init__(self, model: _core.Model, session: _core.Session, pool: PoolConfig) -> None:
         self.model = model
         self.pool = pool
-        self.session = make_session(model, pool)
+        self.session = session
         self._held: list[int] = []   # the session's tokens (kept here: reading them from the core is O(n))
         self._synced = 0             # history[:_synced] is what the last call saw, and the session holds it
 
@@ -159,26 +157,9 @@ class Speculator:
     step that kept every draft it grows by 2 (up to max_draft); otherwise it becomes what was kept plus one
     (at least 1), so a drafter that misses costs one wasted draft per step."""
 
-    def __init__(self, config: SpeculativeConfig, model: _core.Model, pool: PoolConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Union[PromptLookup, DraftModel]) -> None:
         self.config = config
-        draft = config.draft
-        if model.hparams.recurrent_layers and any(model.hparams.recurrent_layers):
-            raise ValueError("speculative decoding on a model with linear-attention layers (qwen35) is not built yet: "
-                             "its recurrent state cannot roll back rejected drafts")
-        if draft == "mtp":
-            raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
-                             f"{model.hparams.arch} models are run without them here (they are skipped on load)")
-        if draft == "prompt_lookup":
-            self.drafter = PromptLookup(config.ngram)
-        else:
-            from .engine import load_like   # engine imports this module
-
-            draft_model = load_like(draft, model)
-            if draft_model.hparams.n_vocab != model.hparams.n_vocab:
-                raise ValueError(f"the draft model has {draft_model.hparams.n_vocab} tokens and the model "
-                                 f"{model.hparams.n_vocab}: a draft model must share the vocabulary (mapping "
-                                 "through text is not built yet)")
-            self.drafter = DraftModel(draft_model, pool)
+        self.drafter = drafter
         self.k = max(1, config.max_draft // 2)
         self.drafted = self.accepted = self.steps = 0
 

@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..engine import Engine, load_like
 from ..options import SPECULATIVE_MODES, SpeculativeConfig
 from ..testing.prose import prose
