@@ -9,7 +9,7 @@ import pytest
 
 from kvflash_ggml import _core
 from kvflash_ggml.engine import Engine
-from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams
+from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from kvflash_ggml.server.scheduler import QueueFull, Request, Scheduler
 from kvflash_ggml.tokenizer import Tokenizer
 
@@ -31,11 +31,11 @@ class Logged(Request):
 def make_scheduler(smollm2, smollm2_path, tmp_path):
     made = []
 
-    def make(n_slots=2, max_queue=4, prefill="exact", batch=True):
+    def make(n_slots=2, max_queue=4, prefill="exact", batch=True, speculative=None):
         tok = Tokenizer(smollm2_path)
         pool = PoolConfig(n_ctx=4096, pool_tokens=512)
         engines = [Engine(smollm2, tok, pool, ResidencyConfig(prefill=prefill), prefix_cache_dir=tmp_path / "cache",
-                          store_each_turn=False) for _ in range(n_slots)]
+                          store_each_turn=False, speculative=speculative) for _ in range(n_slots)]
         s = Scheduler(engines, max_queue=max_queue, batch=batch)
         made.append(s)
         return s, tok
@@ -223,3 +223,28 @@ def test_batched_rounds_equal_slots_stepped_alone(make_scheduler):
     alone, n_alone = run_all(False)
     assert n_batched > 0 and n_alone == 0
     assert batched == alone
+
+
+def test_speculative_slots_step_alone_and_give_their_tokens(make_scheduler):
+    """Slots that speculate (prompt lookup) beside each other: each verifies its own drafts alone (never in a
+    batched round) and streams the tokens greedy decoding gives the same requests without speculation."""
+    counting = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
+
+    def run_all(speculative):
+        sched, tok = make_scheduler(n_slots=2, speculative=speculative)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            reqs = [Request(tok.encode(counting + " " * i), SamplingParams(max_tokens=40, temperature=0), loop)
+                    for i in range(2)]
+            for r in reqs:
+                sched.submit(r)
+            return await asyncio.gather(*(drain(r) for r in reqs))
+
+        records = run(main())
+        return [[r.token for r in recs[:-1]] for recs in records], [recs[-1].stats for recs in records], sched
+
+    plain, _, _ = run_all(None)
+    spec, stats, sched = run_all(SpeculativeConfig(draft="prompt_lookup"))
+    assert spec == plain and all(len(t) > 10 for t in spec)
+    assert all(st["spec_accepted"] > 0 for st in stats) and sched.n_batched_steps == 0
