@@ -48,3 +48,17 @@ def run_fed(sess: _core.Session, prompt: np.ndarray, fed: list[int]) -> np.ndarr
     for t in fed:
         rows.append(sess.forward(np.array([t], np.int32), sess.n_tokens)[None, :])
     return np.concatenate(rows)
+
+
+def session_of(model: _core.Model, max_tokens: int, pool: int = 0, **kw) -> _core.Session:
+    """A session on the mul_mat path unless told otherwise (pool 0: full cache)."""
+    kw.setdefault("attention", "matmul")
+    return _core.Session(model, _core.SessionConfig(max_tokens=max_tokens, pool_tokens=pool, **kw))
+
+
+def full_cache_against_libllama(path: str, attention: str, max_tokens: int, n_prompt: int, n_decode: int):
+    """Our full cache and libllama on the same random prompt, then n_decode greedy steps (our argmax fed to both):
+    (ours, theirs, fed) as greedy_against_libllama returns them."""
+    ref = _core.testing.LlamaReference(path, n_ctx=max_tokens, n_threads=1, flash_attn=attention == "flash")
+    return greedy_against_libllama(session_of(cpu_model(path), max_tokens, 0, attention=attention), ref,
+                                   random_tokens(n_prompt), n_decode)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
-from greedy_check import cpu_model as model_of, greedy_against_libllama, random_tokens as tokens, run_fed as run
+from greedy_check import (cpu_model as model_of, full_cache_against_libllama, random_tokens as tokens,
+                          run_fed as run, session_of)
 
 C = _core.CHUNK_TOKENS
 N_PROMPT, N_DECODE = 300, 32
@@ -54,13 +55,11 @@ def model_path(tmp_path_factory):
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:
-    kw.setdefault("attention", "matmul")
-    return _core.Session(model, _core.SessionConfig(max_tokens=MAX_TOKENS, pool_tokens=pool, **kw))
+    return session_of(model, MAX_TOKENS, pool, **kw)
 
 
 def greedy_with_reference(path: str, attention: str):
-    ref = _core.testing.LlamaReference(path, n_ctx=MAX_TOKENS, n_threads=1, flash_attn=attention == "flash")
-    return greedy_against_libllama(session(model_of(path), 0, attention=attention), ref, tokens(N_PROMPT), N_DECODE)
+    return full_cache_against_libllama(path, attention, MAX_TOKENS, N_PROMPT, N_DECODE)
 
 
 # ---- equivalence with libllama ---------------------------------------------------------------------
