@@ -178,6 +178,27 @@ def test_checkpoints_are_the_points_to_go_back_to(model_path):
     assert [s.rewind_point(n) for n in (150, 215, 230)] == [0, 200, 230]
 
 
+def test_a_stash_on_the_device_is_a_point_to_go_back_to(model_path):
+    model = model_of(model_path("qwen35-f32"))
+    s = session(model, POOL, n_batch=64)
+    s.forward(tokens(150), 0)
+    before = s.memory()["recurrent_bytes"]
+    s.stash()
+    at_150 = s.recurrent_state()
+    s.forward(tokens(9, seed=2), 150)   # a verify step of drafts, say
+    assert s.memory()["recurrent_bytes"] == 2 * before   # the stash is a second device copy, reported
+    assert s.can_truncate(150) and s.rewind_point(155) == 150 and not s.can_truncate(152)
+    s.truncate(150)
+    assert s.n_tokens == 150 and s.recurrent_state() == at_150
+    cold = session(model, POOL, n_batch=64)
+    cold.forward(tokens(150), 0)
+    follow = tokens(4, seed=3)
+    np.testing.assert_array_equal(s.forward(follow, 150, all_logits=True), cold.forward(follow, 150, all_logits=True))
+    s.truncate(0)   # below the stash: it is forgotten
+    s.forward(tokens(200, seed=4), 0)
+    assert not s.can_truncate(150)
+
+
 def test_the_next_turn_restarts_at_the_prompts_checkpoint(model_path):
     # A chat's next turn shares the previous prompt, not always the generated tail (a template renders the
     # reply its own way): the state kept before the prompt's last token serves it.

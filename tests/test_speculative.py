@@ -111,9 +111,10 @@ def tiny(tmp_path_factory):
     return lambda arch: str(rg.write_preset(root / f"{arch}.gguf", f"tiny-{arch}", weight_type="q8_0"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe"])
 def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch):
-    # q8_0 weights on the mul_mat path: a row of a verify step is bit-identical to the same token alone.
+    # q8_0 weights on the mul_mat path: a row of a verify step is bit-identical to the same token alone. The
+    # hybrids go back to the state stashed before each verify step and run the kept tokens again.
     kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul", policy="lru", tau=16)
     rng = np.random.default_rng(2)
     motif = rng.integers(0, 1000, 37).tolist()
@@ -176,9 +177,6 @@ def test_bad_speculative_options_are_refused(tiny, tmp_path):
         SpeculativeConfig(max_draft=0)
     with pytest.raises(ValueError, match="nextn"):
         Model(tiny("llama"), n_ctx=512, backend="cpu", n_threads=1, speculative="mtp")
-    hybrid = rg.write_preset(tmp_path / "q35.gguf", "tiny-qwen35")
-    with pytest.raises(ValueError, match="linear-attention"):
-        Model(str(hybrid), n_ctx=512, backend="cpu", n_threads=1, speculative="prompt_lookup")
     other = rg.write_preset(tmp_path / "v.gguf", "tiny-llama", n_vocab=1009)
     with pytest.raises(ValueError, match="vocabulary"):
         Model(tiny("llama"), n_ctx=512, backend="cpu", n_threads=1, speculative=str(other))
@@ -192,3 +190,27 @@ def test_cli_generate_with_a_draft(tiny, capsys):
     assert main(["--model", tiny("llama"), "--prompt", "one two one two one two one", "--max-tokens", "12",
                  "--draft", "prompt_lookup", "--draft-max", "4", "--threads", "1", "--stats"]) == 0
     assert '"spec_mode": "prompt_lookup"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_a_step_that_keeps_some_drafts_continues_exactly(tiny, arch):
+    # A drafter that proposes the right next token, then a wrong one: every verify step keeps one draft and
+    # rejects one, so the rejected position is truncated (pool) or the stashed state is restored and the kept
+    # token run again (linear attention). The tokens must still be plain greedy decoding's.
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul")
+    prompt = np.random.default_rng(4).integers(0, 1000, 700).tolist()
+    with Model(tiny(arch), **kw) as plain, Model(tiny(arch), **kw, speculative="prompt_lookup") as spec:
+        want = [r.token for r in plain.engine.generate(prompt, max_tokens=40, temperature=0.0) if r.token is not None]
+
+        class HalfRight:
+            def propose(self, history, k, sampler):
+                i = len(history) - len(prompt)   # the next token is want[i]
+                if i + 1 >= len(want):
+                    return [], None
+                return ([want[i], (want[i + 1] + 1) % 1000] if k >= 2 else [want[i]]), None
+
+        spec.engine.speculator.drafter = HalfRight()
+        got = [r.token for r in spec.engine.generate(prompt, max_tokens=40, temperature=0.0) if r.token is not None]
+        st = spec.stats()
+    assert got == want
+    assert st["spec_accepted"] > 0 and st["spec_accepted"] < st["spec_drafted"]

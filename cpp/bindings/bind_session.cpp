@@ -110,6 +110,9 @@ void register_session(py::module_ & m, py::module_ & testing) {
         .def("checkpoint", &Session::checkpoint, released,
              "keep the linear-attention layers' state at n_tokens in host memory, so truncate() can come back "
              "here (the newest 2 are kept); no-op for models without such layers")
+        .def("stash", &Session::stash, released,
+             "keep the linear-attention layers' state at n_tokens in a second device buffer (one, overwritten by the "
+             "next stash), so truncate() can come back here; no-op for models without such layers")
         .def_property_readonly("has_recurrent_state", [](const Session & s) { return s.recurrent() != nullptr; },
              "whether the model has linear-attention layers: a state that exists only for everything held "
              "(no prefix snapshots, no truncate except to 0)")

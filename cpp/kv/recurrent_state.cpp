@@ -9,7 +9,7 @@
 namespace kvf {
 
 RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems)
-    : conv_elems_(conv_elems), ssm_elems_(ssm_elems) {
+    : conv_elems_(conv_elems), ssm_elems_(ssm_elems), backend_(backend) {
     if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0) {
         throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
     }
@@ -32,11 +32,44 @@ RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t 
 }
 
 RecurrentState::~RecurrentState() {
+    if (stash_buf_) ggml_backend_buffer_free(stash_buf_);
+    if (stash_ctx_) ggml_free(stash_ctx_);
     if (buf_) ggml_backend_buffer_free(buf_);
     if (ctx_) ggml_free(ctx_);
 }
 
-int64_t RecurrentState::device_bytes() const { return (int64_t) ggml_backend_buffer_get_size(buf_); }
+int64_t RecurrentState::device_bytes() const {
+    return (int64_t) ggml_backend_buffer_get_size(buf_) + (stash_buf_ ? (int64_t) ggml_backend_buffer_get_size(stash_buf_) : 0);
+}
+
+std::vector<ggml_tensor *> RecurrentState::tensors() const {
+    std::vector<ggml_tensor *> out;
+    for (int64_t l = 0; l < n_layer(); ++l) {
+        out.push_back(conv_[(size_t) l]);
+        out.push_back(ssm_[(size_t) l]);
+    }
+    return out;
+}
+
+void RecurrentState::stash() {
+    const std::vector<ggml_tensor *> live = tensors();
+    if (!stash_buf_) {
+        ggml_init_params params = {ggml_tensor_overhead() * (live.size() + 1), nullptr, true};
+        stash_ctx_ = ggml_init(params);
+        if (!stash_ctx_) throw std::runtime_error("could not create the recurrent state's stash context");
+        for (ggml_tensor * t : live) stash_.push_back(ggml_dup_tensor(stash_ctx_, t));
+        stash_buf_ = ggml_backend_alloc_ctx_tensors(stash_ctx_, backend_);
+        if (!stash_buf_) {
+            ggml_free(stash_ctx_);
+            stash_ctx_ = nullptr;
+            stash_.clear();
+            throw std::runtime_error("could not allocate a second copy of the recurrent state on " +
+                                     std::string(ggml_backend_name(backend_)));
+        }
+    }
+    for (size_t i = 0; i < live.size(); ++i) ggml_backend_tensor_copy(live[i], stash_[i]);
+    stash_n_ = n_tokens_;
+}
 
 size_t RecurrentState::total_bytes() const { return (size_t) (n_layer() * (conv_elems_ + ssm_elems_)) * sizeof(float); }
 
@@ -49,7 +82,7 @@ void RecurrentState::place(int64_t start, int64_t n) {
 }
 
 bool RecurrentState::can_truncate(int64_t n) const {
-    if (n == n_tokens_ || n == 0) return true;
+    if (n == n_tokens_ || n == 0 || n == stash_n_) return true;
     for (const Copy & c : checkpoints_) if (c.n_tokens == n) return true;
     return false;
 }
@@ -65,14 +98,22 @@ void RecurrentState::truncate(int64_t n) {
         clear();
         return;
     }
-    while (checkpoints_.back().n_tokens > n) checkpoints_.pop_back();   // the one at n stays: sorted, and it exists
-    load(checkpoints_.back());
+    while (!checkpoints_.empty() && checkpoints_.back().n_tokens > n) checkpoints_.pop_back();
+    if (n == stash_n_) {
+        const std::vector<ggml_tensor *> live = tensors();
+        for (size_t i = 0; i < live.size(); ++i) ggml_backend_tensor_copy(stash_[i], live[i]);
+        n_tokens_ = n;
+        return;
+    }
+    load(checkpoints_.back());   // the one at n: sorted, and it exists
+    if (stash_n_ > n) stash_n_ = -1;
 }
 
 void RecurrentState::clear() {
     ggml_backend_buffer_clear(buf_, 0);
     n_tokens_ = 0;
     checkpoints_.clear();
+    stash_n_ = -1;
 }
 
 void RecurrentState::checkpoint() {
@@ -83,7 +124,7 @@ void RecurrentState::checkpoint() {
 
 int64_t RecurrentState::rewind_point(int64_t n) const {
     if (n >= n_tokens_) return n_tokens_;
-    int64_t best = 0;
+    int64_t best = stash_n_ <= n ? std::max<int64_t>(stash_n_, 0) : 0;
     for (const Copy & c : checkpoints_) if (c.n_tokens <= n) best = std::max(best, c.n_tokens);
     return best;
 }
@@ -111,10 +152,12 @@ RecurrentState::Copy RecurrentState::copy() const {
 void RecurrentState::restore(const Copy & c) {
     load(c);
     checkpoints_.clear();
+    stash_n_ = -1;
 }
 
 void RecurrentState::rewind_to(const Copy & c) {
     while (!checkpoints_.empty() && checkpoints_.back().n_tokens > c.n_tokens) checkpoints_.pop_back();
+    if (stash_n_ > c.n_tokens) stash_n_ = -1;
     load(c);
 }
 

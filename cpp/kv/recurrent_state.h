@@ -50,6 +50,10 @@ public:
     // Keep a copy of the state at n_tokens() (host memory; the oldest goes beyond k_max_checkpoints).
     static constexpr size_t k_max_checkpoints = 2;
     void checkpoint();
+    // A copy of the state at n_tokens() on the device itself (a second buffer of the state's size, made on first
+    // use): speculative decoding stashes before a verify step and goes back here when drafts are rejected. It
+    // counts as a point truncate reaches, until a truncate goes below it.
+    void stash();
     int64_t rewind_point(int64_t n) const;   // the latest position <= n that truncate reaches
     int64_t checkpoint_bytes() const;        // host memory the checkpoints hold
 
@@ -78,7 +82,14 @@ private:
     int64_t conv_elems_, ssm_elems_;
     int64_t n_tokens_ = 0;
     std::vector<Copy> checkpoints_;
+    // the stash: its own context and buffer, a twin of every state tensor; stash_n_ < 0: nothing stashed
+    ggml_context * stash_ctx_ = nullptr;
+    ggml_backend_buffer_t stash_buf_ = nullptr;
+    std::vector<ggml_tensor *> stash_;
+    int64_t stash_n_ = -1;
+    ggml_backend_t backend_;
     void load(const Copy & c);
+    std::vector<ggml_tensor *> tensors() const;   // conv 0, ssm 0, conv 1, ssm 1, ...
 };
 
 }  // namespace kvf

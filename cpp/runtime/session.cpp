@@ -327,6 +327,11 @@ void Session::checkpoint() {
     if (recurrent_) recurrent_->checkpoint();
 }
 
+void Session::stash() {
+    const SessionLock held = lock();
+    if (recurrent_) recurrent_->stash();
+}
+
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
     if (n >= 0 && n <= pager_->n_tokens()) {   // each throws, changing nothing, if it cannot

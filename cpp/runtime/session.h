@@ -127,6 +127,9 @@ public:
     // Keep the linear-attention state at n_tokens() in host memory (RecurrentState::checkpoint), so a later
     // truncate can go back here; a no-op for models without such layers.
     void checkpoint();
+    // The same on the device (RecurrentState::stash: one copy, overwritten by the next): speculative decoding
+    // stashes before a verify step, to go back when drafts are rejected. A no-op without such layers.
+    void stash();
     // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n,
     // or the model has linear-attention layers, whose state goes back only to 0 (or stays at the end).
     bool can_truncate(int64_t n) const;

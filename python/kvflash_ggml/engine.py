@@ -111,9 +111,6 @@ def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> Resid
 
 def make_speculator(config: SpeculativeConfig, model: _core.Model, pool: PoolConfig) -> Speculator:
     """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built)."""
-    if any(model.hparams.recurrent_layers):
-        raise ValueError("speculative decoding on a model with linear-attention layers (qwen35) is not built yet: "
-                         "its recurrent state cannot roll back rejected drafts")
     if config.draft == "mtp":
         raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
                          f"{model.hparams.arch} models are run without them here (they are skipped on load)")
@@ -619,9 +616,14 @@ class Generation:
         if not drafts:
             return [self.sampler(e._decode_one(self.token))] if self.wants_logits else [e._decode_one_greedy(self.token)]
         n0 = s.n_tokens
+        if s.has_recurrent_state:
+            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
         rows = s.forward(np.asarray([self.token, *drafts], dtype=np.int32), n0, all_logits=True)
         kept, own = accept(drafts, rows, q, self.sampler)
-        if len(kept) < len(drafts):
+        if len(kept) < len(drafts) and s.has_recurrent_state:
+            s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
+            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0)
+        elif len(kept) < len(drafts):
             s.truncate(n0 + 1 + len(kept))
         e.speculator.record(len(drafts), len(kept))
         e._after_decode(1 + len(kept))
