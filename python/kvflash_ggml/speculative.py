@@ -4,7 +4,9 @@ A drafter proposes k tokens after the held history; the model runs the pending t
 step through its pooled session (slot-mapped writes, the slot mask's causal order among the drafts), which
 gives k + 1 rows of logits at the price of about one weight read. The model keeps the drafts its own choice
 agrees with and one token of its own after them; the rejected positions are truncated from the session (the
-pager forgets them, their slots go back to the pool).
+pager forgets them, their slots go back to the pool). A linear-attention state (qwen35) cannot forget: the engine
+stashes it on the device before the step and, when a draft is rejected, goes back there and runs the kept tokens
+again (Generation._verify_drafts).
 
 - Greedy: draft i is kept while it equals the argmax of row i; the next token is the argmax after the last
   kept one. The tokens are exactly plain greedy decoding's (up to the float summation order of a batched step).
