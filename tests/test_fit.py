@@ -17,14 +17,14 @@ from kvflash_ggml.tokens import forward_in_steps
 
 C = _core.CHUNK_TOKENS
 MIB = 1 << 20
-COSTS = SlotCosts(kv_per_token=128 * 1024, compute_per_token=100, compute_fixed=13 * MIB, ring=0,
+COSTS = SlotCosts(kv_per_token=128 * 1024, compute_per_token=100, compute_fixed=13 * MIB, state=0,
                   layer_per_token=4096, compute_max=20 * MIB, exact_step=1024,
                   n_batch=512)
 
 
 def need(costs: SlotCosts, pool: int, n_slots: int, n_ctx: int) -> float:
     """Bytes n_slots sessions of `pool` tokens, one exact prefill and the headroom take (total memory small)."""
-    return n_slots * (pool * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.ring) + \
+    return n_slots * (pool * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.state) + \
         n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + costs.compute_max * 2 + MIN_HEADROOM
 
 
@@ -57,7 +57,7 @@ def test_measured_costs_cover_a_real_session(smollm2):
         assert costs.kv_per_token == s.kv.chunk_bytes / C
         forward_in_steps(s, np.zeros(pool_tokens + 2 * C, dtype=np.int32), 0)
         mem = s.memory()
-        predicted = pool_tokens * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.ring
+        predicted = pool_tokens * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.state
         assert mem["pool_bytes"] + mem["compute_bytes"] <= predicted, (pool_tokens, mem, dataclasses.asdict(costs))
 
 

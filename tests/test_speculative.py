@@ -18,7 +18,7 @@ from kvflash_ggml.options import SamplingParams, SpeculativeConfig
 from kvflash_ggml.sampling import Sampler
 from kvflash_ggml.speculative import PromptLookup, accept
 from kvflash_ggml.testing import random_gguf as rg
-from kvflash_ggml.testing.prose import prose
+from kvflash_ggml.bench.spec import copy_prompt
 
 C = _core.CHUNK_TOKENS
 
@@ -76,18 +76,13 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_match():
 
 # ---- greedy equality ------------------------------------------------------------------------------------
 
-def copy_prompt(llm: Model, n_sentences: int) -> list[int]:
-    doc = prose(n_sentences, seed=3)
-    return llm.tokenize(f"{doc}\n\nThe same text once more:\n\n{doc.split('. ')[0]}.".encode())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", [None, 512])
 @pytest.mark.parametrize("draft", ["prompt_lookup", "smollm2"])
 def test_greedy_speculation_equals_plain_on_smollm2(smollm2_path, pool, draft):
     kw = dict(n_ctx=4096, pool_tokens=pool, backend="cpu", n_threads=1, attention="flash")
     with Model(smollm2_path, **kw) as plain, Model(smollm2_path, **kw, speculative=draft) as spec:
-        prompt = copy_prompt(plain, 45)   # ~1000 tokens: twice the pool
+        prompt = copy_prompt(plain.tokenizer, 1000)   # twice the pool: a document, then the request to copy it
         want = [r.token for r in plain.engine.generate(prompt, max_tokens=160, temperature=0.0) if r.token is not None]
         gen = spec.engine.generate(prompt, max_tokens=160, temperature=0.0)
         got = [next(gen).token]   # the prompt and the first token: what follows is speculative decoding

@@ -140,11 +140,9 @@ RecurrentState::Copy RecurrentState::copy() const {
     c.n_tokens = n_tokens_;
     c.bytes.resize(total_bytes());
     uint8_t * p = c.bytes.data();
-    for (int64_t l = 0; l < n_layer(); ++l) {
-        for (const ggml_tensor * t : {conv_[(size_t) l], ssm_[(size_t) l]}) {
-            ggml_backend_tensor_get(t, p, 0, ggml_nbytes(t));
-            p += ggml_nbytes(t);
-        }
+    for (const ggml_tensor * t : tensors()) {
+        ggml_backend_tensor_get(t, p, 0, ggml_nbytes(t));
+        p += ggml_nbytes(t);
     }
     return c;
 }
@@ -164,11 +162,9 @@ void RecurrentState::rewind_to(const Copy & c) {
 void RecurrentState::load(const Copy & c) {
     if (c.bytes.size() != total_bytes()) throw std::logic_error("recurrent state: a copy of another size");
     const uint8_t * p = c.bytes.data();
-    for (int64_t l = 0; l < n_layer(); ++l) {
-        for (ggml_tensor * t : {conv_[(size_t) l], ssm_[(size_t) l]}) {
-            ggml_backend_tensor_set(t, p, 0, ggml_nbytes(t));
-            p += ggml_nbytes(t);
-        }
+    for (ggml_tensor * t : tensors()) {
+        ggml_backend_tensor_set(t, p, 0, ggml_nbytes(t));
+        p += ggml_nbytes(t);
     }
     n_tokens_ = c.n_tokens;
 }

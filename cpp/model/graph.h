@@ -104,7 +104,7 @@ void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_exp
 // The token embeddings of the step: [n_embd, n_tokens].
 ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
 // The pre-norm decoder layer shared by the llama-like families: x += attention(rms_norm(x));
-// x += ffn_swiglu(rms_norm(x)); on the last layer only the output rows go through the FFN.
+// x += layer_ffn(rms_norm(x)); on the last layer only the output rows go through the FFN.
 // `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);

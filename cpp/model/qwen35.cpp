@@ -3,7 +3,8 @@
 // kv/recurrent_state.h), and every full_attention_interval-th layer is full attention, the only layers with
 // K/V that grows with the context, so the only ones pooled and paged.
 //
-// Every layer: x += mixer(rms_norm(x)); x += ffn(rms_norm(x)) with post_attention_norm as the FFN's norm.
+// Every layer is the shared pre-norm decoder layer (graph.h decoder_layer): x += mixer(rms_norm(x));
+// x += ffn(rms_norm(x)); the GGUF names the FFN's norm post_attention_norm.
 // Full attention: attn_q yields each head's query and an output gate side by side; per-head RMS norms on q
 // and k; partial NeoX RoPE (libllama's IMROPE sections, which for text tokens rotate exactly as NeoX: every
 // section gets the same position); attention * sigmoid(gate), then wo.
@@ -84,7 +85,7 @@ void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, i
     const std::string p = "blk." + std::to_string(il) + ".";
     const int64_t E = hp.n_embd;
     w.attn_norm = src.require(p + "attn_norm.weight", {E});
-    w.attn_post_norm = src.require(p + "post_attention_norm.weight", {E});
+    w.ffn_norm = src.require(p + "post_attention_norm.weight", {E});   // the norm before the FFN, whatever its name
     if (hp.is_recurrent(il)) {
         const int64_t key_dim = hp.ssm_d_state * hp.ssm_n_group, value_dim = hp.ssm_d_inner, H = hp.ssm_dt_rank;
         w.ssm_qkv = src.require(p + "attn_qkv.weight", {E, 2 * key_dim + value_dim});
@@ -181,18 +182,12 @@ ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tenso
     return ggml_mul_mat(ctx, w.ssm_out, ggml_reshape_2d(ctx, gated, Dv * Hv, n));
 }
 
-ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
-    const ModelHparams & hp = m.hparams();
-    const LayerWeights & w = m.layers[il];
-    ggml_tensor * h = rms_norm(g, x, w.attn_norm, hp.rms_eps);
-    ggml_tensor * mix = hp.is_recurrent(il) ? linear_attention(g, m, il, h) : full_attention(g, m, il, h);
-    if (il == hp.n_layer - 1) {   // only the output rows go through the last FFN (the state saw every token)
-        mix = select_outputs(g, mix);
-        x = select_outputs(g, x);
-    }
-    x = ggml_add(g.ctx, x, mix);
-    return ggml_add(g.ctx, x, layer_ffn(g, hp, w, rms_norm(g, x, w.attn_post_norm, hp.rms_eps)));
+// The layer's mixer: linear attention (a gated delta-net) or full attention, by the layer's flag.
+ggml_tensor * mixer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
+    return m.hparams().is_recurrent(il) ? linear_attention(g, m, il, x) : full_attention(g, m, il, x);
 }
+
+ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { return decoder_layer(g, m, il, x, mixer); }
 
 }  // namespace
 

@@ -71,6 +71,12 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
 POLICY_NAMES = ("lru", "qk", "quest", "drafter")
 
 
+def session_device_bytes(session: _core.Session) -> int:
+    """A session's device bytes besides the weights: pool, rings, recurrent state, compute buffer."""
+    m = session.memory()
+    return m["pool_bytes"] + m["ring_bytes"] + m["recurrent_bytes"] + m["compute_bytes"]
+
+
 def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Companion] = None) -> Policy:
     """companion: the drafter's full-cache session, for spec="drafter" (unused by the others)."""
     if spec == "drafter":
@@ -459,19 +465,17 @@ class Engine:
         """Every device byte the configuration holds besides the pool (on the CPU backend, host RAM): weights,
         the sliding-window layers' rings and the linear-attention layers' state (fixed, never paged), the step
         graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
-        one layer's staging K/V + its compute buffer), and the drafter's full-cache session (not bounded by
-        the pool). device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
+        one layer's staging K/V + its compute buffer), and a second model's session and weights: the drafter
+        policy's full-cache session (not bounded by the pool), or a speculative draft model's pooled one. device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
         buffer)."""
         mem = self.session.memory()
-        drafter = 0
-        if self.companion is not None:
-            dm = self.companion.session.memory()
-            drafter = dm["pool_bytes"] + dm["ring_bytes"] + dm["recurrent_bytes"] + dm["compute_bytes"] + \
-                (self.companion.model.weight_bytes if self.companion.model is not self.model else 0)
+        # a second model beside this one: the drafter policy's companion, a draft model (its session, its weights)
+        seconds = [self.companion] if self.companion is not None else []
+        if self.speculator is not None and isinstance(self.speculator.drafter, DraftModel):
+            seconds.append(self.speculator.drafter)
+        drafter = sum(session_device_bytes(x.session) + (x.model.weight_bytes if x.model is not self.model else 0)
+                      for x in seconds)
         weights = self.model.weight_bytes
-        draft = getattr(self.speculator, "drafter", None)
-        if draft is not None and hasattr(draft, "device_bytes"):   # a draft model: its session, its weights
-            drafter += draft.device_bytes + (draft.model.weight_bytes if draft.model is not self.model else 0)
         return {
             "device_weight_bytes": weights,
             "device_compute_bytes": mem["compute_bytes"],

@@ -38,7 +38,7 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
     mem = session.memory()
-    return {"compute": mem["compute_bytes"], "ring": mem["ring_bytes"] + mem["recurrent_bytes"],
+    return {"compute": mem["compute_bytes"], "state": mem["ring_bytes"] + mem["recurrent_bytes"],
             "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
             "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn}
 
@@ -46,12 +46,12 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
 @dataclasses.dataclass(frozen=True)
 class SlotCosts:
     """What one session costs on the device, measured by _probe: bytes per pool token (K/V, and the compute
-    buffer's growth with the pool), fixed bytes (compute buffer, sliding-window rings, linear-attention state: `ring`), and one layer's K/V
+    buffer's growth with the pool), fixed bytes (compute buffer, sliding-window rings, linear-attention state: `state`), and one layer's K/V
     per prompt token (the exact prefill's staging pool)."""
     kv_per_token: float
     compute_per_token: float
     compute_fixed: float
-    ring: float
+    state: float   # sliding-window rings and linear-attention state: fixed per session
     layer_per_token: float
     compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
     exact_step: int           # tokens per step of the exact prefill (its masks: 4 bytes per key per step token)
@@ -64,7 +64,7 @@ def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
     small, large = _probe(model, pool, lo), _probe(model, pool, 2 * lo)
     per_token = max(0.0, (large["compute"] - small["compute"]) / lo)
     return SlotCosts(kv_per_token=small["kv_per_token"], compute_per_token=per_token,
-                     compute_fixed=max(0.0, small["compute"] - per_token * lo), ring=small["ring"],
+                     compute_fixed=max(0.0, small["compute"] - per_token * lo), state=small["state"],
                      layer_per_token=small["layer_per_token"], compute_max=large["compute"],
                      exact_step=pool.exact_prefill_batch(small["flash"], int(small["layer_per_token"])),
                      n_batch=pool.n_batch)
@@ -81,14 +81,14 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     # prefill held 1.27 GiB: the headroom covers the rest.
     prefill = n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + \
         costs.compute_max * costs.exact_step / max(1, costs.n_batch)
-    fixed = n_slots * (costs.compute_fixed + costs.ring) + prefill + headroom
+    fixed = n_slots * (costs.compute_fixed + costs.state) + prefill + headroom
     per_token = n_slots * (costs.kv_per_token + costs.compute_per_token)
     fitted = int((free - fixed) / per_token) // C * C
     ceiling = -(-n_ctx // C) * C
     chosen = min(fitted, ceiling)
     figures = (f"{free / 2**30:.2f} GiB free after the weights; per session {costs.kv_per_token / 1024:.1f} KiB of "
                f"K/V + {costs.compute_per_token / 1024:.1f} KiB of compute per pool token, "
-               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.ring / 2**20:.0f} MiB rings and recurrent state fixed; "
+               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.state / 2**20:.0f} MiB rings and recurrent state fixed; "
                f"{prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
     if chosen < min_pool:
         raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit the GPU's free memory ({figures}); "

@@ -117,11 +117,6 @@ class DraftModel:
                 q.append(dist)
         return drafts, (None if sampler.greedy else q)
 
-    @property
-    def device_bytes(self) -> int:
-        m = self.session.memory()
-        return m["pool_bytes"] + m["ring_bytes"] + m["recurrent_bytes"] + m["compute_bytes"]
-
 
 def accept(drafts: Sequence[int], rows: np.ndarray, q: Optional[Sequence[np.ndarray]],
            sampler: Sampler) -> tuple[list[int], int]:
