@@ -274,23 +274,29 @@ def test_adopt_on_cuda_moves_exact_bytes_between_v_layouts(model_path, src_atten
             slot_rows(src.kv.read_block(c), hp, src_attention == "matmul"), f"chunk {c}"
 
 
-@pytest.mark.parametrize("attention,kv_type", [("flash", "f16"), ("flash", "q8_0"), ("matmul", "f16")])
-def test_exact_prefill_on_cuda_writes_the_full_cache_bytes(model_path, attention, kv_type):
+@pytest.mark.parametrize("attention,kv_type,start", [("flash", "f16", 0), ("flash", "q8_0", 0), ("matmul", "f16", 0),
+                                                      ("flash", "f16", 450)])
+def test_exact_prefill_on_cuda_writes_the_full_cache_bytes(model_path, attention, kv_type, start):
     """Layer-major prefill on the GPU: the one-layer staging pool, the hidden states through pinned host
-    memory and the per-layer copies to blocks and host images give every chunk the full cache's K/V. The same
-    CUDA kernels run on the same shapes, except that the full cache's graph spans all layers (ggml-cuda may
-    fuse across a layer boundary), so logits are compared at TOL_SAME and K/V bytes reported."""
+    memory (filled and drained by a second stream while the compute stream works), the per-layer copies to
+    blocks and host images give every chunk the full cache's K/V, also for a prompt that extends held tokens
+    (start > 0, inside a chunk). The same CUDA kernels run on the same shapes, except that the full cache's
+    graph spans all layers (ggml-cuda may fuse across a layer boundary), so logits are compared at TOL_SAME
+    and K/V bytes reported."""
     gpu = _core.Model(model_path("llama-q4_0"), backend="cuda")
     prompt = prompt_for(gpu.hparams.n_vocab, n=1500)
     cfg = dict(max_tokens=2048, attention=attention, kv_type=kv_type, n_batch=256)
     full = _core.Session(gpu, _core.SessionConfig(**cfg))
-    logits_full = full.forward(prompt, 0)
     sess = _core.Session(gpu, _core.SessionConfig(pool_tokens=512, **cfg))
-    logits, _ = sess.prefill_exact(prompt, 0)
+    if start:   # held tokens that fit the pool; both then take the rest in the same steps (the same kernels)
+        full.forward(prompt[:start], 0)
+        sess.forward(prompt[:start], 0)
+    logits_full = full.forward(prompt[start:], start)
+    logits, _ = sess.prefill_exact(prompt[start:], start)
     diff = float(np.abs(logits - logits_full).max())
     same = sum((sess.kv.read_block(b) if b >= 0 else sess.kv.host_image(c)) == full.kv.read_block(c)
                for c, b in enumerate(sess.pager.chunk_blocks()[:1500 // 64]))
-    report(f"CUDA-EXACT {attention} {kv_type}: max |logit diff| {diff:.2e}, chunks byte-equal {same}/{1500 // 64}, "
+    report(f"CUDA-EXACT {attention} {kv_type} start {start}: max |logit diff| {diff:.2e}, chunks byte-equal {same}/{1500 // 64}, "
            f"workspace {sess.memory()['prefill_peak_bytes']} B")
     assert diff <= TOL_SAME and sess.pager.host_bytes() > 0
     assert same == 1500 // 64

@@ -118,17 +118,38 @@ uint8_t * PooledKV::image_for(int64_t chunk) {
         // Grow geometrically (4, 8, 16, ... slots) up to k_max_slab_bytes, so tiny models pin little.
         const size_t slot = (size_t) chunk_bytes();
         const size_t n_slots = std::max<size_t>(1, std::min(k_max_slab_bytes / slot, (size_t) 4 << slabs_.size()));
-        auto slab = std::make_unique<HostMemory>(n_slots * slot, can_pin_);
-        if (can_pin_ && !slab->pinned()) can_pin_ = false;   // out of lockable memory: carry on pageable
-        pinned_ = pinned_ || slab->pinned();
-        uint8_t * base = slab->data();
-        slabs_.push_back(std::move(slab));
-        for (size_t i = n_slots; i-- > 0;) free_slots_.push_back(base + i * slot);
+        add_slab(std::make_unique<HostMemory>(n_slots * slot, can_pin_));
     }
     uint8_t * p = free_slots_.back();
     free_slots_.pop_back();
     host_.emplace(chunk, p);
     return p;
+}
+
+void PooledKV::add_slab(std::unique_ptr<HostMemory> slab) {
+    if (can_pin_ && !slab->pinned()) can_pin_ = false;   // out of lockable memory: carry on pageable
+    pinned_ = pinned_ || slab->pinned();
+    const size_t slot = (size_t) chunk_bytes(), n_slots = slab->size() / slot;
+    uint8_t * base = slab->data();
+    slabs_.push_back(std::move(slab));
+    for (size_t i = n_slots; i-- > 0;) free_slots_.push_back(base + i * slot);
+}
+
+int64_t PooledKV::host_slots_short(int64_t n_images) const {
+    return std::max<int64_t>(0, n_images - (int64_t) host_.size() - (int64_t) free_slots_.size());
+}
+
+std::vector<std::unique_ptr<HostMemory>> PooledKV::make_slabs(int64_t n_slots) const {
+    const size_t slot = (size_t) chunk_bytes(), per_slab = std::max<size_t>(1, k_max_slab_bytes / slot);
+    std::vector<std::unique_ptr<HostMemory>> slabs;
+    for (int64_t left = n_slots; left > 0; left -= (int64_t) per_slab) {
+        slabs.push_back(std::make_unique<HostMemory>(std::min((size_t) left, per_slab) * slot, can_pin_));
+    }
+    return slabs;
+}
+
+void PooledKV::add_slabs(std::vector<std::unique_ptr<HostMemory>> slabs) {
+    for (auto & slab : slabs) add_slab(std::move(slab));
 }
 
 void PooledKV::release_image(int64_t chunk) {

@@ -97,6 +97,13 @@ public:
     std::vector<uint8_t> chunk_rows(int64_t chunk, int64_t block) const;
     void write_block_rows(int64_t block, const std::vector<uint8_t> & rows);
     bool pinned_host() const { return !slabs_.empty() ? pinned_ : can_pin_; }   // images in page-locked memory
+    // Growing the host store ahead of need: pinning runs at ~10 GiB/s, so a long prompt's images are better
+    // made on another thread while the prompt computes. host_slots_short(n): how many more image slots n
+    // images on the host in all would take; make_slabs touches no state of this pool (any thread);
+    // add_slabs hands their slots to the host store.
+    int64_t host_slots_short(int64_t n_images) const;
+    std::vector<std::unique_ptr<HostMemory>> make_slabs(int64_t n_slots) const;
+    void add_slabs(std::vector<std::unique_ptr<HostMemory>> slabs);
     void synchronize() const;   // wait for every queued page-out/page-in
 
     // ---- state (pooled_kv_state.cpp): the layout, then one image per chunk in logical order ----
@@ -118,6 +125,7 @@ private:
     // only_layer >= 0: that layer's regions alone, image offsets counted from the layer's start.
     template <typename Fn> void for_each_region(int64_t block, Fn && fn, int64_t only_layer = -1) const;
     uint8_t * image_for(int64_t chunk);   // the chunk's image slot, taken from the free slots if new
+    void add_slab(std::unique_ptr<HostMemory> slab);
     void release_image(int64_t chunk);
     void get_block(int64_t block, uint8_t * out) const;      // chunk_bytes() bytes, as read_block
     void set_block(int64_t block, const uint8_t * in);        // chunk_bytes() bytes, as write_block

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <stdexcept>
 
 namespace kvf {
@@ -25,15 +26,142 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The graph reads `t` straight from host memory (a GPU's scheduler copies it in by DMA): no staging copy.
-void place_in(const HostMemory & mem, ggml_tensor * t, void * at) {
-    if (ggml_backend_tensor_alloc(mem.buffer(), t, at) != GGML_STATUS_SUCCESS) {
-        throw std::runtime_error("could not place a tensor in host memory");
-    }
-}
-
 using SchedPtr = std::unique_ptr<ggml_backend_sched, decltype(&ggml_backend_sched_free)>;
 using CtxPtr = std::unique_ptr<ggml_context, decltype(&ggml_free)>;
+
+// The hidden states between layers: every prompt position's row in host memory, as the prompt goes
+// through one layer after another in steps (layer, positions). On a GPU with events, two device tiles
+// carry the steps' rows, and a second stream (a second backend on the same device) fills a tile with a
+// step's input and drains its output while the compute stream works on the other tile: those copies
+// (16 KiB per token per layer each way on an 8B model) overlap the compute instead of adding to it.
+// Elsewhere a step's graph reads its rows from host memory in place and its output is read back.
+class HiddenStates {
+public:
+    struct Step {
+        int layer;
+        int64_t p0, n;   // positions [p0, p0 + n)
+    };
+
+    HiddenStates(ggml_backend_t backend, int64_t n_embd, int64_t start, int64_t n_prompt, std::vector<Step> steps,
+                 bool pin)
+        : host_((size_t) (n_prompt * n_embd) * sizeof(float), pin), n_embd_(n_embd), start_(start),
+          steps_(std::move(steps)) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        ggml_backend_dev_props props;
+        ggml_backend_dev_get_props(dev, &props);
+        if (!host_.pinned() || !props.caps.async || !props.caps.events) return;   // the host path
+        int64_t max_n = 0;
+        for (const Step & s : steps_) max_n = std::max(max_n, s.n);
+        ggml_init_params ip = {2 * ggml_tensor_overhead(), nullptr, true};
+        ctx_ = ggml_init(ip);
+        for (ggml_tensor *& t : tile_) t = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, n_embd, max_n);
+        buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+        copy_ = ggml_backend_dev_init(dev, nullptr);
+        for (ggml_backend_event_t & e : done_) e = ggml_backend_event_new(dev);
+        if (!buf_ || !copy_ || !done_[0] || !done_[1]) {
+            release();
+            throw std::runtime_error("could not allocate the layer-major prefill's hidden-state tiles on the device");
+        }
+        produced_.assign(steps_.empty() ? 0 : (size_t) steps_.back().layer + 1, start);
+        prefetch(1);
+    }
+    ~HiddenStates() { release(); }
+    HiddenStates(const HiddenStates &) = delete;
+    HiddenStates & operator=(const HiddenStates &) = delete;
+
+    const HostMemory & host() const { return host_; }
+    int64_t device_bytes() const { return buf_ ? (int64_t) ggml_backend_buffer_get_size(buf_) : 0; }
+
+    // Step k's input for its graph (none for layer 0): a view of its device tile, or its host rows in place.
+    ggml_tensor * input(ggml_context * ctx, size_t k) {
+        const Step & s = steps_.at(k);
+        if (s.layer == 0) return nullptr;
+        if (!copy_) {
+            ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd_, s.n);
+            if (ggml_backend_tensor_alloc(host_.buffer(), t, rows(s)) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("could not place a tensor in host memory");
+            }
+            return t;
+        }
+        prefetch(k);   // already queued, unless the step's rows were made just now
+        if (queued_ <= k) throw std::logic_error("layer-major prefill: a step's input rows were not computed");
+        return tile_view(ctx, k);
+    }
+
+    // What step k's graph computes to hand its output y on: a copy into the step's tile (written in place
+    // of its input, which nothing reads after y), or y itself.
+    ggml_tensor * output(ggml_context * ctx, size_t k, ggml_tensor * y) {
+        if (!copy_) {
+            ggml_set_output(y);
+            return y;
+        }
+        return ggml_cpy(ctx, y, tile_view(ctx, k));
+    }
+
+    // After step k's graph ran (synchronously): its output y (none on the last layer) goes to host memory,
+    // and the copies of the steps ahead are queued.
+    void computed(size_t k, ggml_tensor * y) {
+        const Step & s = steps_.at(k);
+        if (!copy_) {
+            if (y) ggml_backend_tensor_get(y, rows(s), 0, ggml_nbytes(y));
+            return;
+        }
+        if (y) {
+            ggml_backend_tensor_get_async(copy_, tile_[k % 2], rows(s), 0, (size_t) (s.n * n_embd_) * sizeof(float));
+            ggml_backend_event_record(done_[k % 2], copy_);
+            produced_[(size_t) s.layer] = s.p0 + s.n;
+        }
+        prefetch(k + 2);   // the tile step k used is free now
+    }
+
+private:
+    float * rows(const Step & s) const {
+        return reinterpret_cast<float *>(host_.data()) + (s.p0 - start_) * n_embd_;
+    }
+
+    // A step's tile may be computed on once every copy queued on it is done.
+    ggml_tensor * tile_view(ggml_context * ctx, size_t k) {
+        ggml_backend_event_synchronize(done_[k % 2]);
+        ggml_tensor * t = tile_[k % 2];
+        return ggml_view_2d(ctx, t, n_embd_, steps_[k].n, t->nb[1], 0);
+    }
+
+    // Queues the inputs of steps up to `last`, in order, as far as the rows they need have been produced.
+    void prefetch(size_t last) {
+        for (; queued_ <= last && queued_ < steps_.size(); ++queued_) {
+            const Step & s = steps_[queued_];
+            if (s.layer == 0) continue;
+            if (produced_[(size_t) s.layer - 1] < s.p0 + s.n) return;   // a step still to run makes them
+            ggml_backend_tensor_set_async(copy_, tile_[queued_ % 2], rows(s), 0, (size_t) (s.n * n_embd_) * sizeof(float));
+            ggml_backend_event_record(done_[queued_ % 2], copy_);
+        }
+    }
+
+    void release() {
+        if (copy_) ggml_backend_synchronize(copy_);   // nothing may still copy into memory about to go
+        for (ggml_backend_event_t & e : done_) {
+            if (e) ggml_backend_event_free(e);
+            e = nullptr;
+        }
+        if (copy_) ggml_backend_free(copy_);
+        if (buf_) ggml_backend_buffer_free(buf_);
+        if (ctx_) ggml_free(ctx_);
+        copy_ = nullptr;
+        buf_ = nullptr;
+        ctx_ = nullptr;
+    }
+
+    HostMemory host_;
+    int64_t n_embd_, start_;
+    std::vector<Step> steps_;
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    ggml_tensor * tile_[2] = {nullptr, nullptr};
+    ggml_backend_t copy_ = nullptr;
+    ggml_backend_event_t done_[2] = {nullptr, nullptr};   // recorded after the last copy queued on each tile
+    std::vector<int64_t> produced_;   // per layer: its output rows are queued to host memory up to here
+    size_t queued_ = 0;               // steps whose inputs are queued (or need none)
+};
 
 }  // namespace
 
@@ -78,9 +206,14 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
     const bool pin = can_pin_for(backend);
-    HostMemory hidden_buf((size_t) (n * n_embd) * sizeof(float), pin);
+    // The steps, layer by layer: a sliding-window layer's are capped by its ring.
+    std::vector<HiddenStates::Step> steps;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int64_t layer_step = hp.is_swa(il) ? std::min(n_batch, ring_->max_step()) : n_batch;
+        for (int64_t p0 = start; p0 < end; p0 += layer_step) steps.push_back({il, p0, std::min(layer_step, end - p0)});
+    }
+    HiddenStates hidden(backend, n_embd, start, n, steps, pin);
     HostMemory bounce_buf((size_t) (pager_->n_blocks() * lcb), pin);
-    float * hidden = reinterpret_cast<float *>(hidden_buf.data());
     uint8_t * bounce = bounce_buf.data();
     CausalBand band(backend, spc.pool_tokens, std::min(n_batch, n), kv_pad_);
     SchedPtr sched(new_sched(), ggml_backend_sched_free);
@@ -95,14 +228,22 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
     // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
     const RecurrentState::Copy recurrent_start = recurrent_ ? recurrent_->copy() : RecurrentState::Copy{};
+    // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held
+    // tokens end inside is both: it goes into staging whole and comes back whole).
+    const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
+    // The host images the prompt's evicted chunks will need are made (pinned) on another thread while layer 0
+    // computes; the pager places the prompt after that (layer 0's K/V are the first to go anywhere).
+    std::future<std::vector<std::unique_ptr<HostMemory>>> slabs = std::async(
+        std::launch::async, [this, n_slots = kv_->host_slots_short(std::max<int64_t>(0, c_end - pager_->n_blocks()))] {
+            return kv_->make_slabs(n_slots);
+        });
     try {
-        place_prompt(tokens, n, start);
         if (recurrent_) recurrent_->place(start, n);   // every recurrent layer consumes the prompt in turn
-        const std::vector<int64_t> blocks = pager_->chunk_blocks();   // where each chunk ends: block, or -1 (host)
-        // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held
-        // tokens end inside is both: it goes into staging whole and comes back whole).
-        const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
+        // Where each chunk is read from (block, or -1: host): the held ones before the prompt is placed,
+        // every chunk's final place after.
+        std::vector<int64_t> blocks = pager_->chunk_blocks();
         std::vector<int32_t> pos;
+        size_t k = 0;   // the step
         for (int il = 0; il < hp.n_layer; ++il) {
             const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), pooled = hp.is_pooled(il);
             const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring, or its state)
@@ -127,9 +268,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             }
             timings_.t_prefill_io_ms += ms_since(t_io);
 
-            const int64_t layer_step = swa ? std::min(n_batch, ring_->max_step()) : n_batch;
-            for (int64_t p0 = start; p0 < end;) {
-                const int64_t mt = std::min(layer_step, end - p0);
+            for (; k < steps.size() && steps[k].layer == il; ++k) {
+                const int64_t p0 = steps[k].p0, mt = steps[k].n;
                 const bool final_step = p0 + mt == end;
                 Plan plan;
                 KvKeyOrder order;
@@ -160,11 +300,10 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
                 g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
                 g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
-                ggml_tensor * h_in = il == 0 ? nullptr : ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n_embd, mt);
+                ggml_tensor * h_in = hidden.input(g.ctx, k);
                 for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
                     if (t) ggml_set_input(t);
                 }
-                if (h_in) place_in(hidden_buf, h_in, hidden + (p0 - start) * n_embd);   // the layer's input tile, in place
                 KvStepInputs * step_kv = nullptr;   // none for a recurrent layer
                 if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
                     g.ring = &ring_->kv();
@@ -180,8 +319,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 if (last_layer) {
                     y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
                 } else {
-                    ggml_set_output(y);
-                    ggml_build_forward_expand(g.gf, y);
+                    ggml_build_forward_expand(g.gf, hidden.output(g.ctx, k, y));
                 }
                 ggml_backend_sched_reset(sched.get());
                 if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
@@ -207,7 +345,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 timings_.n_computes++;
 
                 t_io = std::chrono::steady_clock::now();   // includes waiting for the compute to finish
-                if (!last_layer) ggml_backend_tensor_get(y, hidden + (p0 - start) * n_embd, 0, ggml_nbytes(y));
+                hidden.computed(k, last_layer ? nullptr : y);
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
                 if (final_step && pooled) {
                     // The last tokens' attention, staging slot j = position j: max over queries and layers.
@@ -231,9 +369,13 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     }
                 }
                 timings_.t_prefill_io_ms += ms_since(t_io);
-                p0 += mt;
             }
 
+            if (il == 0) {
+                kv_->add_slabs(slabs.get());
+                place_prompt(tokens, n, start);
+                blocks = pager_->chunk_blocks();
+            }
             if (pooled) {
                 // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
                 // evicted chunks straight into their host images.
@@ -263,8 +405,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     }
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
-    prefill_peak_bytes_ = std::max(prefill_peak_bytes_, stage.device_bytes() + band.device_bytes() + peak_compute);
-    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden_buf.size() + bounce_buf.size()));
+    prefill_peak_bytes_ = std::max(prefill_peak_bytes_,
+                                   stage.device_bytes() + band.device_bytes() + hidden.device_bytes() + peak_compute);
+    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden.host().size() + bounce_buf.size()));
     return out;
 }
 
