@@ -37,6 +37,7 @@ def traced(fn):
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     kernels, copies = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in json.load(open(path))["traceEvents"]:
         if e.get("ph") != "X":
             continue
@@ -44,18 +45,42 @@ def traced(fn):
             k = kernels[e["name"][:90]]
             k[0] += 1
             k[1] += e["dur"]
+            spans.append((e["ts"], e["ts"] + e["dur"]))
         elif e.get("cat") in ("gpu_memcpy", "gpu_memset"):
             c = copies[e["name"]]
             c[0] += int(e.get("args", {}).get("bytes", 0))
             c[1] += e["dur"]
     del torch
+    kernels[IDLE] = idle_gaps(spans)
     return wall, kernels, copies
 
 
+IDLE = "__idle__"
+
+
+def idle_gaps(spans, long_us: float = 50.0):
+    """Where no kernel ran between the first and the last: (count, us) of gaps longer than long_us (the host
+    between graphs, or waiting on a copy) and of the shorter ones (launch latency inside a graph)."""
+    spans.sort()
+    long_n, long_us_sum, short_us_sum, end = 0, 0.0, 0.0, None
+    for t0, t1 in spans:
+        if end is not None and t0 > end:
+            gap = t0 - end
+            if gap > long_us:
+                long_n, long_us_sum = long_n + 1, long_us_sum + gap
+            else:
+                short_us_sum += gap
+        end = t1 if end is None else max(end, t1)
+    return long_n, long_us_sum, short_us_sum
+
+
 def report(label: str, length: int, wall: float, kernels, copies, top: int) -> None:
+    idle = kernels.pop(IDLE, None)
     total = sum(us for _, us in kernels.values())
     print(f"\n== {label}: {length} tokens, wall {wall:.2f} s ({length / wall:.0f} tok/s), kernels {total / 1e6:.2f} s "
           f"in {sum(n for n, _ in kernels.values())} launches")
+    if idle:
+        print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones")
     for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
         print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:

@@ -33,7 +33,8 @@ using CtxPtr = std::unique_ptr<ggml_context, decltype(&ggml_free)>;
 // through one layer after another in steps (layer, positions). On a GPU with events, two device tiles
 // carry the steps' rows, and a second stream (a second backend on the same device) fills a tile with a
 // step's input and drains its output while the compute stream works on the other tile: those copies
-// (16 KiB per token per layer each way on an 8B model) overlap the compute instead of adding to it.
+// (16 KiB per token per layer each way on an 8B model) overlap the compute instead of adding to it, and
+// no step has to wait on the host for the one before it (the streams wait on each other's events).
 // Elsewhere a step's graph reads its rows from host memory in place and its output is read back.
 class HiddenStates {
 public:
@@ -45,7 +46,7 @@ public:
     HiddenStates(ggml_backend_t backend, int64_t n_embd, int64_t start, int64_t n_prompt, std::vector<Step> steps,
                  bool pin)
         : host_((size_t) (n_prompt * n_embd) * sizeof(float), pin), n_embd_(n_embd), start_(start),
-          steps_(std::move(steps)) {
+          steps_(std::move(steps)), backend_(backend) {
         ggml_backend_dev_t dev = ggml_backend_get_device(backend);
         ggml_backend_dev_props props;
         ggml_backend_dev_get_props(dev, &props);
@@ -58,7 +59,8 @@ public:
         buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
         copy_ = ggml_backend_dev_init(dev, nullptr);
         for (ggml_backend_event_t & e : done_) e = ggml_backend_event_new(dev);
-        if (!buf_ || !copy_ || !done_[0] || !done_[1]) {
+        computed_ = ggml_backend_event_new(dev);
+        if (!buf_ || !copy_ || !done_[0] || !done_[1] || !computed_) {
             release();
             throw std::runtime_error("could not allocate the layer-major prefill's hidden-state tiles on the device");
         }
@@ -70,10 +72,12 @@ public:
     HiddenStates & operator=(const HiddenStates &) = delete;
 
     const HostMemory & host() const { return host_; }
+    bool overlaps() const { return copy_ != nullptr; }   // false: every step runs to its end before the next
     int64_t device_bytes() const { return buf_ ? (int64_t) ggml_backend_buffer_get_size(buf_) : 0; }
 
     // Step k's input for its graph (none for layer 0): a view of its device tile, or its host rows in place.
-    ggml_tensor * input(ggml_context * ctx, size_t k) {
+    // measure: for a graph only measured, never run: nothing is queued.
+    ggml_tensor * input(ggml_context * ctx, size_t k, bool measure = false) {
         const Step & s = steps_.at(k);
         if (s.layer == 0) return nullptr;
         if (!copy_) {
@@ -83,9 +87,15 @@ public:
             }
             return t;
         }
+        if (measure) return tile_view(ctx, k);
         prefetch(k);   // already queued, unless the step's rows were made just now
         if (queued_ <= k) throw std::logic_error("layer-major prefill: a step's input rows were not computed");
         return tile_view(ctx, k);
+    }
+
+    // Before step k's graph is queued: the compute stream waits for the copies on the step's tile.
+    void before_compute(size_t k) {
+        if (copy_) ggml_backend_event_wait(backend_, done_[k % 2]);
     }
 
     // What step k's graph computes to hand its output y on: a copy into the step's tile (written in place
@@ -98,14 +108,16 @@ public:
         return ggml_cpy(ctx, y, tile_view(ctx, k));
     }
 
-    // After step k's graph ran (synchronously): its output y (none on the last layer) goes to host memory,
-    // and the copies of the steps ahead are queued.
-    void computed(size_t k, ggml_tensor * y) {
+    // After step k's graph was queued (overlapping) or has run (the host path): its output y (none on the
+    // last layer) goes to host memory once computed, and the copies of the steps ahead are queued.
+    void queued(size_t k, ggml_tensor * y) {
         const Step & s = steps_.at(k);
         if (!copy_) {
             if (y) ggml_backend_tensor_get(y, rows(s), 0, ggml_nbytes(y));
             return;
         }
+        ggml_backend_event_record(computed_, backend_);
+        ggml_backend_event_wait(copy_, computed_);   // every copy queued from here on follows step k
         if (y) {
             ggml_backend_tensor_get_async(copy_, tile_[k % 2], rows(s), 0, (size_t) (s.n * n_embd_) * sizeof(float));
             ggml_backend_event_record(done_[k % 2], copy_);
@@ -119,14 +131,14 @@ private:
         return reinterpret_cast<float *>(host_.data()) + (s.p0 - start_) * n_embd_;
     }
 
-    // A step's tile may be computed on once every copy queued on it is done.
     ggml_tensor * tile_view(ggml_context * ctx, size_t k) {
-        ggml_backend_event_synchronize(done_[k % 2]);
         ggml_tensor * t = tile_[k % 2];
         return ggml_view_2d(ctx, t, n_embd_, steps_[k].n, t->nb[1], 0);
     }
 
     // Queues the inputs of steps up to `last`, in order, as far as the rows they need have been produced.
+    // The copy stream is in order, and step j's tile was last used by step j - 2, which the copy stream
+    // follows once queued(j - 2) ran: the only place that queues step j's input before step j - 1 is queued.
     void prefetch(size_t last) {
         for (; queued_ <= last && queued_ < steps_.size(); ++queued_) {
             const Step & s = steps_[queued_];
@@ -139,9 +151,9 @@ private:
 
     void release() {
         if (copy_) ggml_backend_synchronize(copy_);   // nothing may still copy into memory about to go
-        for (ggml_backend_event_t & e : done_) {
-            if (e) ggml_backend_event_free(e);
-            e = nullptr;
+        for (ggml_backend_event_t * e : {&done_[0], &done_[1], &computed_}) {
+            if (*e) ggml_backend_event_free(*e);
+            *e = nullptr;
         }
         if (copy_) ggml_backend_free(copy_);
         if (buf_) ggml_backend_buffer_free(buf_);
@@ -157,8 +169,10 @@ private:
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     ggml_tensor * tile_[2] = {nullptr, nullptr};
+    ggml_backend_t backend_;   // the compute stream's
     ggml_backend_t copy_ = nullptr;
     ggml_backend_event_t done_[2] = {nullptr, nullptr};   // recorded after the last copy queued on each tile
+    ggml_backend_event_t computed_ = nullptr;             // recorded after the last step queued
     std::vector<int64_t> produced_;   // per layer: its output rows are queued to host memory up to here
     size_t queued_ = 0;               // steps whose inputs are queued (or need none)
 };
@@ -244,6 +258,58 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
         std::vector<int64_t> blocks = pager_->chunk_blocks();
         std::vector<int32_t> pos;
         size_t k = 0;   // the step
+        CtxPtr queued_ctx(nullptr, ggml_free);   // the graph still running while the next one is built
+        // Step k's graph: its layer over its positions, attending n_kv slots of the staging pool or the ring.
+        // measure: only its shapes count (ggml_backend_sched_reserve); nothing of it is queued.
+        struct StepGraph {
+            CtxPtr ctx{nullptr, ggml_free};
+            GraphCtx g;
+            ggml_tensor * y = nullptr;   // the layer's output, or the logits on the last layer
+        };
+        const auto build_graph = [&](size_t k, int64_t n_kv, bool measure) {
+            const int il = steps[k].layer;
+            const int64_t p0 = steps[k].p0, mt = steps[k].n;
+            const bool last_layer = il == hp.n_layer - 1, final_step = p0 + mt == end;
+            const bool swa = hp.is_swa(il), pooled = hp.is_pooled(il);
+            StepGraph sg;
+            sg.ctx.reset(new_graph_ctx());
+            GraphCtx & g = sg.g;
+            g.ctx = sg.ctx.get();
+            g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
+            g.kv = &stage;
+            g.one_layer_kv = true;
+            g.recurrent = recurrent_.get();   // a recurrent layer carries its state from step to step
+            g.n_tokens = mt;
+            g.n_outputs = last_layer ? 1 : mt;
+            g.flash_attn = flash_attn_;
+            // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
+            g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
+            g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
+            g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
+            // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
+            g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
+            g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
+            ggml_tensor * h_in = hidden.input(g.ctx, k, measure);
+            for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
+                if (t) ggml_set_input(t);
+            }
+            if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
+                g.ring = &ring_->kv();
+                g.n_ring_kv = n_kv;
+                g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, n_kv, false);
+            } else if (pooled) {
+                g.n_kv = n_kv;
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, band.mask(g.ctx, n_kv, mt, p0));
+            }
+            sg.y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
+            if (last_layer) {
+                sg.y = build_logits(g, m, sg.y);   // [n_vocab, 1]: the step's last token
+            } else {
+                ggml_build_forward_expand(g.gf, hidden.output(g.ctx, k, sg.y));
+            }
+            return sg;
+        };
+
         for (int il = 0; il < hp.n_layer; ++il) {
             const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), pooled = hp.is_pooled(il);
             const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring, or its state)
@@ -268,7 +334,22 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             }
             timings_.t_prefill_io_ms += ms_since(t_io);
 
-            for (; k < steps.size() && steps[k].layer == il; ++k) {
+            // A pooled layer's steps attend ever more slots: reserved for its largest step before the first
+            // (the last before the final one, whose captures make another graph), the scheduler never has to
+            // grow its buffer, which means waiting for the step before, while the steps are queued.
+            size_t k_end = k;
+            while (k_end < steps.size() && steps[k_end].layer == il) ++k_end;
+            if (pooled && hidden.overlaps() && k_end - k >= 3) {
+                const HiddenStates::Step & big = steps[k_end - 2];
+                const int64_t n_kv = std::min(round_up(big.p0 + big.n, kv_pad_), spc.pool_tokens);
+                const auto t_graph = std::chrono::steady_clock::now();
+                StepGraph measure = build_graph(k_end - 2, n_kv, true);
+                if (!ggml_backend_sched_reserve(sched.get(), measure.g.gf)) {
+                    throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
+                }
+                timings_.t_prefill_graph_ms += ms_since(t_graph);
+            }
+            for (; k < k_end; ++k) {
                 const int64_t p0 = steps[k].p0, mt = steps[k].n;
                 const bool final_step = p0 + mt == end;
                 Plan plan;
@@ -283,44 +364,10 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 }
 
                 const auto t_graph = std::chrono::steady_clock::now();
-                CtxPtr ctx(new_graph_ctx(), ggml_free);
-                GraphCtx g;
-                g.ctx = ctx.get();
-                g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
-                g.kv = &stage;
-                g.one_layer_kv = true;
-                g.recurrent = recurrent_.get();   // a recurrent layer carries its state from step to step
-                g.n_tokens = mt;
-                g.n_outputs = last_layer ? 1 : mt;
-                g.flash_attn = flash_attn_;
-                // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
-                g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
-                g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
-                g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
-                // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
-                g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
-                g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
-                ggml_tensor * h_in = hidden.input(g.ctx, k);
-                for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
-                    if (t) ggml_set_input(t);
-                }
-                KvStepInputs * step_kv = nullptr;   // none for a recurrent layer
-                if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
-                    g.ring = &ring_->kv();
-                    g.n_ring_kv = order.n_kv;
-                    g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, order.n_kv, false);
-                    step_kv = &g.ring_in;
-                } else if (pooled) {
-                    g.n_kv = order.n_kv;
-                    g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, order.n_kv, false, band.mask(g.ctx, order.n_kv, mt, p0));
-                    step_kv = &g.in.kv;
-                }
-                ggml_tensor * y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
-                if (last_layer) {
-                    y = build_logits(g, m, y);   // [n_vocab, 1]: the step's last token
-                } else {
-                    ggml_build_forward_expand(g.gf, hidden.output(g.ctx, k, y));
-                }
+                StepGraph sg = build_graph(k, order.n_kv, false);
+                GraphCtx & g = sg.g;
+                ggml_tensor * y = sg.y;
+                KvStepInputs * step_kv = swa ? &g.ring_in : pooled ? &g.in.kv : nullptr;   // none: a recurrent layer
                 ggml_backend_sched_reset(sched.get());
                 if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
                     throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
@@ -339,13 +386,17 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 }
                 if (step_kv) kv_step_inputs_set(*step_kv, swa ? ring_->kv().layout() : sl, order, plan, pos.data(), input_scratch_);
                 timings_.t_prefill_io_ms += ms_since(t_io);
-                if (ggml_backend_sched_graph_compute(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
+                // Queued behind the step before, which may still run: this step's graph and inputs were made
+                // meanwhile (the scheduler waits for the device before copying the inputs over). A layer's
+                // last step runs to its end: its outputs are read here and its K/V copied out below.
+                hidden.before_compute(k);
+                if (ggml_backend_sched_graph_compute_async(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
                     throw std::runtime_error("ggml graph compute failed");
                 }
                 timings_.n_computes++;
-
-                t_io = std::chrono::steady_clock::now();   // includes waiting for the compute to finish
-                hidden.computed(k, last_layer ? nullptr : y);
+                t_io = std::chrono::steady_clock::now();
+                if (final_step || !hidden.overlaps()) ggml_backend_sched_synchronize(sched.get());
+                hidden.queued(k, last_layer ? nullptr : y);
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
                 if (final_step && pooled) {
                     // The last tokens' attention, staging slot j = position j: max over queries and layers.
@@ -369,6 +420,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     }
                 }
                 timings_.t_prefill_io_ms += ms_since(t_io);
+                queued_ctx = std::move(sg.ctx);
             }
 
             if (il == 0) {
