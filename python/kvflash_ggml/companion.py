@@ -37,6 +37,21 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
     return ta == tb and np.array_equal(oa, ob)
 
 
+def retokenise(history, target: Tokenizer, own: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`own`'s tokens for the text of `target`'s tokens `history`, the target's piece offsets [n + 1] and its
+    own [m + 1], both in bytes of that text. Special tokens are written out and parsed back, so a template's
+    markers stay markers when both vocabularies know them."""
+    text, t_off = target.pieces(history)
+    # Invalid UTF-8 (a character cut between tokens at the end) is replaced: offsets after it shift
+    # by a byte or two, which moves no token across a chunk in practice.
+    tokens = own.encode(text.decode("utf-8", errors="replace"), add_special=False, parse_special=True)
+    _, d_off = own.pieces(tokens)
+    if own.add_bos and own.bos >= 0 and (not tokens or tokens[0] != own.bos):
+        tokens = [own.bos] + tokens   # a BOS of no text, at byte 0
+        d_off = np.concatenate([[0], d_off])
+    return np.asarray(tokens, dtype=np.int32), t_off, d_off
+
+
 class Companion:
     """model: a GGUF path (or known short name), or a loaded _core.Model (shared weights: a model may be its
     own companion). target_tokenizer: the engine's, to map by text when the vocabularies differ. n_ctx: the
@@ -85,20 +100,7 @@ class Companion:
             self.fit(len(self.retokenise(np.asarray(tokens, dtype=np.int32))[0]))
 
     def retokenise(self, history: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Its tokens for the target history's text, the target's piece offsets [n + 1] and its own [m + 1],
-        both in bytes of that text. Special tokens are written out and parsed back, so a template's markers
-        stay markers when both vocabularies know them."""
-        text, t_off = self.target_tokenizer.pieces(history)
-        # Invalid UTF-8 (a character cut between tokens at the end) is replaced: offsets after it shift
-        # by a byte or two, which moves no token across a chunk in practice.
-        tokens = self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special=False,
-                                       parse_special=True)
-        _, d_off = self.tokenizer.pieces(tokens)
-        bos = self.tokenizer.bos
-        if self.tokenizer.add_bos and bos >= 0 and (not tokens or tokens[0] != bos):
-            tokens = [bos] + tokens   # a BOS of no text, at byte 0
-            d_off = np.concatenate([[0], d_off])
-        return np.asarray(tokens, dtype=np.int32), t_off, d_off
+        return retokenise(history, self.target_tokenizer, self.tokenizer)
 
     # -- holding tokens --------------------------------------------------------------------------
     def holds(self, tokens: np.ndarray) -> bool:

@@ -24,14 +24,14 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from . import _core
-from .companion import Companion
+from .companion import Companion, same_vocabulary
 from .drafter import DrafterPolicy, prompt_attention_scores
 from .known_models import resolve_model_path
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
-from .speculative import DraftModel, PromptLookup, Speculator, accept
+from .speculative import DraftModel, PromptLookup, Speculator, TextMappedDraft, accept
 from .tokenizer import TextStream, Tokenizer, check_messages
 from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
 
@@ -115,19 +115,25 @@ def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> Resid
     return dataclasses.replace(residency, drafter_model=load_like(residency.drafter_model, model))
 
 
-def make_speculator(config: SpeculativeConfig, model: _core.Model, pool: PoolConfig) -> Speculator:
-    """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built)."""
+def make_speculator(config: SpeculativeConfig, model: _core.Model, tokenizer: Tokenizer,
+                    pool: PoolConfig) -> Speculator:
+    """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built);
+    a draft model of another vocabulary is mapped through text."""
     if config.draft == "mtp":
         raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
                          f"{model.hparams.arch} models are run without them here (they are skipped on load)")
     if config.draft == "prompt_lookup":
         return Speculator(config, PromptLookup(config.ngram))
     draft_model = load_like(config.draft, model)
-    if draft_model.hparams.n_vocab != model.hparams.n_vocab:
-        raise ValueError(f"the draft model has {draft_model.hparams.n_vocab} tokens and the model "
-                         f"{model.hparams.n_vocab}: a draft model must share the vocabulary (mapping through text "
-                         "is not built yet)")
-    return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool))
+    own = tokenizer if draft_model is model else Tokenizer(draft_model.path)
+    if same_vocabulary(tokenizer, own):
+        return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool))
+    # Its vocabulary may split the same text into more tokens: room for half as many again, as trained for.
+    C = _core.CHUNK_TOKENS
+    room = max(pool.n_ctx, min(-(-pool.n_ctx * 3 // 2 // C) * C, draft_model.hparams.n_ctx_train))
+    draft_pool = dataclasses.replace(pool, n_ctx=room)
+    drafter = DraftModel(draft_model, make_session(draft_model, draft_pool), draft_pool)
+    return Speculator(config, TextMappedDraft(drafter, own, tokenizer))
 
 
 def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
@@ -166,7 +172,7 @@ class Engine:
         self.companion = make_companion(model, tokenizer, pool, residency)
         self.policy = make_policy(residency.policy, companion=self.companion)
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
-        self.speculator = make_speculator(speculative, model, pool) if speculative else None
+        self.speculator = make_speculator(speculative, model, tokenizer, pool) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.store_each_turn = store_each_turn
@@ -471,8 +477,8 @@ class Engine:
         mem = self.session.memory()
         # a second model beside this one: the drafter policy's companion, a draft model (its session, its weights)
         seconds = [self.companion] if self.companion is not None else []
-        if self.speculator is not None and isinstance(self.speculator.drafter, DraftModel):
-            seconds.append(self.speculator.drafter)
+        if self.speculator is not None and self.speculator.draft_model is not None:
+            seconds.append(self.speculator.draft_model)
         drafter = sum(session_device_bytes(x.session) + (x.model.weight_bytes if x.model is not self.model else 0)
                       for x in seconds)
         weights = self.model.weight_bytes

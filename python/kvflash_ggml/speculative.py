@@ -16,9 +16,10 @@ again (Generation._verify_drafts).
   normalize(max(p - q, 0)), and after k kept drafts from p. Prompt lookup proposes deterministically (q is one-hot).
   Every emitted token is then distributed as plain sampling's.
 
-Drafters: PromptLookup (n-gram lookup in the history: no second model) and DraftModel (a smaller GGUF of the
-same vocabulary, its own pooled session that follows the history). Speculator holds the drafter, the adaptive
-draft length and the counters stats() reports.
+Drafters: PromptLookup (n-gram lookup in the history: no second model), DraftModel (a smaller GGUF of the
+same vocabulary, its own pooled session that follows the history) and TextMappedDraft (a DraftModel of another
+vocabulary, mapped through text). Speculator holds the drafter, the adaptive draft length and the counters
+stats() reports.
 """
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+import logging
+
 from . import _core
+from .companion import retokenise
 from .drafter import prompt_attention_scores
-from .options import PoolConfig, SpeculativeConfig
+from .options import PoolConfig, SamplingParams, SpeculativeConfig
 from .sampling import Sampler
+from .tokenizer import Tokenizer
 from .tokens import common_prefix, forward_in_steps, rewind
+
+log = logging.getLogger(__name__)
 
 
 class PromptLookup:
@@ -100,9 +107,10 @@ class DraftModel:
         self._synced = len(history)
         return logits
 
-    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], Optional[list[np.ndarray]]]:
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler, *,
+                extends: bool = True) -> tuple[list[int], Optional[list[np.ndarray]]]:
         s = self.session
-        logits = self.follow(history, extends=True)
+        logits = self.follow(history, extends=extends)
         drafts: list[int] = []
         q: list[np.ndarray] = []
         for i in range(k):
@@ -116,6 +124,47 @@ class DraftModel:
                 drafts.append(sampler.choose_from(dist))
                 q.append(dist)
         return drafts, (None if sampler.greedy else q)
+
+
+class TextMappedDraft:
+    """A draft model of another vocabulary (mapped as the drafter policy maps it): its session holds its own
+    tokens for the text of the model's history, and a proposal is the model's tokens for the text of its own
+    greedy continuation, less the last one (the text after it may go on with the same word). A proposal is
+    then a function of the history alone (a one-hot q), so the acceptance rule keeps the model's distribution
+    whatever the sampling. A history whose text takes more of its tokens than its session holds stops the
+    drafting (logged once): the generation goes on one token per step."""
+
+    def __init__(self, draft: DraftModel, own: Tokenizer, target: Tokenizer) -> None:
+        self.draft = draft
+        self.own = own
+        self.target = target
+        self._greedy = Sampler(SamplingParams(temperature=0.0))
+        self._full = False
+
+    def _tokens(self, history: Sequence[int], room: int) -> Optional[list[int]]:
+        tokens = retokenise(np.asarray(history, dtype=np.int32), self.target, self.own)[0].tolist()
+        if len(tokens) + room > self.draft.session.pager.config().max_tokens:
+            if not self._full:
+                log.warning("the history is %d tokens of the draft model's vocabulary, more than its session holds "
+                            "(%d): no more drafts for it", len(tokens), self.draft.session.pager.config().max_tokens)
+            self._full = True
+            return None
+        return tokens
+
+    def follow(self, history: Sequence[int]) -> None:
+        tokens = self._tokens(history, 0)
+        if tokens is not None:
+            self.draft.follow(tokens)
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
+        tokens = self._tokens(history, k)
+        if tokens is None:
+            return [], None
+        # Re-split at the history's end may differ from what the session holds: compare from the start.
+        own, _ = self.draft.propose(tokens, k, self._greedy, extends=False)
+        text, _ = self.own.pieces(own, special=False)
+        mapped = self.target.encode(text, add_special=False)
+        return mapped[:max(1, len(mapped) - 1)][:k], None
 
 
 def accept(drafts: Sequence[int], rows: np.ndarray, q: Optional[Sequence[np.ndarray]],
@@ -154,15 +203,22 @@ class Speculator:
     step that kept every draft it grows by 2 (up to max_draft); otherwise it becomes what was kept plus one
     (at least 1), so a drafter that misses costs one wasted draft per step."""
 
-    def __init__(self, config: SpeculativeConfig, drafter: Union[PromptLookup, DraftModel]) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Union[PromptLookup, DraftModel, TextMappedDraft]) -> None:
         self.config = config
         self.drafter = drafter
         self.k = max(1, config.max_draft // 2)
         self.drafted = self.accepted = self.steps = 0
 
+    @property
+    def draft_model(self) -> Optional[DraftModel]:
+        """The second model's session and weights, if the drafter has one (what stats() counts)."""
+        if isinstance(self.drafter, TextMappedDraft):
+            return self.drafter.draft
+        return self.drafter if isinstance(self.drafter, DraftModel) else None
+
     def follow(self, history: Sequence[int]) -> None:
         """After a prompt: a draft model computes it now (part of the prompt's time, not of the first step's)."""
-        if isinstance(self.drafter, DraftModel):
+        if not isinstance(self.drafter, PromptLookup):
             self.drafter.follow(history)
 
     def propose(self, history: Sequence[int], room: int, sampler: Sampler):
@@ -178,5 +234,6 @@ class Speculator:
 
     def stats(self) -> dict:
         return {"spec_mode": "prompt_lookup" if isinstance(self.drafter, PromptLookup) else "draft_model",
+                "spec_vocab": "mapped through text" if isinstance(self.drafter, TextMappedDraft) else "shared",
                 "spec_drafted": self.drafted, "spec_accepted": self.accepted, "spec_steps": self.steps,
                 "spec_acceptance": self.accepted / self.drafted if self.drafted else 0.0}
