@@ -20,8 +20,9 @@
 #     serve        kvflash bench serve on the 8B shape: aggregate decode tok/s of 1, 4, 8 streams (SERVE_STREAMS) at
 #                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto); LLAMA_SERVER: a llama-server to run beside
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
-#                  (acceptance 1: the machinery's upper bound) and a random Llama 3.2 1B shape (acceptance ~0: a miss's
-#                  cost), random prompts of SPEC_CONTEXTS, pool POOL
+#                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
+#                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
+#                  random prompts of SPEC_CONTEXTS, pool POOL
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -124,7 +125,13 @@ for phase in "$@"; do
         [ -f /tmp/l1b.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/l1b.gguf --shape llama3.2-1b --type q4_0 2>&1 | tee -a "$OUT/session.log"
         python3 -m kvflash_ggml bench spec --model "$MODEL" --task random --contexts "${SPEC_CONTEXTS:-4096,131072}" \
             --draft "$MODEL,/tmp/l1b.gguf" --kvflash "$POOL" --n-gen "${SPEC_GEN:-64}" --reps "${SPEC_REPS:-2}" \
-            --json "$OUT/spec.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+            --json "$OUT/spec.json" 2>&1 | tee -a "$OUT/bench.log"
+        # The same shape as an echo model (it predicts the token it was given, with certainty) drafting itself:
+        # every draft kept, whatever the kernels' summation order: the machinery's upper bound.
+        [ -f /tmp/echo.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/echo.gguf --shape "${SHAPE:-llama3-8b}" --type q4_0 --echo 2>&1 | tee -a "$OUT/session.log"
+        python3 -m kvflash_ggml bench spec --model /tmp/echo.gguf --task random --contexts "${SPEC_CONTEXTS:-4096,131072}" \
+            --draft /tmp/echo.gguf --kvflash "$POOL" --n-gen "${SPEC_GEN:-64}" --reps "${SPEC_REPS:-2}" \
+            --json "$OUT/spec-echo.json" 2>&1 | tee -a "$OUT/bench.log" ;;
     profile)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \

@@ -138,6 +138,20 @@ def test_greedy_speculation_with_a_draft_of_another_vocabulary(target, draft):
     assert st["device_drafter_bytes"] > 0   # the draft model's weights and session are counted
 
 
+def test_an_echo_model_drafting_itself_keeps_every_draft(tmp_path):
+    # random_gguf's echo model predicts the token it was given by a margin no kernel order can flip, so with
+    # itself as the draft every draft is kept even on two threads with flash attention (the H100 bench's upper
+    # bound of the machinery, measured without trained weights).
+    path = str(rg.write_preset(tmp_path / "echo.gguf", "tiny-llama", weight_type="q8_0", echo=True))
+    prompt = np.random.default_rng(1).integers(0, 1000, 900).tolist()
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=2, attention="flash")
+    with Model(path, **kw, speculative=path, draft_max=8) as m:
+        got = [r.token for r in m.engine.generate(prompt, max_tokens=48, temperature=0.0) if r.token is not None]
+        st = m.stats()
+    assert got == [prompt[-1]] * 48
+    assert st["spec_drafted"] > 20 and st["spec_acceptance"] == 1.0
+
+
 # ---- sampling ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_kind", ["other-weights", "itself"])

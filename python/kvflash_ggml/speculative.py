@@ -218,7 +218,7 @@ class Speculator:
 
     def follow(self, history: Sequence[int]) -> None:
         """After a prompt: a draft model computes it now (part of the prompt's time, not of the first step's)."""
-        if not isinstance(self.drafter, PromptLookup):
+        if isinstance(self.drafter, (DraftModel, TextMappedDraft)):
             self.drafter.follow(history)
 
     def propose(self, history: Sequence[int], room: int, sampler: Sampler):

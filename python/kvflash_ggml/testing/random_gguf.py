@@ -438,29 +438,31 @@ class _Random:
     def __init__(self, seed: int, std: float) -> None:
         self.rng = np.random.default_rng(seed)
         self.std = std
-        self._reservoirs: dict[QT, np.ndarray] = {}
+        self._reservoirs: dict[tuple[QT, float], np.ndarray] = {}
 
-    def encode(self, qtype: QT, n: int) -> np.ndarray:
-        """n fresh random elements of type qtype, as bytes (n is a multiple of the type's block size)."""
+    def encode(self, qtype: QT, n: int, scale: float = 1.0) -> np.ndarray:
+        """n fresh random elements of type qtype and std self.std * scale, as bytes (n is a multiple of the
+        type's block size)."""
+        std = self.std * scale
         if qtype in (QT.F32, QT.F16):
-            x = self.rng.standard_normal(n, dtype=np.float32) * np.float32(self.std)
+            x = self.rng.standard_normal(n, dtype=np.float32) * np.float32(std)
             return x.astype(np.float32 if qtype == QT.F32 else np.float16).view(np.uint8)
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         nb = n // block
         out = np.empty((nb, block_bytes), dtype=np.uint8)
         out[:, 2:] = np.frombuffer(self.rng.bytes(nb * (block_bytes - 2)), dtype=np.uint8).reshape(nb, -1)
         # random-sign scales: a uniform nibble - 8 has mean -0.5, the sign keeps the weights zero-mean
-        d = np.float16(self.std / _QUANT_STD[qtype])
+        d = np.float16(std / _QUANT_STD[qtype])
         scales = np.where(self.rng.integers(0, 2, nb, dtype=np.uint8) == 1, -d, d).astype(np.float16)
         out[:, :2] = scales.view(np.uint8).reshape(nb, 2)
         return out.reshape(-1)
 
-    def window(self, qtype: QT, n: int) -> np.ndarray:
-        """n elements (n <= _RESERVOIR) cut from the type's reservoir at a random block offset."""
-        res = self._reservoirs.get(qtype)
+    def window(self, qtype: QT, n: int, scale: float = 1.0) -> np.ndarray:
+        """n elements (n <= _RESERVOIR) cut from the reservoir of (type, scale) at a random block offset."""
+        res = self._reservoirs.get((qtype, scale))
         if res is None:
-            r = self.encode(qtype, _RESERVOIR)
-            res = self._reservoirs[qtype] = np.concatenate([r, r])
+            r = self.encode(qtype, _RESERVOIR, scale)
+            res = self._reservoirs[(qtype, scale)] = np.concatenate([r, r])
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         start = int(self.rng.integers(0, _RESERVOIR // block)) * block_bytes
         return res[start:start + n // block * block_bytes]
@@ -479,6 +481,14 @@ def _delta_net_values(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     raise ValueError(f"unknown tensor kind {spec.kind!r} ({spec.name})")
 
 
+# echo=True: the projections that write into the residual stream, and their weights' scale. With them small the
+# last token's own embedding dominates the final hidden state, so (tied embeddings) the model predicts the token
+# it was given, by a margin of ~sqrt(n_embd) logits over the rest: greedy decoding repeats it, and no kernel's
+# summation order can flip the choice. The compute is a real model's; what it predicts is certain.
+ECHO_SCALE = 1e-3
+_RESIDUAL_WRITERS = ("attn_output.", "ffn_down.", "ffn_down_exps.", "ffn_down_shexp.", "ssm_out.")
+
+
 def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
     """The tensor's bytes, in pieces of at most _PIECE elements."""
     n = spec.n_elements
@@ -489,9 +499,10 @@ def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
         assert spec.qtype == QT.F32, spec
         yield _delta_net_values(spec, rnd.rng).view(np.uint8)
         return
+    scale = ECHO_SCALE if spec.kind == "echo" else 1.0
     for p0 in range(0, n, _PIECE):
         m = min(_PIECE, n - p0)
-        yield rnd.encode(spec.qtype, m) if n <= _FRESH_MAX else rnd.window(spec.qtype, m)
+        yield rnd.encode(spec.qtype, m, scale) if n <= _FRESH_MAX else rnd.window(spec.qtype, m, scale)
 
 
 # ---- the file -------------------------------------------------------------------------------------
@@ -610,7 +621,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       logit_softcap: float | None = None, n_expert: int = 0, n_expert_used: int = 0,
                       n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
                       ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int | None = None,
-                      n_rot: int | None = None, rope_sections: Sequence[int] | None = None) -> Path:
+                      n_rot: int | None = None, rope_sections: Sequence[int] | None = None, echo: bool = False) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
     gemma3 only: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: every period-th layer
@@ -627,6 +638,8 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     weight_type applies to every 2-D and 3-D weight (embeddings, output and experts included) but the expert
     routers and ssm_conv1d; those, norms, biases and the other 1-D tensors are F32, as the converter writes them.
     tied_embeddings: no output.weight (the model reuses token_embd.weight, like small Qwen models).
+    echo: a model that predicts the token it was given, with certainty (see ECHO_SCALE; implies tied
+    embeddings): speculative decoding with the model as its own draft then keeps every draft.
     omit_tensors: tensor names to leave out (tests of the loader's error for a missing tensor).
     """
     _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train)
@@ -639,6 +652,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     if full_attention_interval is None:
         full_attention_interval = 4    # libllama's default for a file without the key; written anyway
     path = Path(path)
+    tied_embeddings = tied_embeddings or echo
     tok = build_tokenizer(arch, n_vocab)
     specs = tensor_specs(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                          head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, weight_type=weight_type,
@@ -650,6 +664,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     if unknown:
         raise ValueError(f"omit_tensors names tensors this model does not have: {sorted(unknown)}")
     specs = [s for s in specs if s.name not in omit]
+    if echo:
+        specs = [TensorSpec(s.name, s.ne, "echo", s.qtype) if any(r in s.name for r in _RESIDUAL_WRITERS) else s
+                 for s in specs]
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name or f"random-{arch}-{n_layer}L-{n_embd}E-{weight_type}")
@@ -766,11 +783,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="type of the 2-D weights (default f16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tied-embeddings", action="store_true", help="no output.weight: reuse token_embd.weight")
+    ap.add_argument("--echo", action="store_true",
+                    help="a model that predicts the token it was given, with certainty (speculation's upper bound)")
     ap.add_argument("--n-layer", type=int, default=None,
                     help="override the shape's layer count (hybrid shapes keep their full-attention interval)")
     ap.add_argument("--n-ctx-train", type=int, default=None, help="override the shape's trained context")
     args = ap.parse_args(argv)
-    overrides = dict(weight_type=args.weight_type, seed=args.seed, tied_embeddings=args.tied_embeddings)
+    overrides = dict(weight_type=args.weight_type, seed=args.seed, tied_embeddings=args.tied_embeddings, echo=args.echo)
     if args.n_layer is not None:
         overrides["n_layer"] = args.n_layer
     if args.n_ctx_train is not None:
