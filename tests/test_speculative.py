@@ -74,6 +74,23 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_match():
     assert lookup.propose([5, 6], 3, greedy) == ([], None)           # a new history: indexed afresh, no match
 
 
+@pytest.mark.parametrize("target,own", [("smollm2", "gemma3-270m"), ("gemma3-270m", "smollm2")])
+def test_text_mapping_grows_as_a_whole_mapping_would(target, own):
+    # The draft of another vocabulary maps the history incrementally (only the text near the old end is
+    # tokenized again); token by token it must hold what mapping the whole history gives.
+    from kvflash_ggml.companion import retokenise
+    from kvflash_ggml.known_models import resolve_model_path
+    from kvflash_ggml.speculative import TextMappedDraft
+    from kvflash_ggml.tokenizer import Tokenizer
+    t, o = Tokenizer(resolve_model_path(target)), Tokenizer(resolve_model_path(own))
+    history = copy_prompt(t, 600)
+    history += t.encode(" Then: naïve café, 3.14159 — «quoted» text\n\n  indented\tcode();", add_special=False)
+    mapped = TextMappedDraft(None, o, t)
+    for n in list(range(1, 40)) + list(range(560, len(history) + 1)):
+        assert mapped._map(history[:n]) == retokenise(np.asarray(history[:n], np.int32), t, o)[0].tolist(), n
+    assert mapped._map(history[:100]) == retokenise(np.asarray(history[:100], np.int32), t, o)[0].tolist()   # went back
+
+
 # ---- greedy equality ------------------------------------------------------------------------------------
 
 @pytest.mark.slow

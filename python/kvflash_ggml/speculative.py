@@ -132,7 +132,13 @@ class TextMappedDraft:
     greedy continuation, less the last one (the text after it may go on with the same word). A proposal is
     then a function of the history alone (a one-hot q), so the acceptance rule keeps the model's distribution
     whatever the sampling. A history whose text takes more of its tokens than its session holds stops the
-    drafting (logged once): the generation goes on one token per step."""
+    drafting (logged once): the generation goes on one token per step.
+
+    The mapping grows with the history: only the text from a little before the end of the last mapping is
+    tokenized again (its own tokens there may merge with what follows), unless that piece does not read back
+    as its text, or the history is not an extension of the last one; then the whole history is mapped."""
+
+    MARGIN = 32   # bytes of the mapped text tokenized again with the new text
 
     def __init__(self, draft: DraftModel, own: Tokenizer, target: Tokenizer) -> None:
         self.draft = draft
@@ -140,27 +146,55 @@ class TextMappedDraft:
         self.target = target
         self._greedy = Sampler(SamplingParams(temperature=0.0))
         self._full = False
+        self._history: list[int] = []   # the model's tokens mapped so far
+        self._text = b""                # their text
+        self._tokens: list[int] = []    # its own tokens for that text
+        self._starts: list[int] = []    # where each of them starts in the text (a BOS: at 0, no text)
 
-    def _tokens(self, history: Sequence[int], room: int) -> Optional[list[int]]:
-        tokens = retokenise(np.asarray(history, dtype=np.int32), self.target, self.own)[0].tolist()
-        if len(tokens) + room > self.draft.session.pager.config().max_tokens:
-            if not self._full:
-                log.warning("the history is %d tokens of the draft model's vocabulary, more than its session holds "
-                            "(%d): no more drafts for it", len(tokens), self.draft.session.pager.config().max_tokens)
-            self._full = True
-            return None
-        return tokens
+    def _map(self, history: Sequence[int]) -> list[int]:
+        m = len(self._history)
+        if m and len(history) >= m and list(history[:m]) == self._history:
+            new_text, _ = self.target.pieces(history[m:])
+            text = self._text + new_text
+            # the last of its own tokens that starts MARGIN bytes or more before the old end (never a BOS)
+            first = 1 if self._starts and self._tokens[0] == self.own.bos and self.own.add_bos else 0
+            j = max(first, int(np.searchsorted(self._starts, len(self._text) - self.MARGIN, side="right")) - 1)
+            cut = self._starts[j] if j < len(self._starts) else len(self._text)
+            tail = self.own.encode(text[cut:], add_special=False, parse_special=True)
+            tail_text, tail_off = self.own.pieces(tail)
+            if tail_text == text[cut:]:
+                self._history = list(history)
+                self._text = text
+                self._tokens = self._tokens[:j] + tail
+                self._starts = self._starts[:j] + (cut + tail_off[:-1]).tolist()
+                return self._tokens
+        tokens, _, d_off = retokenise(np.asarray(history, dtype=np.int32), self.target, self.own)
+        self._history = list(history)
+        self._text, _ = self.target.pieces(history)
+        self._tokens = tokens.tolist()
+        self._starts = d_off[:-1].tolist()
+        return self._tokens
+
+    def _room_for(self, tokens: list[int], room: int) -> bool:
+        limit = self.draft.session.pager.config().max_tokens
+        if len(tokens) + room <= limit:
+            return True
+        if not self._full:
+            log.warning("the history is %d tokens of the draft model's vocabulary, more than its session holds "
+                        "(%d): no more drafts for it", len(tokens), limit)
+        self._full = True
+        return False
 
     def follow(self, history: Sequence[int]) -> None:
-        tokens = self._tokens(history, 0)
-        if tokens is not None:
+        tokens = self._map(history)
+        if self._room_for(tokens, 0):
             self.draft.follow(tokens)
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
-        tokens = self._tokens(history, k)
-        if tokens is None:
+        tokens = self._map(history)
+        if not self._room_for(tokens, k):
             return [], None
-        # Re-split at the history's end may differ from what the session holds: compare from the start.
+        # Its tokens near the history's end may have changed with the new text: compared from the start.
         own, _ = self.draft.propose(tokens, k, self._greedy, extends=False)
         text, _ = self.own.pieces(own, special=False)
         mapped = self.target.encode(text, add_special=False)
