@@ -47,6 +47,20 @@ def test_solve_stops_at_the_whole_context_and_refuses_below_the_minimum():
         solve(COSTS, free=small, total=0, n_slots=8, n_ctx=32768, min_pool=448)
 
 
+def test_solve_counts_a_draft_models_session_beside_each():
+    # Speculative decoding with a draft model: every slot holds a draft session of the same pool too.
+    draft = dataclasses.replace(COSTS, kv_per_token=32 * 1024, compute_fixed=5 * MIB, layer_per_token=1024)
+    pool, n_slots, n_ctx = 4096, 8, 131072
+    exact = need(COSTS, pool, n_slots, n_ctx) + \
+        n_slots * (pool * (draft.kv_per_token + draft.compute_per_token) + draft.compute_fixed + draft.state)
+    fits = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448, draft=draft)
+    assert fits.pool_tokens == pool and "draft model" in fits.reason
+    short = solve(COSTS, free=math.floor(exact) - 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448, draft=draft)
+    assert short.pool_tokens == pool - C
+    alone = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448)
+    assert alone.pool_tokens > pool   # without the draft the same memory holds a larger pool
+
+
 @pytest.mark.slow
 def test_measured_costs_cover_a_real_session(smollm2):
     """The linear model (fixed + per pool token, probed at the largest step) does not underestimate sessions

@@ -106,6 +106,12 @@ def load_like(spec: Union[str, os.PathLike, _core.Model], model: _core.Model) ->
         _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
 
 
+def draft_model_of(speculative: Optional[SpeculativeConfig]) -> Optional[_core.Model]:
+    """The draft model a speculative configuration holds loaded (None: none, or not loaded yet)."""
+    draft = speculative.draft if speculative is not None else None
+    return draft if isinstance(draft, _core.Model) else None
+
+
 def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> ResidencyConfig:
     """The residency with its drafter model loaded (as make_companion would load it), or the model itself when
     it names the same GGUF: Engines built from the result share those weights (a Model's own drafter, the

@@ -5,12 +5,15 @@ largest size a pool takes (n_batch), and their compute buffers give a session's 
 per-pool-token bytes. A pool's compute buffer grows with its keys times its step (the mask, and without
 flash attention the attention matrix), and smaller pools take smaller steps (PoolConfig.prefill_batch), so
 probing at the largest step bounds every pool's buffer from above.
+A speculative draft model gives every session a second pooled session of the same pool size (its own
+costs, measured the same way); its weights are loaded before the fit, so the free memory excludes them.
 On the CPU backend the pool is the engine's own 'auto' (min(n_ctx, 4096)): host RAM is not the limit a pool
 is for."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 import numpy as np
 
@@ -70,26 +73,36 @@ def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
                      n_batch=pool.n_batch)
 
 
-def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, min_pool: int) -> Fit:
-    """The largest chunk-aligned pool per session such that n_slots sessions, one exact prefill of an n_ctx
-    prompt and the headroom fit in `free` bytes; at most the whole context. ValueError below min_pool."""
+def _exact_prefill_bytes(costs: SlotCosts, n_ctx: int) -> float:
+    """One layer's K/V of a whole-context prompt and its step's masks over all of it, beside a step's compute
+    buffer (probed at n_batch tokens, scaled to the exact step). On the H100 (8B, 128K) this came to 1.20 GiB
+    where the prefill held 1.27 GiB: the headroom covers the rest."""
+    return n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + \
+        costs.compute_max * costs.exact_step / max(1, costs.n_batch)
+
+
+def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, min_pool: int,
+          draft: Optional[SlotCosts] = None) -> Fit:
+    """The largest chunk-aligned pool per session such that n_slots sessions (and as many draft-model sessions
+    of the same pool, with costs `draft`), one exact prefill of an n_ctx prompt and the headroom fit in `free`
+    bytes; at most the whole context. ValueError below min_pool."""
     C = _core.CHUNK_TOKENS
     headroom = max(MIN_HEADROOM, int(HEADROOM_FRACTION * total))
-    # One exact prefill runs at a time (the server computes one prompt at once): one layer's K/V of a
-    # whole-context prompt and its step's masks over all of it, beside a step's compute buffer (probed at
-    # n_batch tokens, scaled to the exact step). On the H100 (8B, 128K) this came to 1.20 GiB where the
-    # prefill held 1.27 GiB: the headroom covers the rest.
-    prefill = n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + \
-        costs.compute_max * costs.exact_step / max(1, costs.n_batch)
-    fixed = n_slots * (costs.compute_fixed + costs.state) + prefill + headroom
-    per_token = n_slots * (costs.kv_per_token + costs.compute_per_token)
+    sessions = [costs] + ([draft] if draft is not None else [])
+    # One exact prefill runs at a time (the server computes one prompt at once; a draft model follows it after).
+    prefill = max(_exact_prefill_bytes(c, n_ctx) for c in sessions)
+    fixed = n_slots * sum(c.compute_fixed + c.state for c in sessions) + prefill + headroom
+    per_token = n_slots * sum(c.kv_per_token + c.compute_per_token for c in sessions)
     fitted = int((free - fixed) / per_token) // C * C
     ceiling = -(-n_ctx // C) * C
     chosen = min(fitted, ceiling)
     figures = (f"{free / 2**30:.2f} GiB free after the weights; per session {costs.kv_per_token / 1024:.1f} KiB of "
                f"K/V + {costs.compute_per_token / 1024:.1f} KiB of compute per pool token, "
-               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.state / 2**20:.0f} MiB rings and recurrent state fixed; "
-               f"{prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
+               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.state / 2**20:.0f} MiB rings and recurrent state fixed"
+               + (f"; a draft model's session beside each: {draft.kv_per_token / 1024:.1f} KiB of K/V + "
+                  f"{draft.compute_per_token / 1024:.1f} KiB of compute per pool token, {draft.compute_fixed / 2**20:.0f} MiB "
+                  "fixed" if draft else "") +
+               f"; {prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
     if chosen < min_pool:
         raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit the GPU's free memory ({figures}); "
                          f"each needs a pool of at least {min_pool} tokens. Use fewer slots (--parallel), a smaller "
@@ -98,13 +111,16 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     return Fit(chosen, f"{chosen} tokens per session x {n_slots} ({why}): {figures}")
 
 
-def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int) -> Fit:
-    """Pool tokens per session for n_slots sessions of `pool` (whose pool_tokens is 'auto')."""
+def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int, *,
+                    draft_model: Optional[_core.Model] = None) -> Fit:
+    """Pool tokens per session for n_slots sessions of `pool` (whose pool_tokens is 'auto'), each with a session
+    of draft_model beside it if one is given (loaded already, so the free memory excludes its weights)."""
     auto = pool.resolved_pool_tokens()
     devices = _core.gpu_devices()
     if not model.on_gpu or not devices:
         return Fit(auto, f"CPU backend: the engine's auto pool, min(n_ctx, {auto}) tokens")
     costs = measure(model, pool)
+    draft = measure(draft_model, pool) if draft_model is not None else None
     device = _core.gpu_devices()[0]   # after the probes are freed
     return solve(costs, free=device["memory_free"], total=device["memory_total"], n_slots=n_slots, n_ctx=pool.n_ctx,
-                 min_pool=pool._pager_config(0).min_pool_tokens())
+                 min_pool=pool._pager_config(0).min_pool_tokens(), draft=draft)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _core
-from ..engine import Engine, load_like, with_loaded_drafter
+from ..engine import Engine, draft_model_of, load_like, with_loaded_drafter
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
 from ..options import SPECULATIVE_MODES
@@ -65,7 +65,7 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
         speculative = dataclasses.replace(speculative, draft=load_like(speculative.draft, model))
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
     if pool.pool_tokens == "auto":
-        fit = fit_pool_tokens(model, pool, args.parallel)
+        fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative))
         pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
     template = Path(args.chat_template).read_text() if args.chat_template else None
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
