@@ -27,7 +27,7 @@ from . import _core
 from .companion import Companion, same_vocabulary
 from .drafter import DrafterPolicy, prompt_attention_scores
 from .known_models import resolve_model_path
-from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .options import SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
@@ -104,6 +104,14 @@ def load_like(spec: Union[str, os.PathLike, _core.Model], model: _core.Model) ->
     path = resolve_model_path(spec)
     return model if path == model.path else \
         _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+
+
+def with_loaded_draft(speculative: Optional[SpeculativeConfig], model: _core.Model) -> Optional[SpeculativeConfig]:
+    """The configuration with its draft model loaded (as make_speculator would load it): Engines built from the
+    result share its weights (the server's slots), and pool_tokens="auto" sees them loaded."""
+    if speculative is None or speculative.draft in SPECULATIVE_MODES:
+        return speculative
+    return dataclasses.replace(speculative, draft=load_like(speculative.draft, model))
 
 
 def draft_model_of(speculative: Optional[SpeculativeConfig]) -> Optional[_core.Model]:

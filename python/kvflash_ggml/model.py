@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import CLOSED, Engine, draft_model_of, load_like, with_loaded_drafter
+from .engine import CLOSED, Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
 from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
-from .options import SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
@@ -65,9 +65,7 @@ class Model:
         self.speculative = speculative if isinstance(speculative, SpeculativeConfig) or speculative is None else \
             SpeculativeConfig(draft=speculative, max_draft=draft_max)
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
-        if self.speculative is not None and self.speculative.draft not in SPECULATIVE_MODES:   # loaded before the fit
-            self.speculative = dataclasses.replace(self.speculative, draft=load_like(self.speculative.draft,
-                                                                                     self._core_model))
+        self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
         if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
             fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative))
             log.info("pool_tokens='auto': %s", fit.reason)

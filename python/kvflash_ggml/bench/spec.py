@@ -13,7 +13,6 @@ as the draft for acceptance 1.0, or a small random draft for acceptance near 0).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -23,8 +22,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..engine import Engine, load_like
-from ..options import SPECULATIVE_MODES, SpeculativeConfig
+from ..engine import Engine, with_loaded_draft
+from ..options import SpeculativeConfig
 from ..testing.prose import prose
 from ..tokenizer import Tokenizer
 from .reference import open_model
@@ -90,8 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.n_gen <= 0 or args.reps <= 0 or not contexts or min(contexts) <= 0:
         ap.error("--n-gen, --reps and every context must be positive")
     path, model, tokenizer = open_model(args, "kvflash bench spec")
-    configs = [c if c.draft in SPECULATIVE_MODES else dataclasses.replace(c, draft=load_like(c.draft, model))
-               for c in configs]
+    configs = [with_loaded_draft(c, model) for c in configs]
 
     rows = []
     rng = np.random.default_rng(0)

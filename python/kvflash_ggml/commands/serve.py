@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _core
-from ..engine import Engine, draft_model_of, load_like, with_loaded_drafter
+from ..engine import Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
-from ..options import SPECULATIVE_MODES
 from ..model import cpu_threads
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
@@ -60,9 +59,7 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads))
     tokenizer = Tokenizer(path)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
-    speculative = speculative_config(args)
-    if speculative is not None and speculative.draft not in SPECULATIVE_MODES:   # one draft model for all slots
-        speculative = dataclasses.replace(speculative, draft=load_like(speculative.draft, model))
+    speculative = with_loaded_draft(speculative_config(args), model)   # one draft model for all slots
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
     if pool.pool_tokens == "auto":
         fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative))
