@@ -169,6 +169,20 @@ def test_an_echo_model_drafting_itself_keeps_every_draft(tmp_path):
     assert st["spec_drafted"] > 20 and st["spec_acceptance"] == 1.0
 
 
+def test_logprobs_with_speculation_are_plain_decodings(tiny):
+    # Each token of a verify step reports its logprobs from its own row: the values plain decoding reports.
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul")
+    motif = np.random.default_rng(3).integers(0, 1000, 37).tolist()
+    prompt = (motif * 20)[:700]
+    with Model(tiny("llama"), **kw) as plain, Model(tiny("llama"), **kw, speculative="prompt_lookup") as spec:
+        want = [r for r in plain.engine.generate(prompt, max_tokens=48, temperature=0.0, logprobs=3) if r.token is not None]
+        got = [r for r in spec.engine.generate(prompt, max_tokens=48, temperature=0.0, logprobs=3) if r.token is not None]
+        st = spec.stats()
+    assert [r.token for r in got] == [r.token for r in want]
+    assert all(r.logprobs is not None for r in got) and [r.logprobs for r in got] == [r.logprobs for r in want]
+    assert st["spec_accepted"] > 0   # several tokens came from one verify step
+
+
 # ---- sampling ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_kind", ["other-weights", "itself"])

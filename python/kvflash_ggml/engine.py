@@ -545,9 +545,9 @@ class Generation:
     argmax (or the logits, if wants_logits), which the caller may run for several sessions in one batched
     forward (_core.BatchDecoder) and hand back with advance(...), in place of next().
 
-    With an engine that speculates (and no logprobs asked), a decode step verifies drafts and yields several
-    tokens: the records after it come from the queue of kept tokens, without a step; such a generation steps
-    alone (needs_decode_step() is False)."""
+    With an engine that speculates, a decode step verifies drafts and yields several tokens: the records after it
+    come from the queue of kept tokens (with their logprobs, from the verify step's rows), without a step; such a
+    generation steps alone (needs_decode_step() is False)."""
 
     def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams, owner: int,
                  n_logprobs: Optional[int]) -> None:
@@ -556,9 +556,10 @@ class Generation:
         self.token: Optional[int] = None   # the last token picked (fed by the next decode step)
         self.n_generated = 0               # token records given
         self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
-        self._speculate = engine.speculator is not None and n_logprobs is None
+        self._speculate = engine.speculator is not None
         self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
-        self._queue: list[int] = []        # speculation: tokens verified, not yet given
+        # speculation: tokens verified, not yet given, with their logprobs (if asked)
+        self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
 
     def __iter__(self) -> "Generation":
         return self
@@ -579,7 +580,7 @@ class Generation:
             if self._speculate:
                 if not self._queue:
                     self._queue = self._verify_drafts()
-                return self._emit(self._queue.pop(0), None)
+                return self._emit(*self._queue.pop(0))
             if not self.wants_logits:
                 return self._emit(e._decode_one_greedy(self.token), None)
             return self._emit(*self._choose(e._decode_one(self.token)))
@@ -621,10 +622,10 @@ class Generation:
         return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
             (not self._queue and self.engine.session.n_tokens >= self.engine.pool.n_ctx)
 
-    def _verify_drafts(self) -> list[int]:
+    def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
         """One speculative step: `token` and the drafts after it through the session at once; the drafts the
-        model keeps and its own next token, the rejected positions truncated. Falls back to a plain step when
-        the drafter has nothing to propose."""
+        model keeps and its own next token (each with its logprobs from its row, if asked), the rejected
+        positions truncated. Falls back to a plain step when the drafter has nothing to propose."""
         e, s = self.engine, self.engine.session
         p = self.params
         left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
@@ -638,7 +639,8 @@ class Generation:
                        e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
         drafts, q = e.speculator.propose(self._history, room, self.sampler)
         if not drafts:
-            return [self.sampler(e._decode_one(self.token))] if self.wants_logits else [e._decode_one_greedy(self.token)]
+            return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
+                [(e._decode_one_greedy(self.token), None)]
         n0 = s.n_tokens
         if s.has_recurrent_state:
             s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
@@ -651,7 +653,10 @@ class Generation:
             s.truncate(n0 + 1 + len(kept))
         e.speculator.record(len(drafts), len(kept))
         e._after_decode(1 + len(kept))
-        return [*kept, own]
+        chosen = [*kept, own]   # token i was chosen from row i
+        if self.n_logprobs is None:
+            return [(t, None) for t in chosen]
+        return [(t, token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)]
 
     def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
         token = self.sampler(logits)
