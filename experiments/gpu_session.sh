@@ -128,9 +128,10 @@ for phase in "$@"; do
             --json "$OUT/spec.json" 2>&1 | tee -a "$OUT/bench.log"
         # The same shape as an echo model (it predicts the token it was given, with certainty) drafting itself:
         # every draft kept, whatever the kernels' summation order: the machinery's upper bound.
-        [ -f /tmp/echo.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/echo.gguf --shape "${SHAPE:-llama3-8b}" --type q4_0 --echo 2>&1 | tee -a "$OUT/session.log"
-        python3 -m kvflash_ggml bench spec --model /tmp/echo.gguf --task random --contexts "${SPEC_CONTEXTS:-4096,131072}" \
-            --draft /tmp/echo.gguf --kvflash "$POOL" --n-gen "${SPEC_GEN:-64}" --reps "${SPEC_REPS:-2}" \
+        echo_model=/tmp/echo-${SHAPE:-llama3-8b}.gguf
+        [ -f "$echo_model" ] || python3 -m kvflash_ggml.testing.random_gguf "$echo_model" --shape "${SHAPE:-llama3-8b}" --type q4_0 --echo 2>&1 | tee -a "$OUT/session.log"
+        python3 -m kvflash_ggml bench spec --model "$echo_model" --task random --contexts "${SPEC_CONTEXTS:-4096,131072}" \
+            --draft "$echo_model" --kvflash "$POOL" --n-gen "${SPEC_GEN:-64}" --reps "${SPEC_REPS:-2}" \
             --json "$OUT/spec-echo.json" 2>&1 | tee -a "$OUT/bench.log" ;;
     profile)
         need_model

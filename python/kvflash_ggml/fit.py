@@ -81,6 +81,11 @@ def _exact_prefill_bytes(costs: SlotCosts, n_ctx: int) -> float:
         costs.compute_max * costs.exact_step / max(1, costs.n_batch)
 
 
+def _session_figures(c: SlotCosts) -> str:
+    return (f"{c.kv_per_token / 1024:.1f} KiB of K/V + {c.compute_per_token / 1024:.1f} KiB of compute per pool token, "
+            f"{c.compute_fixed / 2**20:.0f} MiB compute + {c.state / 2**20:.0f} MiB rings and recurrent state fixed")
+
+
 def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, min_pool: int,
           draft: Optional[SlotCosts] = None) -> Fit:
     """The largest chunk-aligned pool per session such that n_slots sessions (and as many draft-model sessions
@@ -96,13 +101,12 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     fitted = int((free - fixed) / per_token) // C * C
     ceiling = -(-n_ctx // C) * C
     chosen = min(fitted, ceiling)
-    figures = (f"{free / 2**30:.2f} GiB free after the weights; per session {costs.kv_per_token / 1024:.1f} KiB of "
-               f"K/V + {costs.compute_per_token / 1024:.1f} KiB of compute per pool token, "
-               f"{costs.compute_fixed / 2**20:.0f} MiB compute + {costs.state / 2**20:.0f} MiB rings and recurrent state fixed"
-               + (f"; a draft model's session beside each: {draft.kv_per_token / 1024:.1f} KiB of K/V + "
-                  f"{draft.compute_per_token / 1024:.1f} KiB of compute per pool token, {draft.compute_fixed / 2**20:.0f} MiB "
-                  "fixed" if draft else "") +
-               f"; {prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt; {headroom / 2**20:.0f} MiB headroom")
+    parts = [f"{free / 2**30:.2f} GiB free after the weights",
+             f"per session {_session_figures(costs)}"]
+    if draft is not None:
+        parts.append(f"a draft model's session beside each: {_session_figures(draft)}")
+    parts += [f"{prefill / 2**20:.0f} MiB for the exact prefill of an n_ctx prompt", f"{headroom / 2**20:.0f} MiB headroom"]
+    figures = "; ".join(parts)
     if chosen < min_pool:
         raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit the GPU's free memory ({figures}); "
                          f"each needs a pool of at least {min_pool} tokens. Use fewer slots (--parallel), a smaller "

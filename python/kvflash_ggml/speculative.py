@@ -23,11 +23,10 @@ stats() reports.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Union
 
 import numpy as np
-
-import logging
 
 from . import _core
 from .companion import retokenise
@@ -86,11 +85,12 @@ class DraftModel:
         self._held: list[int] = []   # the session's tokens (kept here: reading them from the core is O(n))
         self._synced = 0             # history[:_synced] is what the last call saw, and the session holds it
 
-    def follow(self, history: Sequence[int], *, extends: bool = False) -> np.ndarray:
+    def follow(self, history: Sequence[int], *, unchanged: int = 0) -> np.ndarray:
         """Make the draft session hold `history` (computing only what differs); its logits after the last token.
-        extends: history extends the one of the last call (within a generation), so only its tail is compared."""
+        unchanged: its first tokens that are the last call's too (within a generation: all that call saw), so
+        only what follows them is compared."""
         s = self.session
-        start = self._synced if extends else 0
+        start = min(unchanged, self._synced)
         n_keep = start + common_prefix(self._held[start:], history[start:])
         n_keep = min(n_keep, len(history) - 1)   # the last token runs for its logits
         if n_keep < s.n_tokens:
@@ -103,14 +103,16 @@ class DraftModel:
                 s.reselect(prompt_attention_scores(attention, s.pager.n_chunks()))
         else:
             logits = forward_in_steps(s, new, n_keep)
-        self._held = list(history)
+        del self._held[n_keep:]
+        self._held.extend(history[n_keep:])
         self._synced = len(history)
         return logits
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler, *,
-                extends: bool = True) -> tuple[list[int], Optional[list[np.ndarray]]]:
+                unchanged: Optional[int] = None) -> tuple[list[int], Optional[list[np.ndarray]]]:
+        """unchanged: as for follow; None: history extends the last call's (a generation's next step)."""
         s = self.session
-        logits = self.follow(history, extends=extends)
+        logits = self.follow(history, unchanged=self._synced if unchanged is None else unchanged)
         drafts: list[int] = []
         q: list[np.ndarray] = []
         for i in range(k):
@@ -150,6 +152,9 @@ class TextMappedDraft:
         self._text = b""                # their text
         self._tokens: list[int] = []    # its own tokens for that text
         self._starts: list[int] = []    # where each of them starts in the text (a BOS: at 0, no text)
+        # its first tokens that every mapping since the draft session last followed one has kept
+        self._unchanged = 0
+        self._followed = True
 
     def _map(self, history: Sequence[int]) -> list[int]:
         m = len(self._history)
@@ -163,16 +168,20 @@ class TextMappedDraft:
             tail = self.own.encode(text[cut:], add_special=False, parse_special=True)
             tail_text, tail_off = self.own.pieces(tail)
             if tail_text == text[cut:]:
-                self._history = list(history)
+                self._history.extend(history[m:])
                 self._text = text
-                self._tokens = self._tokens[:j] + tail
-                self._starts = self._starts[:j] + (cut + tail_off[:-1]).tolist()
+                del self._tokens[j:], self._starts[j:]
+                self._tokens.extend(tail)
+                self._starts.extend((cut + tail_off[:-1]).tolist())
+                self._unchanged = j if self._followed else min(j, self._unchanged)
+                self._followed = False
                 return self._tokens
         tokens, _, d_off = retokenise(np.asarray(history, dtype=np.int32), self.target, self.own)
         self._history = list(history)
         self._text, _ = self.target.pieces(history)
         self._tokens = tokens.tolist()
         self._starts = d_off[:-1].tolist()
+        self._unchanged, self._followed = 0, False
         return self._tokens
 
     def _room_for(self, tokens: list[int], room: int) -> bool:
@@ -188,14 +197,16 @@ class TextMappedDraft:
     def follow(self, history: Sequence[int]) -> None:
         tokens = self._map(history)
         if self._room_for(tokens, 0):
-            self.draft.follow(tokens)
+            self.draft.follow(tokens, unchanged=self._unchanged)
+            self._followed = True
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
         tokens = self._map(history)
         if not self._room_for(tokens, k):
             return [], None
-        # Its tokens near the history's end may have changed with the new text: compared from the start.
-        own, _ = self.draft.propose(tokens, k, self._greedy, extends=False)
+        # Its tokens near the history's end may have changed with the new text: compared from where they may.
+        own, _ = self.draft.propose(tokens, k, self._greedy, unchanged=self._unchanged)
+        self._followed = True
         text, _ = self.own.pieces(own, special=False)
         mapped = self.target.encode(text, add_special=False)
         return mapped[:max(1, len(mapped) - 1)][:k], None
