@@ -90,6 +90,11 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("n_layer", &ModelHparams::n_layer)
         .def_readonly("n_head", &ModelHparams::n_head)
         .def_readonly("n_head_kv", &ModelHparams::n_head_kv)
+        .def_property_readonly("n_head_layers", [](const ModelHparams & hp) {
+            std::vector<int64_t> v;
+            for (int64_t il = 0; il < hp.n_layer; ++il) v.push_back(hp.n_head_of(il));
+            return v;
+        })
         .def_readonly("head_dim_k", &ModelHparams::head_dim_k)
         .def_readonly("head_dim_v", &ModelHparams::head_dim_v)
         .def_readonly("n_ff", &ModelHparams::n_ff)

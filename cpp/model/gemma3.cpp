@@ -13,26 +13,7 @@ namespace {
 
 void read_hparams(const gguf_context * g, ModelHparams & hp) {
     const std::string a = hp.arch + ".";
-    int64_t n_swa = 0;
-    if (meta_int(g, a + "attention.sliding_window", 0, INT32_MAX, n_swa) && n_swa > 0) {
-        hp.n_swa = n_swa;
-        // Every 6th layer is global unless the file says otherwise: one flag per layer, or a period.
-        const std::string pattern = a + "attention.sliding_window_pattern";
-        const int64_t id = gguf_find_key(g, pattern.c_str());
-        if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY ||
-            !meta_bool_array(g, pattern, hp.n_layer, hp.swa_layers)) {
-            int64_t period = 6;
-            meta_int(g, pattern, 0, INT32_MAX, period);
-            hp.swa_layers.assign((size_t) hp.n_layer, 0);
-            for (int64_t il = 0; il < hp.n_layer; ++il) hp.swa_layers[(size_t) il] = period == 0 || il % period < period - 1;
-        }
-        if (meta_float(g, a + "rope.freq_base_swa", hp.rope_freq_base_swa) && !(hp.rope_freq_base_swa >= 1.0f)) {
-            throw std::runtime_error("GGUF " + a + "rope.freq_base_swa must be >= 1");
-        }
-        if (hp.n_pooled_layers() == 0) {
-            throw std::runtime_error("GGUF " + a + "attention.sliding_window_pattern leaves no global layer: nothing to pool");
-        }
-    }
+    read_sliding_window(g, hp, /*period =*/ 6, /*global_first =*/ false);   // every 6th layer global
     if (meta_float(g, a + "final_logit_softcapping", hp.logit_softcap) && hp.logit_softcap < 0.0f) {
         throw std::runtime_error("GGUF " + a + "final_logit_softcapping must be >= 0");
     }
@@ -59,7 +40,7 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     ggml_context * ctx = g.ctx;
 
     ggml_tensor * h = rms_norm(g, x, w.attn_norm, hp.rms_eps);
-    ggml_tensor * q = project_heads(g, w.wq, nullptr, h, hp.head_dim_k, hp.n_head);
+    ggml_tensor * q = project_heads(g, w.wq, nullptr, h, hp.head_dim_k, hp.n_head_of(il));
     ggml_tensor * k = project_heads(g, w.wk, nullptr, h, hp.head_dim_k, hp.n_head_kv);
     ggml_tensor * v = project_heads(g, w.wv, nullptr, h, hp.head_dim_v, hp.n_head_kv);
     q = ggml_scale(ctx, rope(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps)), hp.attn_scale);

@@ -21,14 +21,23 @@ ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) 
 ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
     ggml_context * ctx = g.ctx;
     const int64_t n_embd = x->ne[0], n = x->ne[1], k = hp.n_expert_used;
-    // Route: softmax over every expert, keep the top k, renormalise their weights to sum to 1 (libllama's
-    // softmax gating with norm_w, clamped as it does so a sum of tiny weights never divides by 0).
-    ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, w.ffn_gate_inp, x));   // [n_expert, n]
-    ggml_tensor * chosen = ggml_argsort_top_k(ctx, probs, (int) k);                    // I32 [k, n]
+    // Route as libllama's build_moe_ffn: softmax or sigmoid over every expert, the top k by that probability
+    // plus the selection bias, weighted by their unbiased probabilities, renormalised to sum to 1 (clamped
+    // as libllama does, so a sum of tiny weights never divides by 0) and scaled.
+    ggml_tensor * logits = ggml_mul_mat(ctx, w.ffn_gate_inp, x);   // [n_expert, n]
+    ggml_tensor * probs = hp.expert_gating == ModelHparams::ExpertGating::sigmoid ? ggml_sigmoid(ctx, logits)
+                                                                                   : ggml_soft_max(ctx, logits);
+    ggml_tensor * selection = w.ffn_exp_probs_b ? ggml_add(ctx, probs, w.ffn_exp_probs_b) : probs;
+    ggml_tensor * chosen = ggml_argsort_top_k(ctx, selection, (int) k);   // I32 [k, n]
     ggml_tensor * weights = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, hp.n_expert, n), chosen);   // [1, k, n]
-    weights = ggml_reshape_2d(ctx, weights, k, n);
-    weights = ggml_div(ctx, weights, ggml_clamp(ctx, ggml_sum_rows(ctx, weights), 6.103515625e-5f, INFINITY));
-    weights = ggml_reshape_3d(ctx, weights, 1, k, n);
+    if (hp.expert_weights_norm) {
+        weights = ggml_reshape_2d(ctx, weights, k, n);
+        weights = ggml_div(ctx, weights, ggml_clamp(ctx, ggml_sum_rows(ctx, weights), 6.103515625e-5f, INFINITY));
+        weights = ggml_reshape_3d(ctx, weights, 1, k, n);
+    }
+    if (hp.expert_weights_scale != 0.0f && hp.expert_weights_scale != 1.0f) {
+        weights = ggml_scale(ctx, weights, hp.expert_weights_scale);
+    }
 
     ggml_tensor * xe = ggml_reshape_3d(ctx, x, n_embd, 1, n);
     ggml_tensor * gate, * up;
@@ -49,17 +58,17 @@ ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights 
         out = out ? ggml_add(ctx, out, e) : e;
     }
     if (k == 1) out = ggml_cont(ctx, out);
-    if (w.ffn_up_shexp) {   // the shared expert, gated per token by a sigmoid
+    if (w.ffn_up_shexp) {   // the shared expert, gated per token by a sigmoid where it has a gate (qwen35moe)
         ggml_tensor * shared = ggml_mul_mat(ctx, w.ffn_down_shexp,
                                             ggml_swiglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate_shexp, x),
                                                               ggml_mul_mat(ctx, w.ffn_up_shexp, x)));
-        shared = ggml_mul(ctx, shared, ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ffn_gate_inp_shexp, x)));
+        if (w.ffn_gate_inp_shexp) shared = ggml_mul(ctx, shared, ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ffn_gate_inp_shexp, x)));
         out = ggml_add(ctx, out, shared);
     }
     return out;
 }
 
-void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool shared_gate) {
     const std::string p = "blk." + std::to_string(il) + ".";
     const int64_t E = hp.n_expert, F = hp.n_ff_exp;
     w.ffn_gate_inp = src.require(p + "ffn_gate_inp.weight", {hp.n_embd, E});
@@ -70,11 +79,35 @@ void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp,
     }
     w.ffn_down_exps = src.require(p + "ffn_down_exps.weight", {F, hp.n_embd, E});
     if (hp.n_ff_shexp > 0) {
-        w.ffn_gate_inp_shexp = src.require(p + "ffn_gate_inp_shexp.weight", {hp.n_embd});
+        if (shared_gate) w.ffn_gate_inp_shexp = src.require(p + "ffn_gate_inp_shexp.weight", {hp.n_embd});
         w.ffn_gate_shexp = src.require(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         w.ffn_up_shexp = src.require(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         w.ffn_down_shexp = src.require(p + "ffn_down_shexp.weight", {hp.n_ff_shexp, hp.n_embd});
     }
+}
+
+bool read_sliding_window(const gguf_context * g, ModelHparams & hp, int64_t period, bool global_first) {
+    const std::string a = hp.arch + ".";
+    int64_t n_swa = 0;
+    if (!meta_int(g, a + "attention.sliding_window", 0, INT32_MAX, n_swa) || n_swa == 0) return false;
+    hp.n_swa = n_swa;
+    // One flag per layer, or a period: one global layer in each, the first or the last of it.
+    const std::string pattern = a + "attention.sliding_window_pattern";
+    const int64_t id = gguf_find_key(g, pattern.c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || !meta_bool_array(g, pattern, hp.n_layer, hp.swa_layers)) {
+        meta_int(g, pattern, 0, INT32_MAX, period);
+        hp.swa_layers.assign((size_t) hp.n_layer, 0);
+        for (int64_t il = 0; il < hp.n_layer; ++il) {
+            hp.swa_layers[(size_t) il] = period == 0 || (global_first ? il % period != 0 : il % period < period - 1);
+        }
+    }
+    if (meta_float(g, a + "rope.freq_base_swa", hp.rope_freq_base_swa) && !(hp.rope_freq_base_swa >= 1.0f)) {
+        throw std::runtime_error("GGUF " + a + "rope.freq_base_swa must be >= 1");
+    }
+    if (hp.n_pooled_layers() == 0) {
+        throw std::runtime_error("GGUF " + pattern + " leaves no global layer: nothing to pool");
+    }
+    return true;
 }
 
 void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_expert) {
@@ -103,10 +136,13 @@ ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml
 
 ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
-    const bool swa = hp.is_swa(il);
-    return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_train,
-                         swa ? hp.rope_freq_base_swa : hp.rope_freq_base, swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale,
-                         0.0f, 1.0f, 32.0f, 1.0f);
+    if (hp.is_swa(il)) {   // plain RoPE of its own (no YaRN on a window the model was trained at)
+        return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot_swa, hp.rope_type, (int) hp.n_ctx_train,
+                             hp.rope_freq_base_swa, hp.rope_freq_scale_swa, 0.0f, 1.0f, 0.0f, 0.0f);
+    }
+    return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_orig_yarn,
+                         hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor, hp.rope_attn_factor,
+                         hp.yarn_beta_fast, hp.yarn_beta_slow);
 }
 
 namespace {
@@ -261,10 +297,10 @@ namespace kvf {
 void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool dense_ffn) {
     const std::string p = "blk." + std::to_string(il) + ".";
     w.attn_norm = src.require(p + "attn_norm.weight", {hp.n_embd});
-    w.wq = src.require(p + "attn_q.weight", {hp.n_embd, hp.head_dim_k * hp.n_head});
+    w.wq = src.require(p + "attn_q.weight", {hp.n_embd, hp.head_dim_k * hp.n_head_of(il)});
     w.wk = src.require(p + "attn_k.weight", {hp.n_embd, hp.n_embd_k()});
     w.wv = src.require(p + "attn_v.weight", {hp.n_embd, hp.n_embd_v()});
-    w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head, hp.n_embd});
+    w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head_of(il), hp.n_embd});
     w.ffn_norm = src.require(p + "ffn_norm.weight", {hp.n_embd});
     if (dense_ffn) load_dense_ffn(w, src, hp, il);
 }

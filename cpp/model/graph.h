@@ -96,10 +96,15 @@ namespace kvf {
 // dense_ffn=false: the FFN is the family's own (experts), loaded separately.
 void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool dense_ffn = true);
 void load_dense_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);   // gate, up, down
-// A mixture-of-experts FFN's tensors (router, experts; the shared expert when hp.n_ff_shexp > 0), and the
-// metadata that sizes them (expert counts and widths, libllama's defaults where a file leaves them out).
-void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+// A mixture-of-experts FFN's tensors (router, experts; the shared expert when hp.n_ff_shexp > 0, with its
+// sigmoid gate when shared_gate), and the metadata that sizes them (expert counts and widths, libllama's
+// defaults where a file leaves them out).
+void load_moe_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il, bool shared_gate = true);
 void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_expert);
+// The sliding window and which layers have it (attention.sliding_window_pattern: one flag per layer, or a
+// period whose first (global_first) or last layer is global, `period` when the file has neither); the local
+// layers' rope base. false when the file has no window (every layer global).
+bool read_sliding_window(const gguf_context * g, ModelHparams & hp, int64_t period, bool global_first);
 
 // The token embeddings of the step: [n_embd, n_tokens].
 ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);

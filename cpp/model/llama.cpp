@@ -13,7 +13,7 @@ void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, i
 ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
-    ggml_tensor * q = rope(g, m, il, project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head));
+    ggml_tensor * q = rope(g, m, il, project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head_of(il)));
     ggml_tensor * k = rope(g, m, il, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv));
     ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
     return kv_attention(g, m, il, q, k, v, 1.0f / std::sqrt((float) hp.head_dim_k));

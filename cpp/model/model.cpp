@@ -5,6 +5,7 @@
 
 #include "gguf.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -54,6 +55,7 @@ public:
         }
         return t;
     }
+    const ggml_tensor * stored(const std::string & name) override { return ggml_get_tensor(meta_, name.c_str()); }
 private:
     ggml_context * meta_;
 };
@@ -148,13 +150,7 @@ void Model::read_hparams(gguf_context * g) {
     }
     hp_.n_embd = meta_require_int(g, a + "embedding_length", 1, k_max_dim);
     meta_int(g, a + "feed_forward_length", 1, k_max_dim, hp_.n_ff);   // dense families require it (load_dense_ffn)
-    hp_.n_head = meta_require_int(g, a + "attention.head_count", 1, k_max_dim);
-    hp_.n_head_kv = hp_.n_head;
-    meta_int(g, a + "attention.head_count_kv", 1, hp_.n_head, hp_.n_head_kv);
-    if (hp_.n_head % hp_.n_head_kv != 0) {
-        throw std::runtime_error("GGUF " + a + "attention.head_count=" + std::to_string(hp_.n_head) +
-                                 " is not a multiple of head_count_kv=" + std::to_string(hp_.n_head_kv));
-    }
+    read_head_counts(g);
     hp_.n_ctx_train = meta_require_int(g, a + "context_length", 1, k_max_dim);
     hp_.head_dim_k = hp_.n_embd / hp_.n_head;
     meta_int(g, a + "attention.key_length", 1, k_max_dim, hp_.head_dim_k);
@@ -175,6 +171,7 @@ void Model::read_hparams(gguf_context * g) {
     }
     read_rope(g);
     if (arch_->read_hparams) arch_->read_hparams(g, hp_);
+    check_pooled_head_counts();
 }
 
 int64_t ModelHparams::n_swa_layers() const {
@@ -193,6 +190,46 @@ int64_t ModelHparams::kv_index(int64_t il) const {
     int64_t i = 0;
     for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il) && is_recurrent(l) == is_recurrent(il);
     return i;
+}
+
+void Model::read_head_counts(gguf_context * g) {
+    const std::string a = hp_.arch + ".", key = a + "attention.head_count";
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY) {   // one count per layer (laguna's differ)
+        if (!meta_int_array(g, key, hp_.n_layer, 1, k_max_dim, hp_.n_head_layers)) {
+            throw std::runtime_error("GGUF is missing the required key " + key);
+        }
+        hp_.n_head = hp_.n_head_layers[0];
+        if (std::all_of(hp_.n_head_layers.begin(), hp_.n_head_layers.end(), [&](int64_t n) { return n == hp_.n_head; })) {
+            hp_.n_head_layers.clear();
+        }
+    } else {
+        hp_.n_head = meta_require_int(g, key, 1, k_max_dim);
+    }
+    int64_t fewest = hp_.n_head;
+    for (int64_t n : hp_.n_head_layers) fewest = std::min(fewest, n);
+    hp_.n_head_kv = hp_.n_head;
+    meta_int(g, a + "attention.head_count_kv", 1, fewest, hp_.n_head_kv);
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        if (hp_.n_head_of(il) % hp_.n_head_kv != 0) {
+            throw std::runtime_error("GGUF " + key + "=" + std::to_string(hp_.n_head_of(il)) + " (layer " +
+                                     std::to_string(il) + ") is not a multiple of head_count_kv=" +
+                                     std::to_string(hp_.n_head_kv));
+        }
+    }
+}
+
+void Model::check_pooled_head_counts() const {
+    // The scorers read one [n_head, head_dim] block of queries per pooled layer (StepQueries).
+    int64_t first = -1;
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        if (!hp_.is_pooled(il)) continue;
+        if (first < 0) first = il;
+        if (hp_.n_head_of(il) != hp_.n_head_of(first)) {
+            throw std::runtime_error("GGUF " + hp_.arch + ".attention.head_count differs between global layers " +
+                                     std::to_string(first) + " and " + std::to_string(il) + ": unsupported");
+        }
+    }
 }
 
 void Model::read_rope(gguf_context * g) {
@@ -214,16 +251,39 @@ void Model::read_rope(gguf_context * g) {
     if (meta_float(g, a + "rope.freq_base", hp_.rope_freq_base) && !(hp_.rope_freq_base >= 1.0f)) {
         throw std::runtime_error("GGUF " + a + "rope.freq_base=" + std::to_string(hp_.rope_freq_base) + " must be >= 1");
     }
+    hp_.n_rot_swa = hp_.n_rot;
+    meta_int(g, a + "rope.dimension_count_swa", INT64_MIN, INT64_MAX, hp_.n_rot_swa);
+    if (hp_.n_rot_swa <= 0 || hp_.n_rot_swa % 2 != 0 || hp_.n_rot_swa > hp_.head_dim_k) {
+        throw std::runtime_error("GGUF " + a + "rope.dimension_count_swa=" + std::to_string(hp_.n_rot_swa) +
+                                 " must be even and in [2, head size " + std::to_string(hp_.head_dim_k) + "]");
+    }
     std::string scaling = "none";
     meta_str(g, a + "rope.scaling.type", scaling);
-    if (scaling != "none" && scaling != "linear" && scaling != "llama3") {
-        throw std::runtime_error("unsupported rope scaling type '" + scaling + "' (supported: none, linear, llama3)");
+    if (scaling != "none" && scaling != "linear" && scaling != "llama3" && scaling != "yarn") {
+        throw std::runtime_error("unsupported rope scaling type '" + scaling + "' (supported: none, linear, llama3, yarn)");
     }
     float factor = 1.0f;
     if (meta_float(g, a + "rope.scaling.factor", factor) && !(factor > 0.0f)) {
         throw std::runtime_error("GGUF " + a + "rope.scaling.factor=" + std::to_string(factor) + " must be > 0");
     }
-    if (scaling == "linear") hp_.rope_freq_scale = 1.0f / factor;
+    if (scaling == "linear" || scaling == "yarn") hp_.rope_freq_scale = 1.0f / factor;
+    float attn_factor = 1.0f;
+    if (meta_float(g, a + "rope.scaling.attn_factor", attn_factor) && !(attn_factor > 0.0f)) {
+        throw std::runtime_error("GGUF " + a + "rope.scaling.attn_factor=" + std::to_string(attn_factor) + " must be > 0");
+    }
+    hp_.n_ctx_orig_yarn = hp_.n_ctx_train;
+    meta_int(g, a + "rope.scaling.original_context_length", 1, k_max_dim, hp_.n_ctx_orig_yarn);
+    hp_.rope_attn_factor = attn_factor;
+    if (scaling == "yarn") {
+        // llama_context's YaRN magnitude: mscale(factor) = 1 + 0.1 ln(factor), divided by the same correction
+        // ggml's rope applies itself when ext_factor != 0 (so it cancels for factor > 1).
+        // Computed in libllama's order, from the scale as it keeps it, so the factor is the same float.
+        hp_.rope_ext_factor = 1.0f;
+        const float f = 1.0f / hp_.rope_freq_scale;
+        float af = f <= 1.0f ? 1.0f : 0.1f * 1.0f * logf(f) + 1.0f;
+        af *= 1.0f / (1.0f + 0.1f * logf(f));
+        hp_.rope_attn_factor = af * attn_factor;
+    }
 }
 
 void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {

@@ -1,5 +1,5 @@
 // Model: hyperparameters and weights of one GGUF file, placed on a ggml backend.
-// Families (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3) are registered in registry.cpp; each has one file with its tensor
+// Families (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3, laguna) are registered in registry.cpp; each has one file with its tensor
 // list and graph builder. Nothing here knows about residency: graphs write K/V into a PooledKV.
 #pragma once
 
@@ -23,7 +23,7 @@ struct ModelHparams {
     int64_t n_vocab     = 0;
     int64_t n_embd      = 0;
     int64_t n_layer     = 0;
-    int64_t n_head      = 0;
+    int64_t n_head      = 0;          // layer 0's query heads (n_head_of: layer il's)
     int64_t n_head_kv   = 0;
     int64_t head_dim_k  = 0;
     int64_t head_dim_v  = 0;
@@ -32,8 +32,16 @@ struct ModelHparams {
     int64_t n_rot       = 0;
     float   rms_eps     = 1e-6f;
     float   rope_freq_base  = 10000.0f;
-    float   rope_freq_scale = 1.0f;   // 1 / linear scaling factor
+    float   rope_freq_scale = 1.0f;   // 1 / scaling factor (linear or YaRN)
     int     rope_type   = 0;          // GGML_ROPE_TYPE_NORMAL (0) or GGML_ROPE_TYPE_NEOX
+    // YaRN (rope.scaling.type yarn) on the global layers, with libllama's context defaults: ext_factor 1, the
+    // magnitude correction folded into attn_factor as llama_context does, betas 32 / 1, and the context the
+    // model was trained at before scaling. ext_factor 0: plain RoPE (every other scaling type).
+    float   rope_ext_factor  = 0.0f;
+    float   rope_attn_factor = 1.0f;
+    float   yarn_beta_fast   = 32.0f;
+    float   yarn_beta_slow   = 1.0f;
+    int64_t n_ctx_orig_yarn  = 0;
     float   attn_scale  = 0.0f;       // query scale; 0 = 1/sqrt(head_dim_k)
     float   logit_softcap = 0.0f;     // final logits: c * tanh(logits / c) when > 0
 
@@ -44,6 +52,11 @@ struct ModelHparams {
     std::vector<uint8_t> swa_layers;
     float   rope_freq_base_swa  = 10000.0f;
     float   rope_freq_scale_swa = 1.0f;
+    int64_t n_rot_swa = 0;            // rope.dimension_count_swa (default n_rot): laguna rotates all of a local head
+
+    // Query heads per layer (laguna: its sliding-window layers have more than its global ones); empty: n_head
+    // everywhere. K/V heads are the same on every layer.
+    std::vector<int64_t> n_head_layers;
 
     // Linear-attention layers (qwen35's gated delta-net): flagged in recurrent_layers, each with a fixed-size
     // conv state and recurrent state of its own (kv/recurrent_state.h), never paged. Sizes as libllama
@@ -55,12 +68,21 @@ struct ModelHparams {
     // every section, so the rotation equals NeoX RoPE over n_rot dimensions; read and checked, not needed.
     int rope_sections[4] = {0, 0, 0, 0};
 
-    // Mixture of experts (qwen3moe, qwen35moe): n_expert routed experts of n_ff_exp, n_expert_used per token
-    // (softmax gate, weights renormalised over the chosen); n_ff_shexp: the shared expert (0: none).
+    // Mixture of experts (qwen3moe, qwen35moe, laguna): n_expert routed experts of n_ff_exp, n_expert_used per
+    // token, chosen by the router's softmax or sigmoid (plus a per-expert selection bias where the layer has
+    // one), weighted by those probabilities renormalised over the chosen (expert_weights_norm) and scaled by
+    // expert_weights_scale (0: 1); n_ff_shexp: the shared expert (0: none). The first n_layer_dense_lead
+    // layers have a dense FFN instead (laguna).
+    enum class ExpertGating { softmax, sigmoid };
     int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
+    ExpertGating expert_gating = ExpertGating::softmax;
+    bool expert_weights_norm = true;
+    float expert_weights_scale = 0.0f;
+    int64_t n_layer_dense_lead = 0;
 
     int64_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int64_t n_embd_v() const { return head_dim_v * n_head_kv; }
+    int64_t n_head_of(int64_t il) const { return n_head_layers.empty() ? n_head : n_head_layers[(size_t) il]; }
     bool is_swa(int64_t il) const { return !swa_layers.empty() && swa_layers[(size_t) il]; }
     bool is_recurrent(int64_t il) const { return !recurrent_layers.empty() && recurrent_layers[(size_t) il]; }
     bool is_pooled(int64_t il) const { return !is_swa(il) && !is_recurrent(il); }
@@ -88,6 +110,7 @@ struct LayerWeights {
     ggml_tensor * bv = nullptr;          // [n_embd_v]              qwen2
     ggml_tensor * q_norm = nullptr;      // [head_dim_k]            qwen3
     ggml_tensor * k_norm = nullptr;      // [head_dim_k]            qwen3
+    ggml_tensor * attn_gate = nullptr;   // [n_embd, n_head] or [n_embd, head_dim_v * n_head]   laguna (softplus)
     ggml_tensor * ffn_norm = nullptr;    // [n_embd]
     ggml_tensor * ffn_gate = nullptr;    // [n_embd, n_ff]
     ggml_tensor * ffn_up   = nullptr;    // [n_embd, n_ff]
@@ -106,6 +129,7 @@ struct LayerWeights {
     ggml_tensor * ssm_out = nullptr;      // [value_dim, n_embd]
     // mixture of experts
     ggml_tensor * ffn_gate_inp = nullptr;     // [n_embd, n_expert]             router
+    ggml_tensor * ffn_exp_probs_b = nullptr;  // [n_expert]   selection bias (laguna): picks experts, not their weights
     ggml_tensor * ffn_gate_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_up_exps = nullptr;      // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_gate_up_exps = nullptr; // [n_embd, 2 * n_ff_exp, n_expert] (gate and up in one, newer files)
@@ -120,6 +144,7 @@ struct LayerWeights {
 inline constexpr ggml_tensor * LayerWeights::* k_layer_tensors[] = {
     &LayerWeights::attn_norm, &LayerWeights::wq, &LayerWeights::wk, &LayerWeights::wv, &LayerWeights::wo,
     &LayerWeights::bq, &LayerWeights::bk, &LayerWeights::bv, &LayerWeights::q_norm, &LayerWeights::k_norm,
+    &LayerWeights::attn_gate, &LayerWeights::ffn_exp_probs_b,
     &LayerWeights::ffn_norm, &LayerWeights::ffn_gate, &LayerWeights::ffn_up, &LayerWeights::ffn_down,
     &LayerWeights::attn_post_norm, &LayerWeights::ffn_post_norm, &LayerWeights::ssm_qkv, &LayerWeights::ssm_z,
     &LayerWeights::ssm_conv1d, &LayerWeights::ssm_dt, &LayerWeights::ssm_a, &LayerWeights::ssm_beta,
@@ -137,6 +162,8 @@ public:
     virtual ~TensorSource() = default;
     virtual ggml_tensor * require(const std::string & name, std::vector<int64_t> shape) = 0;
     virtual ggml_tensor * optional(const std::string & name, std::vector<int64_t> shape) = 0;
+    // The tensor's metadata as stored (nullptr: absent), for a family whose layout follows a tensor's shape.
+    virtual const ggml_tensor * stored(const std::string & name) = 0;
 };
 
 // One model family: how its layers are named and how its graph is built, one layer at a time, so a
@@ -194,6 +221,8 @@ public:
 
 private:
     void read_hparams(gguf_context * gctx);
+    void read_head_counts(gguf_context * gctx);
+    void check_pooled_head_counts() const;
     void read_rope(gguf_context * gctx);
     void load_tensors(gguf_context * gctx, ggml_context * meta);
 

@@ -29,7 +29,7 @@ void load_moe_layer(LayerWeights & w, TensorSource & src, const ModelHparams & h
 ggml_tensor * attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
-    ggml_tensor * q = project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head);
+    ggml_tensor * q = project_heads(g, w.wq, nullptr, x, hp.head_dim_k, hp.n_head_of(il));
     ggml_tensor * k = project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv);
     q = rope(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps));
     k = rope(g, m, il, rms_norm(g, k, w.k_norm, hp.rms_eps));

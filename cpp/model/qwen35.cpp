@@ -103,10 +103,10 @@ void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, i
         w.ssm_out = src.require(p + "ssm_out.weight", {value_dim, E});
     } else {
         const int64_t D = hp.head_dim_k;
-        w.wq = src.require(p + "attn_q.weight", {E, 2 * D * hp.n_head});   // queries and their output gates
+        w.wq = src.require(p + "attn_q.weight", {E, 2 * D * hp.n_head_of(il)});   // queries and their output gates
         w.wk = src.require(p + "attn_k.weight", {E, hp.n_embd_k()});
         w.wv = src.require(p + "attn_v.weight", {E, hp.n_embd_v()});
-        w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head, E});
+        w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head_of(il), E});
         w.q_norm = src.require(p + "attn_q_norm.weight", {D});
         w.k_norm = src.require(p + "attn_k_norm.weight", {D});
     }
@@ -121,12 +121,12 @@ ggml_tensor * full_attention(GraphCtx & g, const Model & m, int il, ggml_tensor 
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
     ggml_context * ctx = g.ctx;
-    const int64_t D = hp.head_dim_k, n = g.n_tokens;
+    const int64_t D = hp.head_dim_k, H = hp.n_head_of(il), n = g.n_tokens;
     // Each head's 2*D outputs are its query, then its gate.
-    ggml_tensor * qg = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w.wq, x), 2 * D, hp.n_head, n);
-    ggml_tensor * q = ggml_view_3d(ctx, qg, D, hp.n_head, n, qg->nb[1], qg->nb[2], 0);
-    ggml_tensor * gate = ggml_view_3d(ctx, qg, D, hp.n_head, n, qg->nb[1], qg->nb[2], D * ggml_element_size(qg));
-    gate = ggml_cont_2d(ctx, gate, D * hp.n_head, n);
+    ggml_tensor * qg = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w.wq, x), 2 * D, H, n);
+    ggml_tensor * q = ggml_view_3d(ctx, qg, D, H, n, qg->nb[1], qg->nb[2], 0);
+    ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, n, qg->nb[1], qg->nb[2], D * ggml_element_size(qg));
+    gate = ggml_cont_2d(ctx, gate, D * H, n);
     q = rope(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps));
     ggml_tensor * k = rope(g, m, il, rms_norm(g, project_heads(g, w.wk, nullptr, x, D, hp.n_head_kv), w.k_norm, hp.rms_eps));
     ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);

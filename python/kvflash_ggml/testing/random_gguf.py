@@ -8,7 +8,7 @@
 (Moved from kvflash_ggml.bench.random_gguf: a test fixture, not a benchmark; the command line moved along.)
 
 The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 / gemma3 / qwen3moe / qwen35 /
-qwen35moe (tensor names from gguf-py's constants, the same metadata keys and shapes), so libllama loads
+qwen35moe / laguna (tensor names from gguf-py's constants, the same metadata keys and shapes), so libllama loads
 them too and is the reference in tests. Each file carries a small byte-level BPE tokenizer (256 byte
 tokens, merges learned from a built-in text, chatml special tokens, padded with unused tokens up to
 n_vocab) and a chatml chat template.
@@ -24,6 +24,11 @@ The newer families:
              value heads of ssm_d_state each, a causal conv of ssm_d_conv taps.
   qwen35moe  qwen35 with routed experts plus a gated shared expert (n_ff_shexp) instead of the dense FFN;
              no feed_forward_length key, as the converter writes none for it.
+  laguna     Poolside's Laguna: sigmoid-routed experts with a per-expert selection bias (exp_probs_b) and
+             an ungated shared expert, the first n_layer_dense_lead layers dense (n_ff); a softplus attention
+             output gate per head or per element (gate_per_element, per layer); q/k norms; n_head_swa query
+             heads on the sliding-window layers (one global layer per swa_pattern period, first); YaRN on the
+             global layers over n_rot dims (rope_scaling_type="yarn"), plain RoPE over n_rot_swa on the local.
 No MTP (nextn) layers are written.
 
 Weights: norms are 1, everything else ~N(0, weight_std), but for the delta-net's own parameters, which
@@ -45,7 +50,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -54,8 +59,9 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as QT
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe")
-MOE_ARCHS = ("qwen3moe", "qwen35moe")        # routed experts instead of the dense FFN
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "laguna")
+MOE_ARCHS = ("qwen3moe", "qwen35moe", "laguna")   # routed experts instead of the dense FFN
+SWA_ARCHS = ("gemma3", "laguna")             # sliding-window layers beside the global ones
 HYBRID_ARCHS = ("qwen35", "qwen35moe")       # gated delta-net layers + every interval-th layer full attention
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 _FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -93,6 +99,15 @@ SHAPES: dict[str, dict] = {
     # 4 experts, 2 a token; n_ff (written, unused by the MoE graph) differs from n_ff_exp to catch mix-ups
     "tiny-qwen3moe": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                           n_expert=4, n_expert_used=2, n_ff_exp=64, n_vocab=1000, n_ctx_train=4096),
+    # global layers 0 and 2 (4 query heads), sliding-window 1 and 3 (8 heads, window 96); layer 0 dense, 1-3 4
+    # experts (2 a token) + a shared one; layer 0's gate per element, the others' per head; YaRN x4 over 16 of
+    # the global heads' 32 dims, plain RoPE over all 32 on the local ones.
+    "tiny-laguna": dict(arch="laguna", n_layer=4, n_embd=64, n_head=4, n_head_swa=8, n_head_kv=2, head_dim=32,
+                        n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=64, n_ff_shexp=96, n_layer_dense_lead=1,
+                        expert_weights_scale=2.5, gate_per_element=(True, False, False, False), n_vocab=1000,
+                        n_ctx_train=4096, n_swa=96, swa_pattern=2, n_rot=16, n_rot_swa=32,
+                        rope_freq_base=500000.0, rope_freq_base_swa=10000.0, rope_scaling_type="yarn",
+                        rope_scaling_factor=4.0, rope_orig_ctx=1024),
     # layers 0 and 2 delta-net, 1 and 3 full attention; 2 key heads and 4 value heads of 32; n_rot 8 of 32
     "tiny-qwen35": dict(arch="qwen35", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                         n_vocab=1000, n_ctx_train=4096, full_attention_interval=2, ssm_d_conv=4, ssm_d_state=32,
@@ -126,6 +141,17 @@ SHAPES: dict[str, dict] = {
                            n_vocab=248320, n_ctx_train=262144, rope_freq_base=10000000.0, rms_eps=1e-6,
                            full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32,
                            n_rot=64, rope_sections=(11, 11, 10, 0)),
+    # Laguna XS.2's published shape (Poolside's model card and libllama's laguna.cpp): 40 layers, one global layer
+    # in four (first), sliding window 512, 131072 positions, 256 experts + 1 shared, 48 query heads on the global
+    # layers and 64 on the local ones, head size 128, YaRN over 64 dims on the global layers (theta 5e5), plain
+    # RoPE over all 128 on the local ones (theta 1e4), one leading dense layer, per-head gates. NOT published
+    # (assumed, Qwen3-30B-A3B-like, ~33B weights): hidden 2048, 8 KV heads, 8 experts a token of width 512,
+    # shared expert 512, dense FFN 8192, vocab 100352, YaRN factor 32 over 4096, routed scale 2.5.
+    "laguna-xs2": dict(arch="laguna", n_layer=40, n_embd=2048, n_head=48, n_head_swa=64, n_head_kv=8, head_dim=128,
+                       n_ff=8192, n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, n_layer_dense_lead=1,
+                       expert_weights_scale=2.5, n_vocab=100352, n_ctx_train=131072, n_swa=512, n_rot=64,
+                       n_rot_swa=128, rope_freq_base=500000.0, rope_freq_base_swa=10000.0, rope_scaling_type="yarn",
+                       rope_scaling_factor=32.0, rope_orig_ctx=4096, rms_eps=1e-6),
 }
 
 CHATML_TEMPLATE = (
@@ -138,7 +164,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_tex
 # Pre-tokenizer names libllama knows (src/llama-vocab.cpp), one per family, as the real models use.
 # Qwen3.5's tokenizer.json has its own split regex (\p{M} joins letters), which libllama knows as "qwen35".
 _TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default", "qwen3moe": "qwen2",
-                  "qwen35": "qwen35", "qwen35moe": "qwen35"}
+                  "qwen35": "qwen35", "qwen35moe": "qwen35", "laguna": "laguna"}
 _MAX_MERGES = 600
 
 # The text the BPE merges are learned from (ASCII; any text tokenizes, this only decides the merges).
@@ -309,12 +335,16 @@ class _Dims:
 def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
                  n_vocab: int, weight_type: str = "f32", tied_embeddings: bool = False, n_expert: int = 0,
                  n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
-                 ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4) -> list[TensorSpec]:
+                 ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4,
+                 swa_layers: Sequence[bool] = (), n_head_swa: int = 0, n_layer_dense_lead: int = 0,
+                 gate_per_element: Sequence[bool] = ()) -> list[TensorSpec]:
     """Every tensor of the model, in file order, with llama.cpp's names and shapes.
 
-    n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe); n_ff_shexp: the shared expert's
-    width (qwen35moe). ssm_*: the delta-net's conv taps, head size, key heads and value heads (qwen35*);
-    full_attention_interval: which of their layers attend (layer i iff (i + 1) % interval == 0).
+    n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe, laguna); n_ff_shexp: the shared
+    expert's width (qwen35moe, laguna). ssm_*: the delta-net's conv taps, head size, key heads and value heads
+    (qwen35*); full_attention_interval: which of their layers attend (layer i iff (i + 1) % interval == 0).
+    laguna: swa_layers (one flag per layer) with n_head_swa query heads, the first n_layer_dense_lead layers
+    dense, gate_per_element (one flag per layer: the attention gate per element, else per head).
     """
     wt = WEIGHT_TYPES[weight_type]
     d = _Dims(n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp, n_ff_shexp, ssm_d_conv, ssm_d_state,
@@ -323,6 +353,10 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
     for il in range(n_layer):
         if arch in HYBRID_ARCHS:
             specs += _hybrid_layer(arch, il, d, wt, attends=(il + 1) % full_attention_interval == 0)
+        elif arch == "laguna":
+            heads = n_head_swa if swa_layers and swa_layers[il] else n_head
+            specs += _laguna_layer(il, replace(d, n_head=heads), wt, dense=il < n_layer_dense_lead,
+                                   gate_per_element=bool(gate_per_element and gate_per_element[il]))
         else:
             specs += _transformer_layer(arch, il, d, wt)
     specs.append(TensorSpec(_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm", QT.F32))
@@ -354,6 +388,30 @@ def _transformer_layer(arch: str, il: int, d: _Dims, wt: QT) -> list[TensorSpec]
     if arch == "gemma3":
         specs.append(TensorSpec(_name(T.FFN_POST_NORM, "weight", il), (n_embd,), "norm", QT.F32))
     return specs
+
+
+def _laguna_layer(il: int, d: _Dims, wt: QT, dense: bool, gate_per_element: bool) -> list[TensorSpec]:
+    """Attention with q/k norms and a softplus output gate (attn_gate: one output per head or per element), then
+    a dense FFN or routed experts (with their selection bias) beside an ungated shared expert."""
+    n_q, n_kv = d.head_dim * d.n_head, d.head_dim * d.n_head_kv
+    specs = [TensorSpec(_name(T.ATTN_NORM, "weight", il), (d.n_embd,), "norm", QT.F32),
+             TensorSpec(_name(T.ATTN_Q, "weight", il), (d.n_embd, n_q), "weight", wt),
+             TensorSpec(_name(T.ATTN_K, "weight", il), (d.n_embd, n_kv), "weight", wt),
+             TensorSpec(_name(T.ATTN_V, "weight", il), (d.n_embd, n_kv), "weight", wt),
+             TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
+             TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
+             TensorSpec(_name(T.ATTN_GATE, "weight", il), (d.n_embd, n_q if gate_per_element else d.n_head),
+                        "weight", wt),
+             TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, d.n_embd), "weight", wt),
+             TensorSpec(_name(T.FFN_NORM, "weight", il), (d.n_embd,), "norm", QT.F32)]
+    if dense:
+        return specs + _dense_ffn(il, d, wt)
+    f = d.n_ff_shexp
+    return specs + _routed_experts(il, d, wt) + [
+        TensorSpec(_name(T.FFN_EXP_PROBS_B, "bias", il), (d.n_expert,), "bias", QT.F32),
+        TensorSpec(_name(T.FFN_GATE_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
+        TensorSpec(_name(T.FFN_UP_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
+        TensorSpec(_name(T.FFN_DOWN_SHEXP, "weight", il), (f, d.n_embd), "weight", wt)]
 
 
 def _hybrid_layer(arch: str, il: int, d: _Dims, wt: QT, attends: bool) -> list[TensorSpec]:
@@ -508,7 +566,7 @@ def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
 # ---- the file -------------------------------------------------------------------------------------
 
 def _check_shape(arch: str, weight_type: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
-                 n_ff: int, n_vocab: int, n_ctx_train: int) -> None:
+                 n_ff: int, n_vocab: int, n_ctx_train: int, n_layer_dense_lead: int = 0) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r} (expected one of {', '.join(ARCHS)})")
     if weight_type not in WEIGHT_TYPES:
@@ -521,6 +579,8 @@ def _check_shape(arch: str, weight_type: str, n_layer: int, n_embd: int, n_head:
             raise ValueError(f"qwen35moe has no dense FFN: n_ff must be 0 (its widths are n_ff_exp and n_ff_shexp), "
                              f"got {n_ff}")
         del dims["n_ff"]
+    if arch == "laguna" and not n_layer_dense_lead:
+        del dims["n_ff"]   # only its leading dense layers have a dense FFN
     for k, v in dims.items():
         if int(v) <= 0:
             raise ValueError(f"{k} must be positive, got {v}")
@@ -554,9 +614,9 @@ def _check_moe(arch: str, weight_type: str, n_expert: int, n_expert_used: int, n
             raise ValueError(f"{arch} needs {k} > 0, got {v}")
     if n_expert_used > n_expert:
         raise ValueError(f"n_expert_used={n_expert_used} must be at most n_expert={n_expert}")
-    if arch == "qwen35moe" and n_ff_shexp <= 0:
-        # libllama would fall back to n_ff, which qwen35moe files do not have
-        raise ValueError(f"qwen35moe needs a shared expert: n_ff_shexp > 0, got {n_ff_shexp}")
+    if arch in ("qwen35moe", "laguna") and n_ff_shexp <= 0:
+        # libllama would fall back to n_ff (qwen35moe files have none) or n_ff_exp (laguna: the converter writes it)
+        raise ValueError(f"{arch} needs a shared expert: n_ff_shexp > 0, got {n_ff_shexp}")
     if arch == "qwen3moe" and n_ff_shexp:
         raise ValueError(f"qwen3moe has no shared expert: n_ff_shexp must be 0, got {n_ff_shexp}")
     _check_rows(weight_type, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
@@ -595,7 +655,15 @@ def _default_sections(n_rot: int) -> list[int]:
 def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
                rope_sections: Sequence[int] | None) -> tuple[int, list[int] | None]:
     """(rope.dimension_count, rope.dimension_sections or None), checked. Only the qwen35 families rotate part of
-    the head (n_rot defaults to head_dim / 4, partial_rotary_factor 0.25 as released) with interleaved M-RoPE."""
+    the head (n_rot defaults to head_dim / 4, partial_rotary_factor 0.25 as released) with interleaved M-RoPE,
+    and laguna's global layers (n_rot, default head_dim; no sections)."""
+    if arch == "laguna":
+        if rope_sections is not None:
+            raise ValueError("rope_sections are qwen35 options, not laguna's")
+        n_rot = head_dim if n_rot is None else n_rot
+        if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
+            raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
+        return n_rot, None
     if arch not in HYBRID_ARCHS:
         if (n_rot is not None and n_rot != head_dim) or rope_sections is not None:
             raise ValueError(f"partial rotary (n_rot) and rope_sections are {' / '.join(HYBRID_ARCHS)} options, "
@@ -612,6 +680,49 @@ def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
     return n_rot, sections
 
 
+def _swa_layers(arch: str, n_layer: int, n_swa: int, swa_pattern: int | Sequence[bool] | None) -> list[bool]:
+    """Which layers have the sliding window, as libllama reads the pattern: one flag per layer, or a period with
+    one global layer in each, the last (gemma3, default 6) or the first (laguna, default 4). []: no window."""
+    if not n_swa:
+        if swa_pattern is not None:
+            raise ValueError("swa_pattern needs a sliding window (n_swa > 0)")
+        return []
+    if swa_pattern is not None and not isinstance(swa_pattern, int):
+        flags = [bool(f) for f in swa_pattern]
+        if len(flags) != n_layer:
+            raise ValueError(f"swa_pattern has {len(flags)} flags for {n_layer} layers")
+    else:
+        period = swa_pattern if swa_pattern is not None else (4 if arch == "laguna" else 6)
+        first = arch == "laguna"
+        flags = [period == 0 or (il % period != 0 if first else il % period < period - 1) for il in range(n_layer)]
+    if all(flags):
+        raise ValueError("swa_pattern leaves no global layer")
+    return flags
+
+
+def _laguna_heads(arch: str, n_layer: int, n_head: int, n_head_kv: int, n_head_swa: int, swa_layers: list[bool],
+                  n_rot_swa: int | None, head_dim: int, n_layer_dense_lead: int, expert_weights_scale: float | None,
+                  gate_per_element: Sequence[bool]) -> list[int]:
+    """laguna's per-layer query head counts (written as an array, as its converter does), its options checked;
+    [] for the other families, which must not use those options."""
+    if arch != "laguna":
+        if n_head_swa or n_rot_swa is not None or n_layer_dense_lead or expert_weights_scale is not None \
+                or gate_per_element:
+            raise ValueError(f"n_head_swa, n_rot_swa, n_layer_dense_lead, expert_weights_scale and gate_per_element "
+                             f"are laguna options, not {arch}'s")
+        return []
+    n_head_swa = n_head_swa or n_head
+    if n_head_swa % n_head_kv:
+        raise ValueError(f"n_head_swa={n_head_swa} must be a multiple of n_head_kv={n_head_kv}")
+    if n_rot_swa is not None and (n_rot_swa <= 0 or n_rot_swa > head_dim or n_rot_swa % 2):
+        raise ValueError(f"n_rot_swa={n_rot_swa} must be even and in (0, head_dim={head_dim}]")
+    if not 0 <= n_layer_dense_lead <= n_layer:
+        raise ValueError(f"n_layer_dense_lead={n_layer_dense_lead} must be in [0, n_layer={n_layer}]")
+    if gate_per_element and len(gate_per_element) != n_layer:
+        raise ValueError(f"gate_per_element has {len(gate_per_element)} flags for {n_layer} layers")
+    return [n_head_swa if swa_layers and swa_layers[il] else n_head for il in range(n_layer)]
+
+
 def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
                       head_dim: int, n_ff: int = 0, n_vocab: int, n_ctx_train: int, weight_type: str = "f32",
                       tied_embeddings: bool = False, seed: int = 0, rope_freq_base: float = 10000.0,
@@ -621,12 +732,21 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       logit_softcap: float | None = None, n_expert: int = 0, n_expert_used: int = 0,
                       n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
                       ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int | None = None,
-                      n_rot: int | None = None, rope_sections: Sequence[int] | None = None, echo: bool = False) -> Path:
+                      n_rot: int | None = None, rope_sections: Sequence[int] | None = None, echo: bool = False,
+                      rope_scaling_type: str = "linear", rope_orig_ctx: int | None = None, n_head_swa: int = 0,
+                      n_rot_swa: int | None = None, n_layer_dense_lead: int = 0,
+                      expert_weights_scale: float | None = None, gate_per_element: Sequence[bool] = ()) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
-    gemma3 only: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: every period-th layer
-    is global, libllama's default 6; or one flag per layer, True = sliding window), rope_freq_base_swa,
-    logit_softcap (final_logit_softcapping). rope_scaling_factor: linear RoPE scaling (global layers).
+    gemma3 and laguna: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: one global layer
+    in each, the last (gemma3, libllama's default 6) or the first (laguna, default 4); or one flag per layer,
+    True = sliding window), rope_freq_base_swa. gemma3: logit_softcap (final_logit_softcapping).
+    rope_scaling_factor: RoPE scaling of the global layers, rope_scaling_type "linear" or "yarn" (with
+    rope_orig_ctx, the context before scaling; default n_ctx_train).
+
+    laguna: n_head_swa (query heads of the sliding-window layers; default n_head), n_rot (the global layers'
+    rotated dims) and n_rot_swa (the local ones'), n_layer_dense_lead (leading layers with a dense FFN of n_ff),
+    expert_weights_scale (routed weights' scale), gate_per_element (per layer; default per-head gates).
 
     qwen3moe / qwen35moe: n_expert routed experts of width n_ff_exp, n_expert_used a token; qwen35moe also a
     shared expert of width n_ff_shexp, and no n_ff (qwen3moe writes n_ff, which its graph does not use).
@@ -642,13 +762,21 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     embeddings): speculative decoding with the model as its own draft then keeps every draft.
     omit_tensors: tensor names to leave out (tests of the loader's error for a missing tensor).
     """
-    _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train)
-    if arch != "gemma3" and (n_swa or swa_pattern is not None or rope_freq_base_swa or logit_softcap):
-        raise ValueError(f"sliding windows and logit soft-capping are gemma3 options, not {arch}'s")
+    _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train,
+                 n_layer_dense_lead)
+    if arch not in SWA_ARCHS and (n_swa or swa_pattern is not None or rope_freq_base_swa):
+        raise ValueError(f"sliding windows are {' / '.join(SWA_ARCHS)} options, not {arch}'s")
+    if arch != "gemma3" and logit_softcap:
+        raise ValueError(f"logit soft-capping is a gemma3 option, not {arch}'s")
     _check_moe(arch, weight_type, n_expert, n_expert_used, n_ff_exp, n_ff_shexp)
     _check_delta_net(arch, weight_type, n_layer, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank,
                      full_attention_interval)
     n_rot, rope_sections = _rope_dims(arch, head_dim, n_rot, rope_sections)
+    swa_layers = _swa_layers(arch, n_layer, n_swa, swa_pattern)
+    heads = _laguna_heads(arch, n_layer, n_head, n_head_kv, n_head_swa, swa_layers, n_rot_swa, head_dim,
+                          n_layer_dense_lead, expert_weights_scale, gate_per_element)
+    if rope_scaling_type not in ("linear", "yarn"):
+        raise ValueError(f"rope_scaling_type must be 'linear' or 'yarn', got {rope_scaling_type!r}")
     if full_attention_interval is None:
         full_attention_interval = 4    # libllama's default for a file without the key; written anyway
     path = Path(path)
@@ -658,7 +786,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                          head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, weight_type=weight_type,
                          tied_embeddings=tied_embeddings, n_expert=n_expert, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
                          ssm_d_conv=ssm_d_conv, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group,
-                         ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval)
+                         ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval,
+                         swa_layers=swa_layers, n_head_swa=n_head_swa or n_head, n_layer_dense_lead=n_layer_dense_lead,
+                         gate_per_element=gate_per_element)
     omit = set(omit_tensors)
     unknown = omit - {s.name for s in specs}
     if unknown:
@@ -678,7 +808,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_block_count(n_layer)
     if n_ff:
         w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
+    w.add_head_count(heads if heads else n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -687,8 +817,10 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
     if rope_scaling_factor:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN if rope_scaling_type == "yarn" else gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scaling_factor)
+        if rope_orig_ctx:
+            w.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
     if n_swa:
         w.add_sliding_window(n_swa)
         if swa_pattern is not None:
@@ -699,6 +831,13 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
         w.add_final_logit_softcapping(logit_softcap)
     if arch in MOE_ARCHS:
         _add_moe_keys(w, n_expert, n_expert_used, n_ff_exp, n_ff_shexp)
+    if arch == "laguna":   # what the converter's LagunaModel writes besides
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(1.0 if expert_weights_scale is None else expert_weights_scale)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_leading_dense_block_count(n_layer_dense_lead)
+        if n_swa:
+            w.add_rope_dimension_count_swa(head_dim if n_rot_swa is None else n_rot_swa)
     if arch in HYBRID_ARCHS:
         _add_delta_net_keys(w, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank, full_attention_interval,
                             rope_sections)
