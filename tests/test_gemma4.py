@@ -38,6 +38,8 @@ VARIANTS = {
     "moe-shared-q8_0": dict(weight_type="q8_0", **MOE, **SHARED),
     "no-ple-f32": dict(weight_type="f32", n_embd_per_layer=0),
     "no-ple-shared-q8_0": dict(weight_type="q8_0", n_embd_per_layer=0, **SHARED),
+    # the global layers rotate 32 of their 64 dims (rope_freqs still has 32 factors: libllama reads the first 16)
+    "partial-rope-f32": dict(weight_type="f32", n_rot=32),
 }
 
 
@@ -211,6 +213,14 @@ def test_inconsistent_files_are_refused(model_path, tmp_path):
     r.fields["gemma4.rope.dimension_count_swa"].parts[-1][0] = 16
     del r
     with pytest.raises(RuntimeError, match=r"tensor blk.0.attn_q.weight has shape \[64, 128\], expected \[64, 64\]"):
+        model_of(str(dst))
+    # local layers rotating more than their head
+    dst = tmp_path / "rot.gguf"
+    shutil.copy(model_path(), dst)
+    r = gguf.GGUFReader(dst, "r+")
+    r.fields["gemma4.rope.dimension_count_swa"].parts[-1][0] = 48
+    del r
+    with pytest.raises(RuntimeError, match="rope.dimension_count_swa=48 exceeds the sliding-window head size 32"):
         model_of(str(dst))
 
 

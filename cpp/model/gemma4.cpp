@@ -38,6 +38,7 @@ void read_hparams(const gguf_context * g, ModelHparams & hp) {
         throw std::runtime_error("GGUF " + a + "rope.dimension_count_swa=" + std::to_string(hp.n_rot_swa) +
                                  " exceeds the sliding-window head size " + std::to_string(hp.head_dim_k_swa));
     }
+    hp.rope_freqs_per_layer = true;
     hp.n_embd_per_layer = meta_require_int(g, a + "embedding_length_per_layer_input", 0, INT32_MAX);
     if (meta_float(g, a + "final_logit_softcapping", hp.logit_softcap) && hp.logit_softcap < 0.0f) {
         throw std::runtime_error("GGUF " + a + "final_logit_softcapping must be >= 0");

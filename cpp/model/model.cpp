@@ -314,7 +314,7 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     ggml_tensor * m_tok = src.require("token_embd.weight", {hp.n_embd, hp.n_vocab});
     ggml_tensor * m_onorm = src.require("output_norm.weight", {hp.n_embd});
     ggml_tensor * m_out = src.optional("output.weight", {hp.n_embd, hp.n_vocab});
-    ggml_tensor * m_freqs = src.optional("rope_freqs.weight", {hp.n_rot / 2});
+    ggml_tensor * m_freqs = hp.rope_freqs_per_layer ? nullptr : src.optional("rope_freqs.weight", {hp.n_rot / 2});
     ggml_tensor * m_ple_tok = nullptr, * m_ple_proj = nullptr, * m_ple_norm = nullptr;
     if (hp.n_embd_per_layer > 0) {
         const int64_t P = hp.n_embd_per_layer;

@@ -61,6 +61,9 @@ struct ModelHparams {
     int64_t head_dim_k_swa = 0, head_dim_v_swa = 0;
     int64_t n_layer_kv = -1;
     int64_t n_embd_per_layer = 0;
+    // rope_freqs.weight belongs to the global layers (LayerWeights::rope_freqs, sized by their head, gemma4),
+    // not to every layer's RoPE over n_rot (Model::rope_freqs).
+    bool rope_freqs_per_layer = false;
     // FFN width per layer (gemma4's feed_forward_length may be an array); empty: n_ff everywhere.
     std::vector<int64_t> n_ff_layers;
 

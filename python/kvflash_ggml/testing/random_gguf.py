@@ -776,6 +776,11 @@ def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
         if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
             raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
         return n_rot, None
+    if arch == "gemma4":   # its global layers may rotate part of the head (the local ones all of theirs)
+        n_rot = head_dim if n_rot is None else n_rot
+        if n_rot <= 0 or n_rot > head_dim or n_rot % 2 or rope_sections is not None:
+            raise ValueError(f"gemma4: n_rot={n_rot} must be even and in (0, head_dim={head_dim}], no rope_sections")
+        return n_rot, None
     if arch not in HYBRID_ARCHS:
         if (n_rot is not None and n_rot != head_dim) or rope_sections is not None:
             raise ValueError(f"partial rotary (n_rot) and rope_sections are {' / '.join(HYBRID_ARCHS)} options, "
