@@ -36,6 +36,10 @@ VARIANTS = {
     "shared-q8_0": dict(weight_type="q8_0", **SHARED),
     "moe-f32": dict(weight_type="f32", **MOE),
     "moe-shared-q8_0": dict(weight_type="q8_0", **MOE, **SHARED),
+    # separate gate and up experts, each with per-expert scales (libllama's other expert layout)
+    "moe-split-f32": dict(weight_type="f32", **MOE, split_experts=True),
+    # layer 2 (global) and 3 (local) without attn_v: V is K's projection, normed without a weight
+    "k-as-v-q8_0": dict(weight_type="q8_0", omit_tensors=["blk.2.attn_v.weight", "blk.3.attn_v.weight"]),
     "no-ple-f32": dict(weight_type="f32", n_embd_per_layer=0),
     "no-ple-shared-q8_0": dict(weight_type="q8_0", n_embd_per_layer=0, **SHARED),
     # the global layers rotate 32 of their 64 dims (rope_freqs still has 32 factors: libllama reads the first 16)
@@ -94,13 +98,15 @@ def _edit(src: str, dst, name: str, values) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("name,values", [("rope_freqs.weight", 1.0), ("blk.1.layer_output_scale.weight", 3.0),
-                                         ("blk.2.ffn_down_exps.scale", 0.25), ("blk.0.ffn_gate_inp.scale", 4.0),
-                                         ("per_layer_proj_norm.weight", 2.0)])
-def test_each_small_tensor_is_read_where_libllama_reads_it(model_path, tmp_path, name, values):
+@pytest.mark.parametrize("variant,name,values", [
+    ("moe-f32", "rope_freqs.weight", 1.0), ("moe-f32", "blk.1.layer_output_scale.weight", 3.0),
+    ("moe-f32", "blk.2.ffn_down_exps.scale", 0.25), ("moe-f32", "blk.0.ffn_gate_inp.scale", 4.0),
+    ("moe-f32", "per_layer_proj_norm.weight", 2.0), ("moe-split-f32", "blk.3.ffn_gate_exps.scale", 0.5),
+    ("moe-split-f32", "blk.4.ffn_up_exps.scale", 2.0)])
+def test_each_small_tensor_is_read_where_libllama_reads_it(model_path, tmp_path, variant, name, values):
     """Changing one factor (all other weights equal) moves our logits, and libllama's the same way: neither a no-op
     nor a tensor applied in the wrong place would pass."""
-    base = model_path("moe-f32")
+    base = model_path(variant)
     edited = _edit(base, tmp_path / "edited.gguf", name, values)
     prompt = tokens(N_PROMPT)
     before = session(model_of(base)).forward(prompt, 0)

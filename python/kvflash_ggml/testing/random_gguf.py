@@ -355,7 +355,7 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                  ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4,
                  swa_layers: Sequence[bool] = (), n_head_swa: int = 0, n_layer_dense_lead: int = 0,
                  gate_per_element: Sequence[bool] = (), head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (),
-                 n_embd_per_layer: int = 0) -> list[TensorSpec]:
+                 n_embd_per_layer: int = 0, split_experts: bool = False) -> list[TensorSpec]:
     """Every tensor of the model, in file order, with llama.cpp's names and shapes.
 
     n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe, laguna); n_ff_shexp: the shared
@@ -364,7 +364,8 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
     laguna: swa_layers (one flag per layer) with n_head_swa query heads, the first n_layer_dense_lead layers
     dense, gate_per_element (one flag per layer: the attention gate per element, else per head).
     gemma4: head_dim_swa (the sliding-window layers' head size), n_ff_layers (FFN width per layer),
-    n_embd_per_layer (per-layer embeddings; 0: none), n_expert (routed experts on every layer; 0: none).
+    n_embd_per_layer (per-layer embeddings; 0: none), n_expert (routed experts on every layer; 0: none),
+    split_experts (separate gate and up expert tensors, each with per-expert scales, instead of fused gate_up).
     """
     wt = WEIGHT_TYPES[weight_type]
     d = _Dims(n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp, n_ff_shexp, ssm_d_conv, ssm_d_state,
@@ -376,7 +377,8 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
         if arch == "gemma4":
             local = bool(swa_layers and swa_layers[il])
             specs += _gemma4_layer(il, replace(d, head_dim=head_dim_swa if local else head_dim,
-                                               n_ff=n_ff_layers[il] if n_ff_layers else n_ff), wt, n_embd_per_layer)
+                                               n_ff=n_ff_layers[il] if n_ff_layers else n_ff), wt, n_embd_per_layer,
+                                  split_experts)
         elif arch in HYBRID_ARCHS:
             specs += _hybrid_layer(arch, il, d, wt, attends=(il + 1) % full_attention_interval == 0)
         elif arch == "laguna":
@@ -452,7 +454,7 @@ def _gemma4_globals(n_layer: int, n_vocab: int, d: _Dims, wt: QT, n_embd_per_lay
     return specs
 
 
-def _gemma4_layer(il: int, d: _Dims, wt: QT, n_embd_per_layer: int) -> list[TensorSpec]:
+def _gemma4_layer(il: int, d: _Dims, wt: QT, n_embd_per_layer: int, split_experts: bool) -> list[TensorSpec]:
     """Attention with q/k norms and a post-norm, a GeGLU FFN with a post-norm (beside routed experts with their own
     norms when n_expert), the per-layer embedding's gate, projection and norm, the layer's output scale. K and V
     are written for every layer, as the converter does; libllama ignores them on shared-KV layers."""
@@ -474,9 +476,15 @@ def _gemma4_layer(il: int, d: _Dims, wt: QT, n_embd_per_layer: int) -> list[Tens
                   TensorSpec(_name(T.FFN_GATE_INP, "scale", il), (e,), "scale", QT.F32),
                   TensorSpec(_name(T.FFN_PRE_NORM_2, "weight", il), (e,), "scale", QT.F32),
                   TensorSpec(_name(T.FFN_POST_NORM_1, "weight", il), (e,), "scale", QT.F32),
-                  TensorSpec(_name(T.FFN_POST_NORM_2, "weight", il), (e,), "scale", QT.F32),
-                  TensorSpec(_name(T.FFN_GATE_UP_EXP, "weight", il), (e, 2 * f, x), "weight", wt),
-                  TensorSpec(_name(T.FFN_DOWN_EXP, "weight", il), (f, e, x), "weight", wt),
+                  TensorSpec(_name(T.FFN_POST_NORM_2, "weight", il), (e,), "scale", QT.F32)]
+        if split_experts:   # libllama reads these scales only beside separate gate and up tensors
+            specs += [TensorSpec(_name(T.FFN_GATE_EXP, "weight", il), (e, f, x), "weight", wt),
+                      TensorSpec(_name(T.FFN_GATE_EXP, "scale", il), (x,), "scale", QT.F32),
+                      TensorSpec(_name(T.FFN_UP_EXP, "weight", il), (e, f, x), "weight", wt),
+                      TensorSpec(_name(T.FFN_UP_EXP, "scale", il), (x,), "scale", QT.F32)]
+        else:
+            specs.append(TensorSpec(_name(T.FFN_GATE_UP_EXP, "weight", il), (e, 2 * f, x), "weight", wt))
+        specs += [TensorSpec(_name(T.FFN_DOWN_EXP, "weight", il), (f, e, x), "weight", wt),
                   TensorSpec(_name(T.FFN_DOWN_EXP, "scale", il), (x,), "scale", QT.F32)]
     if n_embd_per_layer:
         specs += [TensorSpec(_name(T.PER_LAYER_INP_GATE, "weight", il), (e, n_embd_per_layer), "weight", wt),
@@ -737,10 +745,11 @@ def _check_delta_net(arch: str, weight_type: str, n_layer: int, ssm_d_conv: int,
 
 
 def _check_gemma4(arch: str, weight_type: str, n_layer: int, head_dim_swa: int, n_ff_layers: Sequence[int],
-                  n_embd_per_layer: int, n_shared_kv: int, swa_layers: list[bool]) -> None:
+                  n_embd_per_layer: int, n_shared_kv: int, swa_layers: list[bool], split_experts: bool) -> None:
     if arch != "gemma4":
-        if head_dim_swa or n_ff_layers or n_embd_per_layer or n_shared_kv:
-            raise ValueError(f"head_dim_swa, n_ff_layers, n_embd_per_layer and n_shared_kv are gemma4 options, not {arch}'s")
+        if head_dim_swa or n_ff_layers or n_embd_per_layer or n_shared_kv or split_experts:
+            raise ValueError(f"head_dim_swa, n_ff_layers, n_embd_per_layer, n_shared_kv and split_experts are gemma4 "
+                             f"options, not {arch}'s")
         return
     if not swa_layers:
         raise ValueError("gemma4 needs a sliding window (n_swa > 0): libllama requires the window and its pattern")
@@ -854,7 +863,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       n_rot_swa: int | None = None, n_layer_dense_lead: int = 0,
                       expert_weights_scale: float | None = None, gate_per_element: Sequence[bool] = (),
                       head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (), n_embd_per_layer: int = 0,
-                      n_shared_kv: int = 0) -> Path:
+                      n_shared_kv: int = 0, split_experts: bool = False) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
     gemma3 and laguna: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: one global layer
@@ -870,7 +879,8 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     gemma4: head_dim_swa (the sliding-window layers' head size; head_dim is the global layers'), n_ff_layers (the
     FFN width of each layer; default n_ff everywhere), n_embd_per_layer (per-layer embeddings; 0: none),
     n_shared_kv (the last layers without K/V of their own), n_expert / n_expert_used / n_ff_exp (routed experts on
-    every layer beside the dense FFN; 0: none), logit_softcap. The window's pattern is written as one flag per layer.
+    every layer beside the dense FFN; 0: none; split_experts: separate gate and up tensors with per-expert scales
+    instead of the fused gate_up the converter writes), logit_softcap. The window's pattern is written as one flag per layer.
 
     qwen3moe / qwen35moe: n_expert routed experts of width n_ff_exp, n_expert_used a token; qwen35moe also a
     shared expert of width n_ff_shexp, and no n_ff (qwen3moe writes n_ff, which its graph does not use).
@@ -897,7 +907,8 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                      full_attention_interval)
     n_rot, rope_sections = _rope_dims(arch, head_dim, n_rot, rope_sections)
     swa_layers = _swa_layers(arch, n_layer, n_swa, swa_pattern)
-    _check_gemma4(arch, weight_type, n_layer, head_dim_swa, n_ff_layers, n_embd_per_layer, n_shared_kv, swa_layers)
+    _check_gemma4(arch, weight_type, n_layer, head_dim_swa, n_ff_layers, n_embd_per_layer, n_shared_kv, swa_layers,
+                  split_experts)
     heads = _laguna_heads(arch, n_layer, n_head, n_head_kv, n_head_swa, swa_layers, n_rot_swa, head_dim,
                           n_layer_dense_lead, expert_weights_scale, gate_per_element)
     if rope_scaling_type not in ("linear", "yarn"):
@@ -914,7 +925,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                          ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval,
                          swa_layers=swa_layers, n_head_swa=n_head_swa or n_head, n_layer_dense_lead=n_layer_dense_lead,
                          gate_per_element=gate_per_element, head_dim_swa=head_dim_swa, n_ff_layers=n_ff_layers,
-                         n_embd_per_layer=n_embd_per_layer)
+                         n_embd_per_layer=n_embd_per_layer, split_experts=split_experts)
     omit = set(omit_tensors)
     unknown = omit - {s.name for s in specs}
     if unknown:
