@@ -260,8 +260,8 @@ def test_writer_rejects_bad_shapes(tmp_path):
     with pytest.raises(ValueError, match="q8_0 rows come in blocks of 32"):
         rg.write_random_gguf(tmp_path / "b.gguf", "llama", **{**base, "n_ff": 48}, weight_type="q8_0")
     with pytest.raises(ValueError, match="unknown architecture"):
-        rg.write_random_gguf(tmp_path / "c.gguf", "gemma4", **base)
-    with pytest.raises(ValueError, match="gemma3 / laguna options"):
+        rg.write_random_gguf(tmp_path / "c.gguf", "gemma3n", **base)
+    with pytest.raises(ValueError, match="gemma3 / gemma4 / laguna options"):
         rg.write_random_gguf(tmp_path / "e.gguf", "llama", **base, n_swa=64)
     with pytest.raises(ValueError, match="n_vocab=100 is too small"):
         rg.write_random_gguf(tmp_path / "d.gguf", "llama", **{**base, "n_vocab": 100})
@@ -308,8 +308,8 @@ def test_non_gguf_raises(tmp_path):
 
 
 def test_unsupported_architecture_raises(tmp_path):
-    p = tmp_path / "gemma4.gguf"
-    w = gguf.GGUFWriter(p, "gemma4")
+    p = tmp_path / "gemma3n.gguf"
+    w = gguf.GGUFWriter(p, "gemma3n")
     w.add_block_count(2)
     w.add_embedding_length(64)
     w.add_context_length(512)
@@ -318,7 +318,7 @@ def test_unsupported_architecture_raises(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(RuntimeError, match="unsupported architecture 'gemma4' \\(supported: llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3, laguna\\)"):
+    with pytest.raises(RuntimeError, match="unsupported architecture 'gemma3n' \\(supported: llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3, gemma4, laguna\\)"):
         _core.Model(str(p), backend="cpu", n_threads=N_THREADS)
 
 

@@ -97,6 +97,16 @@ void register_model(py::module_ & m, py::module_ & testing) {
         })
         .def_readonly("head_dim_k", &ModelHparams::head_dim_k)
         .def_readonly("head_dim_v", &ModelHparams::head_dim_v)
+        .def_readonly("head_dim_k_swa", &ModelHparams::head_dim_k_swa)
+        .def_readonly("head_dim_v_swa", &ModelHparams::head_dim_v_swa)
+        .def_readonly("n_layer_kv", &ModelHparams::n_layer_kv)
+        .def_readonly("n_embd_per_layer", &ModelHparams::n_embd_per_layer)
+        .def_property_readonly("n_ff_layers", [](const ModelHparams & hp) {
+            std::vector<int64_t> v;
+            for (int64_t il = 0; il < hp.n_layer; ++il) v.push_back(hp.n_ff_of(il));
+            return v;
+        })
+        .def_readonly("logit_softcap", &ModelHparams::logit_softcap)
         .def_readonly("n_ff", &ModelHparams::n_ff)
         .def_readonly("n_ctx_train", &ModelHparams::n_ctx_train)
         .def_readonly("rope_freq_base", &ModelHparams::rope_freq_base)

@@ -178,14 +178,16 @@ ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor *
 }
 
 // Writes k and v of the step's tokens into layer kl of `kv` and attends its first n_kv slots under `in`:
-// q, k, v [head_dim, n_heads, n]; returns [head_dim_v * n_head, n]. capture_attn: keep the last queries'
-// attention for the drafter scorer (one sequence only).
+// q, k, v [head_dim, n_heads, n]; returns [head_dim_v * n_head, n]. k and v nullptr: the layer writes
+// nothing and attends what an earlier layer of the graph wrote into kl (gemma4's shared K/V, whose V heads
+// are as wide as its K heads). capture_attn: keep the last queries' attention for the drafter scorer (one
+// sequence only).
 ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in, int64_t kl, int64_t n_kv,
                      ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale, bool capture_attn) {
     ggml_context * ctx = g.ctx;
-    const int64_t head_dim_k = k->ne[0], head_dim_v = v->ne[0], n_head = q->ne[1], n = q->ne[2];
-    ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
-    ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
+    const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1], n = q->ne[2];
+    if (k) ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
+    if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
     ggml_tensor * kk = get_k(ctx, kv, in, kl, n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
@@ -206,8 +208,9 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, n);
 }
 
-// Token t of x [ne0, ne1, n_tokens] as [ne0, ne1, 1].
+// Token t of x [ne0, ne1, n_tokens] as [ne0, ne1, 1] (nullptr stays nullptr).
 ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
+    if (!x) return nullptr;
     return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], t * x->nb[2]);
 }
 
@@ -308,9 +311,10 @@ void load_decoder_layer(LayerWeights & w, TensorSource & src, const ModelHparams
 void load_dense_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
     const std::string p = "blk." + std::to_string(il) + ".";
     if (hp.n_ff <= 0) throw std::runtime_error("GGUF is missing the required key " + hp.arch + ".feed_forward_length");
-    w.ffn_gate = src.require(p + "ffn_gate.weight", {hp.n_embd, hp.n_ff});
-    w.ffn_up = src.require(p + "ffn_up.weight", {hp.n_embd, hp.n_ff});
-    w.ffn_down = src.require(p + "ffn_down.weight", {hp.n_ff, hp.n_embd});
+    const int64_t F = hp.n_ff_of(il);
+    w.ffn_gate = src.require(p + "ffn_gate.weight", {hp.n_embd, F});
+    w.ffn_up = src.require(p + "ffn_up.weight", {hp.n_embd, F});
+    w.ffn_down = src.require(p + "ffn_down.weight", {F, hp.n_embd});
 }
 
 }  // namespace kvf

@@ -51,8 +51,9 @@ struct GraphCtx {
     };
     std::vector<Lane> lanes;
 
-    // Where layer il keeps its K/V: the pool (global layers) or the ring (sliding-window layers). Only
-    // pooled layers are paged and scored, so only they keep queries and attention for the scorers.
+    // Where layer il keeps its K/V (or, without K/V of its own, reads its source layer's): the pool (global
+    // layers) or the ring (sliding-window layers). Only pooled layers are paged and scored, so only they keep
+    // queries and attention for the scorers.
     struct LayerKv {
         const PooledKV * kv;
         const KvStepInputs * in;
@@ -62,7 +63,7 @@ struct GraphCtx {
     };
     LayerKv layer_kv(const ModelHparams & hp, int il) const {
         if (hp.is_swa(il)) return {ring, &ring_in, hp.kv_index(il), n_ring_kv, false};
-        return {kv, &in.kv, one_layer_kv ? 0 : hp.kv_index(il), n_kv, true};
+        return {kv, &in.kv, one_layer_kv ? 0 : hp.kv_index(il), n_kv, hp.is_pooled(il)};
     }
 };
 
@@ -74,7 +75,8 @@ ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
 ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
 // q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v where layer il keeps
 // its K/V (the pool, or a sliding-window layer's ring: GraphCtx::layer_kv) with cpy_k / cpy_v, attends over
-// the slots of the step (get_k / get_v) under the step's mask, applies wo.
+// the slots of the step (get_k / get_v) under the step's mask, applies wo. k and v nullptr: a layer without
+// K/V of its own (hp.has_kv) attends its source layer's, written earlier in the same graph.
 ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                            float kq_scale);
 // The same before wo: [head_dim_v * n_head, n_tokens] (qwen35 gates it before its output projection).

@@ -149,7 +149,7 @@ void Model::read_hparams(gguf_context * g) {
                                  std::to_string(gguf_get_n_tensors(g)) + " tensors");
     }
     hp_.n_embd = meta_require_int(g, a + "embedding_length", 1, k_max_dim);
-    meta_int(g, a + "feed_forward_length", 1, k_max_dim, hp_.n_ff);   // dense families require it (load_dense_ffn)
+    read_ffn_widths(g);   // dense families require them (load_dense_ffn)
     read_head_counts(g);
     hp_.n_ctx_train = meta_require_int(g, a + "context_length", 1, k_max_dim);
     hp_.head_dim_k = hp_.n_embd / hp_.n_head;
@@ -176,7 +176,13 @@ void Model::read_hparams(gguf_context * g) {
 
 int64_t ModelHparams::n_swa_layers() const {
     int64_t n = 0;
-    for (uint8_t f : swa_layers) n += f != 0;
+    for (int64_t il = 0; il < n_layer; ++il) n += is_swa(il) && has_kv(il);
+    return n;
+}
+
+int64_t ModelHparams::n_pooled_layers() const {
+    int64_t n = 0;
+    for (int64_t il = 0; il < n_layer; ++il) n += is_pooled(il);
     return n;
 }
 
@@ -187,9 +193,24 @@ int64_t ModelHparams::n_recurrent_layers() const {
 }
 
 int64_t ModelHparams::kv_index(int64_t il) const {
+    il = kv_source(il);
     int64_t i = 0;
-    for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il) && is_recurrent(l) == is_recurrent(il);
+    for (int64_t l = 0; l < il; ++l) i += is_swa(l) == is_swa(il) && is_recurrent(l) == is_recurrent(il) && has_kv(l);
     return i;
+}
+
+void Model::read_ffn_widths(gguf_context * g) {
+    const std::string key = hp_.arch + ".feed_forward_length";
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) {
+        meta_int(g, key, 1, k_max_dim, hp_.n_ff);
+        return;
+    }
+    meta_int_array(g, key, hp_.n_layer, 1, k_max_dim, hp_.n_ff_layers);   // one width per layer (gemma4's differ)
+    hp_.n_ff = hp_.n_ff_layers[0];
+    if (std::all_of(hp_.n_ff_layers.begin(), hp_.n_ff_layers.end(), [&](int64_t n) { return n == hp_.n_ff; })) {
+        hp_.n_ff_layers.clear();
+    }
 }
 
 void Model::read_head_counts(gguf_context * g) {
@@ -293,7 +314,14 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     ggml_tensor * m_tok = src.require("token_embd.weight", {hp.n_embd, hp.n_vocab});
     ggml_tensor * m_onorm = src.require("output_norm.weight", {hp.n_embd});
     ggml_tensor * m_out = src.optional("output.weight", {hp.n_embd, hp.n_vocab});
-    ggml_tensor * m_freqs = src.optional("rope_freqs.weight", {hp.n_rot / 2});
+    ggml_tensor * m_freqs = hp.rope_freqs_per_layer ? nullptr : src.optional("rope_freqs.weight", {hp.n_rot / 2});
+    ggml_tensor * m_ple_tok = nullptr, * m_ple_proj = nullptr, * m_ple_norm = nullptr;
+    if (hp.n_embd_per_layer > 0) {
+        const int64_t P = hp.n_embd_per_layer;
+        m_ple_tok = src.require("per_layer_token_embd.weight", {P * hp.n_layer, hp.n_vocab});
+        m_ple_proj = src.require("per_layer_model_proj.weight", {hp.n_embd, P * hp.n_layer});
+        m_ple_norm = src.require("per_layer_proj_norm.weight", {P});
+    }
     std::vector<LayerWeights> meta_layers(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) arch_->load_layer(meta_layers[il], src, hp, il);
 
@@ -314,6 +342,9 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     output_norm = mirror(m_onorm);
     output = m_out ? mirror(m_out) : tok_embd;
     rope_freqs = mirror(m_freqs);
+    per_layer_tok_embd = mirror(m_ple_tok);
+    per_layer_model_proj = mirror(m_ple_proj);
+    per_layer_proj_norm = mirror(m_ple_norm);
     layers.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
         for (ggml_tensor * LayerWeights::* t : k_layer_tensors) layers[il].*t = mirror(meta_layers[il].*t);

@@ -1,5 +1,5 @@
 // Model: hyperparameters and weights of one GGUF file, placed on a ggml backend.
-// Families (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3, laguna) are registered in registry.cpp; each has one file with its tensor
+// Families (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, gemma3, gemma4, laguna) are registered in registry.cpp; each has one file with its tensor
 // list and graph builder. Nothing here knows about residency: graphs write K/V into a PooledKV.
 #pragma once
 
@@ -27,7 +27,7 @@ struct ModelHparams {
     int64_t n_head_kv   = 0;
     int64_t head_dim_k  = 0;
     int64_t head_dim_v  = 0;
-    int64_t n_ff        = 0;
+    int64_t n_ff        = 0;          // layer 0's FFN width (n_ff_of: layer il's)
     int64_t n_ctx_train = 0;
     int64_t n_rot       = 0;
     float   rms_eps     = 1e-6f;
@@ -53,6 +53,19 @@ struct ModelHparams {
     float   rope_freq_base_swa  = 10000.0f;
     float   rope_freq_scale_swa = 1.0f;
     int64_t n_rot_swa = 0;            // rope.dimension_count_swa (default n_rot): laguna rotates all of a local head
+
+    // Gemma 4: the sliding-window layers' own head sizes (their ring's rows; 0: the global ones'). Layers
+    // from n_layer_kv on keep no K/V of their own: each attends what an earlier layer of its kind wrote
+    // (kv_source) and writes none; only layers with K/V of their own are pooled, ringed, paged or scored
+    // (-1: every layer has its own). Per-layer token embeddings, n_embd_per_layer wide per layer (0: none).
+    int64_t head_dim_k_swa = 0, head_dim_v_swa = 0;
+    int64_t n_layer_kv = -1;
+    int64_t n_embd_per_layer = 0;
+    // rope_freqs.weight belongs to the global layers (LayerWeights::rope_freqs, sized by their head, gemma4),
+    // not to every layer's RoPE over n_rot (Model::rope_freqs).
+    bool rope_freqs_per_layer = false;
+    // FFN width per layer (gemma4's feed_forward_length may be an array); empty: n_ff everywhere.
+    std::vector<int64_t> n_ff_layers;
 
     // Query heads per layer (laguna: its sliding-window layers have more than its global ones); empty: n_head
     // everywhere. K/V heads are the same on every layer.
@@ -82,14 +95,25 @@ struct ModelHparams {
 
     int64_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int64_t n_embd_v() const { return head_dim_v * n_head_kv; }
+    int64_t n_embd_k_swa() const { return (head_dim_k_swa > 0 ? head_dim_k_swa : head_dim_k) * n_head_kv; }
+    int64_t n_embd_v_swa() const { return (head_dim_v_swa > 0 ? head_dim_v_swa : head_dim_v) * n_head_kv; }
+    int64_t head_dim_k_of(int64_t il) const { return is_swa(il) && head_dim_k_swa > 0 ? head_dim_k_swa : head_dim_k; }
+    int64_t head_dim_v_of(int64_t il) const { return is_swa(il) && head_dim_v_swa > 0 ? head_dim_v_swa : head_dim_v; }
     int64_t n_head_of(int64_t il) const { return n_head_layers.empty() ? n_head : n_head_layers[(size_t) il]; }
+    int64_t n_ff_of(int64_t il) const { return n_ff_layers.empty() ? n_ff : n_ff_layers[(size_t) il]; }
     bool is_swa(int64_t il) const { return !swa_layers.empty() && swa_layers[(size_t) il]; }
     bool is_recurrent(int64_t il) const { return !recurrent_layers.empty() && recurrent_layers[(size_t) il]; }
-    bool is_pooled(int64_t il) const { return !is_swa(il) && !is_recurrent(il); }
-    int64_t n_swa_layers() const;
+    bool has_kv(int64_t il) const { return n_layer_kv < 0 || il < n_layer_kv; }
+    // The layer whose K/V layer il attends: itself, or (no K/V of its own) libllama's choice for Gemma 4:
+    // the last layer before the cut for a global layer, the one before that for a sliding-window layer
+    // (gemma4's read_hparams checks that it is of the same kind).
+    int64_t kv_source(int64_t il) const { return has_kv(il) ? il : n_layer_kv - (is_swa(il) ? 2 : 1); }
+    bool is_pooled(int64_t il) const { return !is_swa(il) && !is_recurrent(il) && has_kv(il); }
+    int64_t n_swa_layers() const;   // the sliding-window layers with K/V of their own (the ring's layers)
     int64_t n_recurrent_layers() const;
-    int64_t n_pooled_layers() const { return n_layer - n_swa_layers() - n_recurrent_layers(); }
-    // Index of layer il among the layers of its kind (its row in the pool, its ring, or its recurrent state).
+    int64_t n_pooled_layers() const;
+    // Index of layer il's K/V among the layers of its kind that have their own (its row in the pool, its ring,
+    // or its recurrent state); a layer without K/V of its own gets its source's.
     int64_t kv_index(int64_t il) const;
     // A recurrent layer's state sizes (F32 elements): the last d_conv - 1 inputs of every conv channel, and
     // the delta-net state [head_v, head_v, n_v_heads].
@@ -117,6 +141,19 @@ struct LayerWeights {
     ggml_tensor * ffn_down = nullptr;    // [n_ff, n_embd]
     ggml_tensor * attn_post_norm = nullptr;   // [n_embd]         gemma3 (norm of the attention output)
     ggml_tensor * ffn_post_norm  = nullptr;   // [n_embd]         gemma3
+    // gemma4
+    ggml_tensor * rope_freqs = nullptr;       // [head_dim_k / 2]  global layers' proportional-RoPE factors
+    ggml_tensor * out_scale = nullptr;        // [1]               layer_output_scale
+    ggml_tensor * ffn_gate_inp_s = nullptr;   // [n_embd]          the router input's scale
+    ggml_tensor * ffn_pre_norm_2 = nullptr;   // [n_embd]          the experts' input norm
+    ggml_tensor * ffn_post_norm_1 = nullptr;  // [n_embd]          the dense (shared) FFN's output norm
+    ggml_tensor * ffn_post_norm_2 = nullptr;  // [n_embd]          the experts' output norm
+    ggml_tensor * ffn_gate_exps_s = nullptr;  // [n_expert]        per-expert output scales
+    ggml_tensor * ffn_up_exps_s = nullptr;    // [n_expert]
+    ggml_tensor * ffn_down_exps_s = nullptr;  // [n_expert]
+    ggml_tensor * ple_inp_gate = nullptr;     // [n_embd, n_embd_per_layer]   per-layer embedding: inp_gate
+    ggml_tensor * ple_proj = nullptr;         // [n_embd_per_layer, n_embd]   proj
+    ggml_tensor * ple_post_norm = nullptr;    // [n_embd]                     post_norm
     // gated delta-net (qwen35's linear-attention layers)
     ggml_tensor * ssm_qkv = nullptr;      // [n_embd, 2 * key_dim + value_dim]   attn_qkv
     ggml_tensor * ssm_z = nullptr;        // [n_embd, value_dim]                 attn_gate (output gate)
@@ -151,7 +188,10 @@ inline constexpr ggml_tensor * LayerWeights::* k_layer_tensors[] = {
     &LayerWeights::ssm_alpha, &LayerWeights::ssm_norm, &LayerWeights::ssm_out, &LayerWeights::ffn_gate_inp,
     &LayerWeights::ffn_gate_exps, &LayerWeights::ffn_up_exps, &LayerWeights::ffn_gate_up_exps,
     &LayerWeights::ffn_down_exps, &LayerWeights::ffn_gate_inp_shexp, &LayerWeights::ffn_gate_shexp,
-    &LayerWeights::ffn_up_shexp, &LayerWeights::ffn_down_shexp};
+    &LayerWeights::ffn_up_shexp, &LayerWeights::ffn_down_shexp, &LayerWeights::rope_freqs, &LayerWeights::out_scale,
+    &LayerWeights::ffn_gate_inp_s, &LayerWeights::ffn_pre_norm_2, &LayerWeights::ffn_post_norm_1,
+    &LayerWeights::ffn_post_norm_2, &LayerWeights::ffn_gate_exps_s, &LayerWeights::ffn_up_exps_s,
+    &LayerWeights::ffn_down_exps_s, &LayerWeights::ple_inp_gate, &LayerWeights::ple_proj, &LayerWeights::ple_post_norm};
 
 class Model;
 struct GraphCtx;
@@ -217,10 +257,16 @@ public:
     ggml_tensor * output_norm = nullptr;  // [n_embd]
     ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (tok_embd when tied)
     ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] llama-3 frequency factors, optional
+    // Per-layer embeddings (gemma4, when hp.n_embd_per_layer > 0): token rows of every layer's slice, the
+    // projection of the token embeddings into them, and its norm.
+    ggml_tensor * per_layer_tok_embd = nullptr;     // [n_embd_per_layer * n_layer, n_vocab]
+    ggml_tensor * per_layer_model_proj = nullptr;   // [n_embd, n_embd_per_layer * n_layer]
+    ggml_tensor * per_layer_proj_norm = nullptr;    // [n_embd_per_layer]
     std::vector<LayerWeights> layers;
 
 private:
     void read_hparams(gguf_context * gctx);
+    void read_ffn_widths(gguf_context * gctx);
     void read_head_counts(gguf_context * gctx);
     void check_pooled_head_counts() const;
     void read_rope(gguf_context * gctx);

@@ -97,6 +97,8 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     if (hp.n_swa_layers() > 0) {
         KvLayout rl = layout;
         rl.n_layer = hp.n_swa_layers();
+        rl.n_embd_k = hp.n_embd_k_swa();   // gemma4's local heads are narrower than its global ones
+        rl.n_embd_v = hp.n_embd_v_swa();
         rl.pool_tokens = SlidingWindowKV::ring_tokens_for(hp.n_swa, cfg_.n_batch, kv_pad_, cfg_.chunk_tokens);
         ring_ = std::make_unique<SlidingWindowKV>(model_->backend(), rl, hp.n_swa, kv_pad_);
     }

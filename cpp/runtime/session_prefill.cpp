@@ -207,6 +207,14 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     const Model & m = *model_;
     const ModelHparams & hp = m.hparams();
     ggml_backend_t backend = m.backend();
+    if (!hp.has_kv(hp.n_layer - 1)) {
+        // A shared layer needs its source layer's K/V of every position when its turn comes: the staging pool
+        // still holds a global source's, but a sliding-window source's ring has moved on to the prompt's end.
+        throw std::invalid_argument("prefill_exact: layers " + std::to_string(hp.n_layer_kv) + ".." +
+                                    std::to_string(hp.n_layer - 1) + " of this " + hp.arch + " model attend the K/V of "
+                                    "earlier layers (attention.shared_kv_layers), which layer-major prefill does not "
+                                    "support; use prefill='pooled' or a pool that holds the prompt");
+    }
 
     // ---- the workspace, allocated before any state changes ----
     PagerConfig spc = pager_->config();   // staging: identity mapping over positions [0, end)
@@ -285,7 +293,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
             g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
             g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
-            g.in.tokens = il == 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
+            // Per-layer embeddings (gemma4) read the tokens in every layer.
+            g.in.tokens = il == 0 || hp.n_embd_per_layer > 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
             // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
             g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
             g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;

@@ -7,7 +7,7 @@
 
 (Moved from kvflash_ggml.bench.random_gguf: a test fixture, not a benchmark; the command line moved along.)
 
-The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 / gemma3 / qwen3moe / qwen35 /
+The files are what llama.cpp's converter writes for llama / qwen2 / qwen3 / gemma3 / gemma4 / qwen3moe / qwen35 /
 qwen35moe / laguna (tensor names from gguf-py's constants, the same metadata keys and shapes), so libllama loads
 them too and is the reference in tests. Each file carries a small byte-level BPE tokenizer (256 byte
 tokens, merges learned from a built-in text, chatml special tokens, padded with unused tokens up to
@@ -29,6 +29,13 @@ The newer families:
              output gate per head or per element (gate_per_element, per layer); q/k norms; n_head_swa query
              heads on the sliding-window layers (one global layer per swa_pattern period, first); YaRN on the
              global layers over n_rot dims (rope_scaling_type="yarn"), plain RoPE over n_rot_swa on the local.
+  gemma4     Google Gemma 4 (text): sliding-window layers with their own head size (head_dim_swa, all of it
+             rotated) beside global ones (head_dim, rope_freqs proportional-RoPE factors); q/k norms, post-attention
+             and post-FFN norms; GeGLU FFN of a per-layer width (n_ff_layers); n_shared_kv last layers without K/V
+             of their own; per-layer embeddings of n_embd_per_layer per layer; with n_expert, every layer also has
+             routed experts (fused gate_up, per-expert down scales, a router input scale) beside its dense FFN;
+             a layer_output_scale per layer. Its norms and scales are random around 1 (not ones), so a norm
+             applied in the wrong place shows.
 No MTP (nextn) layers are written.
 
 Weights: norms are 1, everything else ~N(0, weight_std), but for the delta-net's own parameters, which
@@ -59,9 +66,9 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as QT
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "laguna")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35", "qwen35moe", "laguna")
 MOE_ARCHS = ("qwen3moe", "qwen35moe", "laguna")   # routed experts instead of the dense FFN
-SWA_ARCHS = ("gemma3", "laguna")             # sliding-window layers beside the global ones
+SWA_ARCHS = ("gemma3", "gemma4", "laguna")   # sliding-window layers beside the global ones
 HYBRID_ARCHS = ("qwen35", "qwen35moe")       # gated delta-net layers + every interval-th layer full attention
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 _FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -80,6 +87,14 @@ SHAPES: dict[str, dict] = {
     # sliding-window layers 0 and 2 (window 96: not a chunk multiple), global layers 1 and 3
     "tiny-gemma3": dict(arch="gemma3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                         n_vocab=1000, n_ctx_train=4096, n_swa=96, swa_pattern=2, rope_freq_base=1000000.0),
+    # gemma4: local layers 0, 1, 3, 4 (window 96, head 32), global 2 and 5 (head 64); per-layer embeddings of 32;
+    # FFN widths per layer; no shared K/V (layer-major exact prefill refuses it: tests ask for it by override,
+    # n_shared_kv=3 makes local layers 3 and 4 attend layer 1's K/V and global layer 5 layer 2's), no experts (n_expert=4, n_expert_used=2,
+    # n_ff_exp=64 by override).
+    "tiny-gemma4": dict(arch="gemma4", n_layer=6, n_embd=64, n_head=4, n_head_kv=2, head_dim=64, head_dim_swa=32,
+                        n_ff=128, n_ff_layers=(128, 96, 128, 160, 128, 96), n_vocab=1000, n_ctx_train=4096, n_swa=96,
+                        swa_pattern=3, rope_freq_base=1000000.0, rope_freq_base_swa=10000.0, n_embd_per_layer=32,
+                        logit_softcap=30.0),
     # Gemma 3 4B / 12B as released: 5 sliding-window layers (1024) to each global one, linear RoPE scaling 8
     # on the global layers, the 262K vocabulary.
     "gemma3-4b": dict(arch="gemma3", n_layer=34, n_embd=2560, n_head=8, n_head_kv=4, head_dim=256, n_ff=10240,
@@ -163,7 +178,8 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>")
 # Pre-tokenizer names libllama knows (src/llama-vocab.cpp), one per family, as the real models use.
 # Qwen3.5's tokenizer.json has its own split regex (\p{M} joins letters), which libllama knows as "qwen35".
-_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default", "qwen3moe": "qwen2",
+_TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3": "default", "gemma4": "default",
+                  "qwen3moe": "qwen2",
                   "qwen35": "qwen35", "qwen35moe": "qwen35", "laguna": "laguna"}
 _MAX_MERGES = 600
 
@@ -278,7 +294,7 @@ def build_tokenizer(arch: str, n_vocab: int) -> TokenizerSpec:
     tokens += [f"[PAD{i}]" for i in range(n_pad)]
     types += [gguf.TokenType.UNUSED] * n_pad
     ids = {t: tokens.index(t) for t in SPECIAL_TOKENS}
-    if arch in ("llama", "gemma3"):   # Llama 3 / Gemma style: a BOS that is added to every prompt
+    if arch in ("llama", "gemma3", "gemma4"):   # Llama 3 / Gemma style: a BOS that is added to every prompt
         bos, add_bos = ids["<|begin_of_text|>"], True
     else:                 # Qwen style: no BOS added
         bos, add_bos = ids["<|endoftext|>"], False
@@ -293,7 +309,8 @@ def build_tokenizer(arch: str, n_vocab: int) -> TokenizerSpec:
 class TensorSpec:
     name: str
     ne: tuple[int, ...]        # ggml order: ne[0] is the row length
-    # "weight" (weight_type, or F32 where the converter keeps F32), "norm" (F32 ones), "bias" (F32 random), and the
+    # "weight" (weight_type, or F32 where the converter keeps F32), "norm" (F32 ones), "bias" (F32 random), "scale"
+    # (F32 in [0.5, 1.5): gemma4's norms and scales), "rope_freqs" (F32 proportional-RoPE factors), and the
     # delta-net's own F32 parameters: "conv" (ssm_conv1d), "decay" (ssm_a, negative), "dt_bias" (ssm_dt.bias)
     kind: str
     qtype: QT
@@ -337,7 +354,8 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                  n_ff_exp: int = 0, n_ff_shexp: int = 0, ssm_d_conv: int = 0, ssm_d_state: int = 0,
                  ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4,
                  swa_layers: Sequence[bool] = (), n_head_swa: int = 0, n_layer_dense_lead: int = 0,
-                 gate_per_element: Sequence[bool] = ()) -> list[TensorSpec]:
+                 gate_per_element: Sequence[bool] = (), head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (),
+                 n_embd_per_layer: int = 0, split_experts: bool = False) -> list[TensorSpec]:
     """Every tensor of the model, in file order, with llama.cpp's names and shapes.
 
     n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe, laguna); n_ff_shexp: the shared
@@ -345,13 +363,23 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
     (qwen35*); full_attention_interval: which of their layers attend (layer i iff (i + 1) % interval == 0).
     laguna: swa_layers (one flag per layer) with n_head_swa query heads, the first n_layer_dense_lead layers
     dense, gate_per_element (one flag per layer: the attention gate per element, else per head).
+    gemma4: head_dim_swa (the sliding-window layers' head size), n_ff_layers (FFN width per layer),
+    n_embd_per_layer (per-layer embeddings; 0: none), n_expert (routed experts on every layer; 0: none),
+    split_experts (separate gate and up expert tensors, each with per-expert scales, instead of fused gate_up).
     """
     wt = WEIGHT_TYPES[weight_type]
     d = _Dims(n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp, n_ff_shexp, ssm_d_conv, ssm_d_state,
               ssm_n_group, ssm_dt_rank)
     specs = [TensorSpec(_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "weight", wt)]
+    if arch == "gemma4":
+        specs += _gemma4_globals(n_layer, n_vocab, d, wt, n_embd_per_layer)
     for il in range(n_layer):
-        if arch in HYBRID_ARCHS:
+        if arch == "gemma4":
+            local = bool(swa_layers and swa_layers[il])
+            specs += _gemma4_layer(il, replace(d, head_dim=head_dim_swa if local else head_dim,
+                                               n_ff=n_ff_layers[il] if n_ff_layers else n_ff), wt, n_embd_per_layer,
+                                  split_experts)
+        elif arch in HYBRID_ARCHS:
             specs += _hybrid_layer(arch, il, d, wt, attends=(il + 1) % full_attention_interval == 0)
         elif arch == "laguna":
             heads = n_head_swa if swa_layers and swa_layers[il] else n_head
@@ -412,6 +440,57 @@ def _laguna_layer(il: int, d: _Dims, wt: QT, dense: bool, gate_per_element: bool
         TensorSpec(_name(T.FFN_GATE_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
         TensorSpec(_name(T.FFN_UP_SHEXP, "weight", il), (d.n_embd, f), "weight", wt),
         TensorSpec(_name(T.FFN_DOWN_SHEXP, "weight", il), (f, d.n_embd), "weight", wt)]
+
+
+def _gemma4_globals(n_layer: int, n_vocab: int, d: _Dims, wt: QT, n_embd_per_layer: int) -> list[TensorSpec]:
+    """The global layers' proportional-RoPE factors (one tensor, libllama reads it for each), and the per-layer
+    embeddings' token rows, projection and norm."""
+    specs = [TensorSpec(_name(T.ROPE_FREQS, "weight"), (d.head_dim // 2,), "rope_freqs", QT.F32)]
+    if n_embd_per_layer:
+        width = n_embd_per_layer * n_layer
+        specs += [TensorSpec(_name(T.PER_LAYER_TOKEN_EMBD, "weight"), (width, n_vocab), "weight", wt),
+                  TensorSpec(_name(T.PER_LAYER_MODEL_PROJ, "weight"), (d.n_embd, width), "weight", wt),
+                  TensorSpec(_name(T.PER_LAYER_PROJ_NORM, "weight"), (n_embd_per_layer,), "scale", QT.F32)]
+    return specs
+
+
+def _gemma4_layer(il: int, d: _Dims, wt: QT, n_embd_per_layer: int, split_experts: bool) -> list[TensorSpec]:
+    """Attention with q/k norms and a post-norm, a GeGLU FFN with a post-norm (beside routed experts with their own
+    norms when n_expert), the per-layer embedding's gate, projection and norm, the layer's output scale. K and V
+    are written for every layer, as the converter does; libllama ignores them on shared-KV layers."""
+    e, n_q, n_kv = d.n_embd, d.head_dim * d.n_head, d.head_dim * d.n_head_kv
+    specs = [TensorSpec(_name(T.ATTN_NORM, "weight", il), (e,), "scale", QT.F32),
+             TensorSpec(_name(T.ATTN_Q, "weight", il), (e, n_q), "weight", wt),
+             TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (d.head_dim,), "scale", QT.F32),
+             TensorSpec(_name(T.ATTN_K, "weight", il), (e, n_kv), "weight", wt),
+             TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (d.head_dim,), "scale", QT.F32),
+             TensorSpec(_name(T.ATTN_V, "weight", il), (e, n_kv), "weight", wt),
+             TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, e), "weight", wt),
+             TensorSpec(_name(T.ATTN_POST_NORM, "weight", il), (e,), "scale", QT.F32),
+             TensorSpec(_name(T.FFN_NORM, "weight", il), (e,), "scale", QT.F32)]
+    specs += _dense_ffn(il, d, wt)
+    specs.append(TensorSpec(_name(T.FFN_POST_NORM, "weight", il), (e,), "scale", QT.F32))
+    if d.n_expert:
+        x, f = d.n_expert, d.n_ff_exp
+        specs += [TensorSpec(_name(T.FFN_GATE_INP, "weight", il), (e, x), "weight", QT.F32),
+                  TensorSpec(_name(T.FFN_GATE_INP, "scale", il), (e,), "scale", QT.F32),
+                  TensorSpec(_name(T.FFN_PRE_NORM_2, "weight", il), (e,), "scale", QT.F32),
+                  TensorSpec(_name(T.FFN_POST_NORM_1, "weight", il), (e,), "scale", QT.F32),
+                  TensorSpec(_name(T.FFN_POST_NORM_2, "weight", il), (e,), "scale", QT.F32)]
+        if split_experts:   # libllama reads these scales only beside separate gate and up tensors
+            specs += [TensorSpec(_name(T.FFN_GATE_EXP, "weight", il), (e, f, x), "weight", wt),
+                      TensorSpec(_name(T.FFN_GATE_EXP, "scale", il), (x,), "scale", QT.F32),
+                      TensorSpec(_name(T.FFN_UP_EXP, "weight", il), (e, f, x), "weight", wt),
+                      TensorSpec(_name(T.FFN_UP_EXP, "scale", il), (x,), "scale", QT.F32)]
+        else:
+            specs.append(TensorSpec(_name(T.FFN_GATE_UP_EXP, "weight", il), (e, 2 * f, x), "weight", wt))
+        specs += [TensorSpec(_name(T.FFN_DOWN_EXP, "weight", il), (f, e, x), "weight", wt),
+                  TensorSpec(_name(T.FFN_DOWN_EXP, "scale", il), (x,), "scale", QT.F32)]
+    if n_embd_per_layer:
+        specs += [TensorSpec(_name(T.PER_LAYER_INP_GATE, "weight", il), (e, n_embd_per_layer), "weight", wt),
+                  TensorSpec(_name(T.PER_LAYER_PROJ, "weight", il), (n_embd_per_layer, e), "weight", wt),
+                  TensorSpec(_name(T.PER_LAYER_POST_NORM, "weight", il), (e,), "scale", QT.F32)]
+    return specs + [TensorSpec(_name(T.LAYER_OUT_SCALE, "weight", il), (1,), "scale", QT.F32)]
 
 
 def _hybrid_layer(arch: str, il: int, d: _Dims, wt: QT, attends: bool) -> list[TensorSpec]:
@@ -557,6 +636,17 @@ def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
         assert spec.qtype == QT.F32, spec
         yield _delta_net_values(spec, rnd.rng).view(np.uint8)
         return
+    if spec.kind == "scale":
+        yield rnd.rng.uniform(0.5, 1.5, n).astype(np.float32).view(np.uint8)
+        return
+    if spec.kind == "rope_freqs":
+        # Gemma 4's proportional RoPE: a first part of the pairs at their own frequency, then slower ones, then
+        # pairs that never rotate (a factor so large the angle is 0), as the converter writes them.
+        f = np.ones(n, dtype=np.float32)
+        f[n // 2:] = rnd.rng.uniform(1.0, 8.0, n - n // 2)
+        f[3 * n // 4:] = 1e30
+        yield f.view(np.uint8)
+        return
     scale = ECHO_SCALE if spec.kind == "echo" else 1.0
     for p0 in range(0, n, _PIECE):
         m = min(_PIECE, n - p0)
@@ -604,6 +694,14 @@ def _check_rows(weight_type: str, **rows: int) -> None:
 
 
 def _check_moe(arch: str, weight_type: str, n_expert: int, n_expert_used: int, n_ff_exp: int, n_ff_shexp: int) -> None:
+    if arch == "gemma4" and n_expert:   # optional experts, beside the dense FFN that acts as the shared one
+        if n_ff_shexp:
+            raise ValueError(f"gemma4's shared expert is its dense FFN (n_ff): n_ff_shexp must be 0, got {n_ff_shexp}")
+        if not 0 < n_expert_used <= n_expert or n_ff_exp <= 0:
+            raise ValueError(f"gemma4 experts need 0 < n_expert_used <= n_expert and n_ff_exp > 0, got "
+                             f"{n_expert_used} / {n_expert} / {n_ff_exp}")
+        _check_rows(weight_type, n_ff_exp=n_ff_exp)
+        return
     if arch not in MOE_ARCHS:
         if n_expert or n_expert_used or n_ff_exp or n_ff_shexp:
             raise ValueError(f"experts (n_expert, n_expert_used, n_ff_exp, n_ff_shexp) are {' / '.join(MOE_ARCHS)} "
@@ -646,6 +744,29 @@ def _check_delta_net(arch: str, weight_type: str, n_layer: int, ssm_d_conv: int,
     _check_rows(weight_type, ssm_d_state_x_ssm_dt_rank=ssm_d_state * ssm_dt_rank)   # ssm_out's rows
 
 
+def _check_gemma4(arch: str, weight_type: str, n_layer: int, head_dim_swa: int, n_ff_layers: Sequence[int],
+                  n_embd_per_layer: int, n_shared_kv: int, swa_layers: list[bool], split_experts: bool) -> None:
+    if arch != "gemma4":
+        if head_dim_swa or n_ff_layers or n_embd_per_layer or n_shared_kv or split_experts:
+            raise ValueError(f"head_dim_swa, n_ff_layers, n_embd_per_layer, n_shared_kv and split_experts are gemma4 "
+                             f"options, not {arch}'s")
+        return
+    if not swa_layers:
+        raise ValueError("gemma4 needs a sliding window (n_swa > 0): libllama requires the window and its pattern")
+    if head_dim_swa <= 0 or head_dim_swa % 2:
+        raise ValueError(f"gemma4 needs an even head_dim_swa > 0 (the sliding-window layers' head size), got {head_dim_swa}")
+    if n_ff_layers and (len(n_ff_layers) != n_layer or min(n_ff_layers) <= 0):
+        raise ValueError(f"n_ff_layers needs {n_layer} positive widths, got {list(n_ff_layers)}")
+    if n_embd_per_layer < 0:
+        raise ValueError(f"n_embd_per_layer must be >= 0, got {n_embd_per_layer}")
+    # libllama's cache reuse wants the layer before the cut global and the one before that local; other cuts are
+    # written anyway (the loader's refusal of them is tested)
+    if not 0 <= n_shared_kv <= n_layer - 2:
+        raise ValueError(f"n_shared_kv={n_shared_kv} must leave at least 2 layers with K/V of their own")
+    _check_rows(weight_type, head_dim_swa=head_dim_swa, n_embd_per_layer=n_embd_per_layer,
+                **{f"n_ff_layers[{i}]": f for i, f in enumerate(n_ff_layers)})
+
+
 def _default_sections(n_rot: int) -> list[int]:
     """M-RoPE sections (pairs per t/h/w position) that split n_rot / 2 pairs as Qwen3.5 does: 32 -> [11, 11, 10, 0]."""
     q, r = divmod(n_rot // 2, 3)
@@ -663,6 +784,11 @@ def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
         n_rot = head_dim if n_rot is None else n_rot
         if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
             raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
+        return n_rot, None
+    if arch == "gemma4":   # its global layers may rotate part of the head (the local ones all of theirs)
+        n_rot = head_dim if n_rot is None else n_rot
+        if n_rot <= 0 or n_rot > head_dim or n_rot % 2 or rope_sections is not None:
+            raise ValueError(f"gemma4: n_rot={n_rot} must be even and in (0, head_dim={head_dim}], no rope_sections")
         return n_rot, None
     if arch not in HYBRID_ARCHS:
         if (n_rot is not None and n_rot != head_dim) or rope_sections is not None:
@@ -735,7 +861,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       n_rot: int | None = None, rope_sections: Sequence[int] | None = None, echo: bool = False,
                       rope_scaling_type: str = "linear", rope_orig_ctx: int | None = None, n_head_swa: int = 0,
                       n_rot_swa: int | None = None, n_layer_dense_lead: int = 0,
-                      expert_weights_scale: float | None = None, gate_per_element: Sequence[bool] = ()) -> Path:
+                      expert_weights_scale: float | None = None, gate_per_element: Sequence[bool] = (),
+                      head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (), n_embd_per_layer: int = 0,
+                      n_shared_kv: int = 0, split_experts: bool = False) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
     gemma3 and laguna: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: one global layer
@@ -747,6 +875,12 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     laguna: n_head_swa (query heads of the sliding-window layers; default n_head), n_rot (the global layers'
     rotated dims) and n_rot_swa (the local ones'), n_layer_dense_lead (leading layers with a dense FFN of n_ff),
     expert_weights_scale (routed weights' scale), gate_per_element (per layer; default per-head gates).
+
+    gemma4: head_dim_swa (the sliding-window layers' head size; head_dim is the global layers'), n_ff_layers (the
+    FFN width of each layer; default n_ff everywhere), n_embd_per_layer (per-layer embeddings; 0: none),
+    n_shared_kv (the last layers without K/V of their own), n_expert / n_expert_used / n_ff_exp (routed experts on
+    every layer beside the dense FFN; 0: none; split_experts: separate gate and up tensors with per-expert scales
+    instead of the fused gate_up the converter writes), logit_softcap. The window's pattern is written as one flag per layer.
 
     qwen3moe / qwen35moe: n_expert routed experts of width n_ff_exp, n_expert_used a token; qwen35moe also a
     shared expert of width n_ff_shexp, and no n_ff (qwen3moe writes n_ff, which its graph does not use).
@@ -766,13 +900,15 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                  n_layer_dense_lead)
     if arch not in SWA_ARCHS and (n_swa or swa_pattern is not None or rope_freq_base_swa):
         raise ValueError(f"sliding windows are {' / '.join(SWA_ARCHS)} options, not {arch}'s")
-    if arch != "gemma3" and logit_softcap:
-        raise ValueError(f"logit soft-capping is a gemma3 option, not {arch}'s")
+    if arch not in ("gemma3", "gemma4") and logit_softcap:
+        raise ValueError(f"logit soft-capping is a gemma3 / gemma4 option, not {arch}'s")
     _check_moe(arch, weight_type, n_expert, n_expert_used, n_ff_exp, n_ff_shexp)
     _check_delta_net(arch, weight_type, n_layer, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank,
                      full_attention_interval)
     n_rot, rope_sections = _rope_dims(arch, head_dim, n_rot, rope_sections)
     swa_layers = _swa_layers(arch, n_layer, n_swa, swa_pattern)
+    _check_gemma4(arch, weight_type, n_layer, head_dim_swa, n_ff_layers, n_embd_per_layer, n_shared_kv, swa_layers,
+                  split_experts)
     heads = _laguna_heads(arch, n_layer, n_head, n_head_kv, n_head_swa, swa_layers, n_rot_swa, head_dim,
                           n_layer_dense_lead, expert_weights_scale, gate_per_element)
     if rope_scaling_type not in ("linear", "yarn"):
@@ -788,7 +924,8 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                          ssm_d_conv=ssm_d_conv, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group,
                          ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval,
                          swa_layers=swa_layers, n_head_swa=n_head_swa or n_head, n_layer_dense_lead=n_layer_dense_lead,
-                         gate_per_element=gate_per_element)
+                         gate_per_element=gate_per_element, head_dim_swa=head_dim_swa, n_ff_layers=n_ff_layers,
+                         n_embd_per_layer=n_embd_per_layer, split_experts=split_experts)
     omit = set(omit_tensors)
     unknown = omit - {s.name for s in specs}
     if unknown:
@@ -806,7 +943,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    if n_ff:
+    if n_ff_layers:
+        w.add_feed_forward_length([int(f) for f in n_ff_layers])
+    elif n_ff:
         w.add_feed_forward_length(n_ff)
     w.add_head_count(heads if heads else n_head)
     w.add_head_count_kv(n_head_kv)
@@ -823,7 +962,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
             w.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
     if n_swa:
         w.add_sliding_window(n_swa)
-        if swa_pattern is not None:
+        if arch == "gemma4":   # libllama's gemma4 reads only the per-layer flags
+            w.add_sliding_window_pattern(swa_layers)
+        elif swa_pattern is not None:
             w.add_sliding_window_pattern(swa_pattern if isinstance(swa_pattern, int) else [bool(f) for f in swa_pattern])
         if rope_freq_base_swa:
             w.add_rope_freq_base_swa(rope_freq_base_swa)
@@ -838,6 +979,15 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
         w.add_leading_dense_block_count(n_layer_dense_lead)
         if n_swa:
             w.add_rope_dimension_count_swa(head_dim if n_rot_swa is None else n_rot_swa)
+    if arch == "gemma4":   # what the converter's Gemma4 class writes besides
+        w.add_key_length_swa(head_dim_swa)
+        w.add_value_length_swa(head_dim_swa)
+        w.add_rope_dimension_count_swa(head_dim_swa)
+        w.add_embedding_length_per_layer_input(n_embd_per_layer)
+        if n_shared_kv:
+            w.add_shared_kv_layers(n_shared_kv)
+        if n_expert:
+            _add_moe_keys(w, n_expert, n_expert_used, n_ff_exp, 0)
     if arch in HYBRID_ARCHS:
         _add_delta_net_keys(w, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank, full_attention_interval,
                             rope_sections)
