@@ -57,6 +57,9 @@ VARIANTS = {
     # sliding-window layers with more heads, YaRN over half the global heads, gates, sigmoid-routed experts
     "laguna-f32": ("tiny-laguna", dict(weight_type="f32", n_embd=128, head_dim=64, n_rot=32, n_rot_swa=64),
                    TOL_FLOAT),
+    # local heads of 64 and global heads of 128, per-layer embeddings, the last three layers reading earlier K/V
+    "gemma4-f32": ("tiny-gemma4", dict(weight_type="f32", n_embd=128, head_dim=128, head_dim_swa=64, n_shared_kv=3),
+                   TOL_FLOAT),
 }
 
 

@@ -96,7 +96,11 @@ class DraftModel:
         if n_keep < s.n_tokens:
             n_keep = rewind(s, n_keep)
         new = np.asarray(history[n_keep:], dtype=np.int32)
-        if not s.full_cache and len(history) > s.pager.config().pool_tokens and len(new) > 1:
+        # Layer-major for new tokens the pool cannot hold (a prompt), never for a generation's few: it copies
+        # every held position's K/V through the staging layer, a cost that grows with the context (at 128K on
+        # the H100 it made speculation 25x slower than plain decoding), and the draft's own steps attend the
+        # pool anyway.
+        if not s.full_cache and len(new) > s.pager.config().pool_tokens:
             step = self.pool.exact_prefill_batch(s.flash_attn, s.kv.layer_chunk_bytes // _core.CHUNK_TOKENS)
             logits, attention = s.prefill_exact(new, n_keep, n_batch=step)
             if s.pager.n_chunks() > s.pager.n_blocks():   # what the model's post-prompt reselect pages in, too
