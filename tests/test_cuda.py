@@ -164,10 +164,14 @@ def test_full_cache_cuda_matches_cpu_and_libllama_cuda(model_path, variant, tmp_
     ours_gpu, _ = run_session(gpu, _core.SessionConfig(max_tokens=MAX_TOKENS), prompt, fed)
     ours_cpu, _ = run_session(cpu, _core.SessionConfig(max_tokens=MAX_TOKENS, attention="matmul"), prompt, fed)
     theirs = libllama_cuda(path, prompt, fed, tmp_path)
-    report(f"CUDA-DIFF {variant} libllama-cuda vs ours-cpu: max|diff| {float(np.abs(theirs - ours_cpu).max()):.3g}")
     assert_close(f"{variant} ours-cuda vs libllama-cuda", ours_gpu, theirs, tol)
+    # Across backends we may differ from our CPU by what libllama's CUDA build differs from it (the CPU logits
+    # are libllama's CPU logits bit for bit, test_families): gemma4's random model (norms around 1, per-layer
+    # embeddings) moves by 0.074 between CUDA and the CPU in both builds (H100, R47), the others stay within tol.
+    theirs_gap = float(np.abs(theirs - ours_cpu).max())
+    report(f"CUDA-DIFF {variant} libllama-cuda vs ours-cpu: max|diff| {theirs_gap:.3g}")
     cpu_check = assert_mostly_close if "moe" in variant or "laguna" in variant else assert_close
-    cpu_check(f"{variant} ours-cuda vs ours-cpu", ours_gpu, ours_cpu, tol)
+    cpu_check(f"{variant} ours-cuda vs ours-cpu", ours_gpu, ours_cpu, max(tol, 1.5 * theirs_gap))
 
 
 # libllama on CUDA runs in a child process: if it crashes, this test fails with a backtrace (cuda-gdb
