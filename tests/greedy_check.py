@@ -62,3 +62,43 @@ def full_cache_against_libllama(path: str, attention: str, max_tokens: int, n_pr
     ref = _core.testing.LlamaReference(path, n_ctx=max_tokens, n_threads=1, flash_attn=attention == "flash")
     return greedy_against_libllama(session_of(cpu_model(path), max_tokens, 0, attention=attention), ref,
                                    random_tokens(n_prompt), n_decode)
+
+
+def preset_paths(tmp_path_factory, preset: str, variants: dict):
+    """A module fixture's body: variant -> the path of `preset` written with that variant's overrides, each once."""
+    from kvflash_ggml.testing import random_gguf as rg
+
+    root = tmp_path_factory.mktemp(preset)
+    paths: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in paths:
+            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", preset, **variants[variant]))
+        return paths[variant]
+
+    return get
+
+
+def assert_full_cache_matches_libllama(path: str, attention: str, max_tokens: int, n_prompt: int, n_decode: int,
+                                       tol: float) -> None:
+    """Our full cache against libllama (full_cache_against_libllama): every logit within tol, the same greedy
+    tokens, and logits that are not trivially equal (finite, spread)."""
+    ours, ref, _ = full_cache_against_libllama(path, attention, max_tokens, n_prompt, n_decode)
+    assert np.isfinite(ours).all() and ours.std() > 0.01
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= tol, f"max |logit diff| {diff:.3g}"
+    np.testing.assert_array_equal(ours[n_prompt - 1:].argmax(-1), ref[n_prompt - 1:].argmax(-1))
+
+
+def generate_with_live_eviction(path: str, policy: str, n_ctx: int, pool_tokens: int, **kw) -> dict:
+    """An Engine on the CPU generating 40 sampled tokens after a 900-token prompt its pool cannot hold (the drafter
+    policy drafting with the model itself); the stats() after it, checked for the 40 tokens and for page-outs."""
+    from kvflash_ggml import Model
+
+    with Model(model_path=path, n_ctx=n_ctx, pool_tokens=pool_tokens, backend="cpu", n_threads=1, policy=policy,
+               tau=16, drafter_model=path if policy == "drafter" else None, **kw) as llm:
+        # sampled from nearly flat logits: a random model's greedy loop soon reaches an end token
+        out = llm.create_completion(random_tokens(900).tolist(), max_tokens=40, temperature=1.0, seed=3)
+        st = llm.stats()
+    assert out["usage"]["completion_tokens"] == 40 and st["page_outs"] > 0
+    return st

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
-from greedy_check import (cpu_model as model_of, full_cache_against_libllama, random_tokens as tokens,
-                          run_fed as run, session_of)
+from greedy_check import (assert_full_cache_matches_libllama, cpu_model as model_of, full_cache_against_libllama,
+                          generate_with_live_eviction, preset_paths, random_tokens as tokens, run_fed as run,
+                          session_of)
 
 N_PROMPT, N_DECODE = 300, 24     # three windows of 96: every ring wraps
 MAX_TOKENS = 1024
@@ -49,15 +50,8 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma4")
-    paths: dict[str, str] = {}
-
-    def get(variant: str = "f32") -> str:
-        if variant not in paths:
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", "tiny-gemma4", **VARIANTS[variant]))
-        return paths[variant]
-
-    return get
+    get = preset_paths(tmp_path_factory, "tiny-gemma4", VARIANTS)
+    return lambda variant="f32": get(variant)
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:
@@ -81,11 +75,7 @@ def test_hparams_name_head_sizes_windows_sharing_and_ple(model_path):
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_full_cache_matches_libllama(model_path, variant, attention):
-    ours, ref, _ = full_cache_against_libllama(model_path(variant), attention, MAX_TOKENS, N_PROMPT, N_DECODE)
-    assert np.isfinite(ours).all() and ours.std() > 0.01
-    diff = float(np.abs(ours - ref).max())
-    assert diff <= TOL_SAME_KERNELS, f"max |logit diff| {diff:.3g}"
-    np.testing.assert_array_equal(ours[N_PROMPT - 1:].argmax(-1), ref[N_PROMPT - 1:].argmax(-1))
+    assert_full_cache_matches_libllama(model_path(variant), attention, MAX_TOKENS, N_PROMPT, N_DECODE, TOL_SAME_KERNELS)
 
 
 def _edit(src: str, dst, name: str, values) -> str:
@@ -143,26 +133,12 @@ def test_rings_hold_local_heads_and_only_layers_with_their_own_kv(model_path, va
 
 @pytest.mark.parametrize("policy", ["lru", "qk", "quest", "drafter"])
 def test_engine_generates_with_live_eviction(model_path, policy):
-    from kvflash_ggml import Model
-
-    path = model_path()
-    with Model(model_path=path, n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu", n_threads=1, policy=policy,
-               tau=16, drafter_model=path if policy == "drafter" else None) as llm:
-        out = llm.create_completion(tokens(900).tolist(), max_tokens=40, temperature=1.0, seed=3)
-        st = llm.stats()
-    assert out["usage"]["completion_tokens"] == 40
-    assert st["page_outs"] > 0 and st["device_ring_bytes"] > 0
+    assert generate_with_live_eviction(model_path(), policy, MAX_TOKENS, POOL)["device_ring_bytes"] > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "qk"])
 def test_engine_with_shared_kv_evicts_with_a_pooled_prefill(model_path, policy):
-    from kvflash_ggml import Model
-
-    with Model(model_path=model_path("moe-shared-q8_0"), n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu",
-               n_threads=1, policy=policy, tau=16, prefill="pooled") as llm:
-        out = llm.create_completion(tokens(900).tolist(), max_tokens=40, temperature=1.0, seed=3)
-        st = llm.stats()
-    assert out["usage"]["completion_tokens"] == 40 and st["page_outs"] > 0
+    generate_with_live_eviction(model_path("moe-shared-q8_0"), policy, MAX_TOKENS, POOL, prefill="pooled")
 
 
 @pytest.mark.parametrize("variant", ["f32", "shared-q8_0"])

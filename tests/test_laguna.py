@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
-from greedy_check import (cpu_model as model_of, full_cache_against_libllama, random_tokens as tokens,
-                          run_fed as run, session_of)
+from greedy_check import (assert_full_cache_matches_libllama, cpu_model as model_of, generate_with_live_eviction,
+                          preset_paths, random_tokens as tokens, run_fed as run, session_of)
 
 N_PROMPT, N_DECODE = 300, 24     # three windows of 96: every ring wraps
 MAX_TOKENS = 1024
@@ -42,15 +42,8 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("laguna")
-    paths: dict[str, str] = {}
-
-    def get(variant: str = "xs-f32") -> str:
-        if variant not in paths:
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", "tiny-laguna", **VARIANTS[variant]))
-        return paths[variant]
-
-    return get
+    get = preset_paths(tmp_path_factory, "tiny-laguna", VARIANTS)
+    return lambda variant="xs-f32": get(variant)
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:
@@ -71,11 +64,7 @@ def test_hparams_name_heads_windows_and_experts(model_path):
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_full_cache_matches_libllama(model_path, variant, attention):
-    ours, ref, _ = full_cache_against_libllama(model_path(variant), attention, MAX_TOKENS, N_PROMPT, N_DECODE)
-    assert np.isfinite(ours).all() and ours.std() > 0.01
-    diff = float(np.abs(ours - ref).max())
-    assert diff <= TOL_SAME_KERNELS, f"max |logit diff| {diff:.3g}"
-    np.testing.assert_array_equal(ours[N_PROMPT - 1:].argmax(-1), ref[N_PROMPT - 1:].argmax(-1))
+    assert_full_cache_matches_libllama(model_path(variant), attention, MAX_TOKENS, N_PROMPT, N_DECODE, TOL_SAME_KERNELS)
 
 
 def test_the_layout_options_change_the_logits(model_path, tmp_path):
@@ -117,16 +106,8 @@ def test_only_global_layers_are_pooled_and_local_ones_keep_rings(model_path):
 
 @pytest.mark.parametrize("policy", ["lru", "qk", "quest", "drafter"])
 def test_engine_generates_with_live_eviction(model_path, policy):
-    from kvflash_ggml import Model
-
-    path = model_path()
-    with Model(model_path=path, n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu", n_threads=1, policy=policy,
-               tau=16, drafter_model=path if policy == "drafter" else None) as llm:
-        out = llm.create_completion(tokens(900).tolist(), max_tokens=40, temperature=1.0, seed=3)
-        st = llm.stats()
-    assert out["usage"]["completion_tokens"] == 40
-    assert st["page_outs"] > 0 and st["device_ring_bytes"] > 0
-    assert st["device_peak_bytes"] >= st["device_kv_bytes"] + st["device_ring_bytes"]
+    st = generate_with_live_eviction(model_path(), policy, MAX_TOKENS, POOL)
+    assert st["device_ring_bytes"] > 0 and st["device_peak_bytes"] >= st["device_kv_bytes"] + st["device_ring_bytes"]
 
 
 def test_snapshot_restores_and_continues_exactly(model_path):
