@@ -65,13 +65,14 @@ def full_cache_against_libllama(path: str, attention: str, max_tokens: int, n_pr
 
 
 def preset_paths(tmp_path_factory, preset: str, variants: dict):
-    """A module fixture's body: variant -> the path of `preset` written with that variant's overrides, each once."""
+    """A module fixture's body: variant (default: the first) -> the path of `preset` written with that variant's
+    overrides, each once."""
     from kvflash_ggml.testing import random_gguf as rg
 
     root = tmp_path_factory.mktemp(preset)
     paths: dict[str, str] = {}
 
-    def get(variant: str) -> str:
+    def get(variant: str = next(iter(variants))) -> str:
         if variant not in paths:
             paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", preset, **variants[variant]))
         return paths[variant]

@@ -50,8 +50,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    get = preset_paths(tmp_path_factory, "tiny-gemma4", VARIANTS)
-    return lambda variant="f32": get(variant)
+    return preset_paths(tmp_path_factory, "tiny-gemma4", VARIANTS)
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:

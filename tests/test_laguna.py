@@ -42,8 +42,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    get = preset_paths(tmp_path_factory, "tiny-laguna", VARIANTS)
-    return lambda variant="xs-f32": get(variant)
+    return preset_paths(tmp_path_factory, "tiny-laguna", VARIANTS)
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:

@@ -75,6 +75,13 @@ void bind_reference(py::module_ & testing) {
         .def_property_readonly("n_past", [](const LlamaReference & r) { return reference_call([&] { return r.n_past(); }); });
 }
 
+// A per-layer figure of every layer, as a list.
+std::vector<int64_t> per_layer(const ModelHparams & hp, int64_t (ModelHparams::*of)(int64_t) const) {
+    std::vector<int64_t> v;
+    for (int64_t il = 0; il < hp.n_layer; ++il) v.push_back((hp.*of)(il));
+    return v;
+}
+
 }  // namespace
 
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all) {
@@ -90,22 +97,14 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("n_layer", &ModelHparams::n_layer)
         .def_readonly("n_head", &ModelHparams::n_head)
         .def_readonly("n_head_kv", &ModelHparams::n_head_kv)
-        .def_property_readonly("n_head_layers", [](const ModelHparams & hp) {
-            std::vector<int64_t> v;
-            for (int64_t il = 0; il < hp.n_layer; ++il) v.push_back(hp.n_head_of(il));
-            return v;
-        })
+        .def_property_readonly("n_head_layers", [](const ModelHparams & hp) { return per_layer(hp, &ModelHparams::n_head_of); })
         .def_readonly("head_dim_k", &ModelHparams::head_dim_k)
         .def_readonly("head_dim_v", &ModelHparams::head_dim_v)
         .def_readonly("head_dim_k_swa", &ModelHparams::head_dim_k_swa)
         .def_readonly("head_dim_v_swa", &ModelHparams::head_dim_v_swa)
         .def_readonly("n_layer_kv", &ModelHparams::n_layer_kv)
         .def_readonly("n_embd_per_layer", &ModelHparams::n_embd_per_layer)
-        .def_property_readonly("n_ff_layers", [](const ModelHparams & hp) {
-            std::vector<int64_t> v;
-            for (int64_t il = 0; il < hp.n_layer; ++il) v.push_back(hp.n_ff_of(il));
-            return v;
-        })
+        .def_property_readonly("n_ff_layers", [](const ModelHparams & hp) { return per_layer(hp, &ModelHparams::n_ff_of); })
         .def_readonly("logit_softcap", &ModelHparams::logit_softcap)
         .def_readonly("n_ff", &ModelHparams::n_ff)
         .def_readonly("n_ctx_train", &ModelHparams::n_ctx_train)

@@ -131,6 +131,18 @@ namespace {
 // (which must match them, and which gguf checked against the file) are compared.
 constexpr int64_t k_max_dim = INT32_MAX;
 
+// A key that may hold one value per layer: the value (layer 0's) in `out`, and the per-layer values in
+// `per_layer` only when they differ (empty: the same on every layer). false when the key is absent.
+bool read_per_layer(const gguf_context * g, const std::string & key, int64_t n_layer, int64_t & out,
+                    std::vector<int64_t> & per_layer) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) return meta_int(g, key, 1, k_max_dim, out);
+    meta_int_array(g, key, n_layer, 1, k_max_dim, per_layer);
+    out = per_layer[0];
+    if (std::all_of(per_layer.begin(), per_layer.end(), [&](int64_t v) { return v == out; })) per_layer.clear();
+    return true;
+}
+
 }  // namespace
 
 void Model::read_hparams(gguf_context * g) {
@@ -149,7 +161,8 @@ void Model::read_hparams(gguf_context * g) {
                                  std::to_string(gguf_get_n_tensors(g)) + " tensors");
     }
     hp_.n_embd = meta_require_int(g, a + "embedding_length", 1, k_max_dim);
-    read_ffn_widths(g);   // dense families require them (load_dense_ffn)
+    // one width per layer where gemma4's differ; the dense families require it (load_dense_ffn)
+    read_per_layer(g, a + "feed_forward_length", hp_.n_layer, hp_.n_ff, hp_.n_ff_layers);
     read_head_counts(g);
     hp_.n_ctx_train = meta_require_int(g, a + "context_length", 1, k_max_dim);
     hp_.head_dim_k = hp_.n_embd / hp_.n_head;
@@ -199,33 +212,12 @@ int64_t ModelHparams::kv_index(int64_t il) const {
     return i;
 }
 
-void Model::read_ffn_widths(gguf_context * g) {
-    const std::string key = hp_.arch + ".feed_forward_length";
-    const int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) {
-        meta_int(g, key, 1, k_max_dim, hp_.n_ff);
-        return;
-    }
-    meta_int_array(g, key, hp_.n_layer, 1, k_max_dim, hp_.n_ff_layers);   // one width per layer (gemma4's differ)
-    hp_.n_ff = hp_.n_ff_layers[0];
-    if (std::all_of(hp_.n_ff_layers.begin(), hp_.n_ff_layers.end(), [&](int64_t n) { return n == hp_.n_ff; })) {
-        hp_.n_ff_layers.clear();
-    }
-}
 
 void Model::read_head_counts(gguf_context * g) {
     const std::string a = hp_.arch + ".", key = a + "attention.head_count";
-    const int64_t id = gguf_find_key(g, key.c_str());
-    if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY) {   // one count per layer (laguna's differ)
-        if (!meta_int_array(g, key, hp_.n_layer, 1, k_max_dim, hp_.n_head_layers)) {
-            throw std::runtime_error("GGUF is missing the required key " + key);
-        }
-        hp_.n_head = hp_.n_head_layers[0];
-        if (std::all_of(hp_.n_head_layers.begin(), hp_.n_head_layers.end(), [&](int64_t n) { return n == hp_.n_head; })) {
-            hp_.n_head_layers.clear();
-        }
-    } else {
-        hp_.n_head = meta_require_int(g, key, 1, k_max_dim);
+    // one count per layer where laguna's differ
+    if (!read_per_layer(g, key, hp_.n_layer, hp_.n_head, hp_.n_head_layers)) {
+        throw std::runtime_error("GGUF is missing the required key " + key);
     }
     int64_t fewest = hp_.n_head;
     for (int64_t n : hp_.n_head_layers) fewest = std::min(fewest, n);

@@ -266,7 +266,6 @@ public:
 
 private:
     void read_hparams(gguf_context * gctx);
-    void read_ffn_widths(gguf_context * gctx);
     void read_head_counts(gguf_context * gctx);
     void check_pooled_head_counts() const;
     void read_rope(gguf_context * gctx);

@@ -70,6 +70,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gemma4", "qwen3moe", "qwen35", "q
 MOE_ARCHS = ("qwen3moe", "qwen35moe", "laguna")   # routed experts instead of the dense FFN
 SWA_ARCHS = ("gemma3", "gemma4", "laguna")   # sliding-window layers beside the global ones
 HYBRID_ARCHS = ("qwen35", "qwen35moe")       # gated delta-net layers + every interval-th layer full attention
+PARTIAL_ROTARY_ARCHS = HYBRID_ARCHS + ("laguna", "gemma4")   # RoPE over part of the (global) head
 WEIGHT_TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 _FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
@@ -775,29 +776,22 @@ def _default_sections(n_rot: int) -> list[int]:
 
 def _rope_dims(arch: str, head_dim: int, n_rot: int | None,
                rope_sections: Sequence[int] | None) -> tuple[int, list[int] | None]:
-    """(rope.dimension_count, rope.dimension_sections or None), checked. Only the qwen35 families rotate part of
-    the head (n_rot defaults to head_dim / 4, partial_rotary_factor 0.25 as released) with interleaved M-RoPE,
-    and laguna's global layers (n_rot, default head_dim; no sections)."""
-    if arch == "laguna":
-        if rope_sections is not None:
-            raise ValueError("rope_sections are qwen35 options, not laguna's")
-        n_rot = head_dim if n_rot is None else n_rot
-        if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
-            raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
-        return n_rot, None
-    if arch == "gemma4":   # its global layers may rotate part of the head (the local ones all of theirs)
-        n_rot = head_dim if n_rot is None else n_rot
-        if n_rot <= 0 or n_rot > head_dim or n_rot % 2 or rope_sections is not None:
-            raise ValueError(f"gemma4: n_rot={n_rot} must be even and in (0, head_dim={head_dim}], no rope_sections")
-        return n_rot, None
-    if arch not in HYBRID_ARCHS:
+    """(rope.dimension_count, rope.dimension_sections or None), checked. The qwen35 families rotate part of the
+    head (n_rot defaults to head_dim / 4, partial_rotary_factor 0.25 as released) with interleaved M-RoPE; laguna's
+    and gemma4's global layers may (n_rot, default head_dim; no sections)."""
+    if arch not in PARTIAL_ROTARY_ARCHS:
         if (n_rot is not None and n_rot != head_dim) or rope_sections is not None:
-            raise ValueError(f"partial rotary (n_rot) and rope_sections are {' / '.join(HYBRID_ARCHS)} options, "
-                             f"not {arch}'s (which rotates all head_dim={head_dim})")
+            raise ValueError(f"partial rotary (n_rot) and rope_sections are {' / '.join(PARTIAL_ROTARY_ARCHS)} "
+                             f"options, not {arch}'s (which rotates all head_dim={head_dim})")
         return head_dim, None
-    n_rot = head_dim // 4 if n_rot is None else n_rot
+    if n_rot is None:
+        n_rot = head_dim // 4 if arch in HYBRID_ARCHS else head_dim
     if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
         raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={head_dim}]")
+    if arch not in HYBRID_ARCHS:
+        if rope_sections is not None:
+            raise ValueError(f"rope_sections are {' / '.join(HYBRID_ARCHS)} options, not {arch}'s")
+        return n_rot, None
     sections = _default_sections(n_rot) if rope_sections is None else [int(v) for v in rope_sections]
     if len(sections) != 4 or min(sections) < 0 or 2 * sum(sections) != n_rot:
         # ggml's rope_multi gives each of the n_rot / 2 rotated pairs a section (t, h, w, extra)
