@@ -10,9 +10,9 @@ from kvflash_ggml import _core
 from kvflash_ggml.testing import random_gguf as rg
 
 
-def session(model, pool, attention="auto", **kw):
+def session(model, pool, attention="auto", arena=None, **kw):
     return _core.Session(model, _core.SessionConfig(max_tokens=4096, pool_tokens=pool, n_batch=64, attention=attention,
-                                                    **kw))
+                                                    **kw), arena=arena)
 
 
 def prompts(n_vocab, lengths, seed=0):
@@ -20,11 +20,12 @@ def prompts(n_vocab, lengths, seed=0):
     return [rng.integers(1, n_vocab, n).astype(np.int32) for n in lengths]
 
 
-def twins(model, pools, lengths, attention="auto"):
-    """Two identical sets of sessions, each holding its prompt; the first greedy token of each."""
+def twins(model, pools, lengths, attention="auto", arena=None, **kw):
+    """Two identical sets of sessions, each holding its prompt; the first greedy token of each. arena: the
+    batched set keeps its pools in it."""
     ps = prompts(model.hparams.n_vocab, lengths)
-    alone = [session(model, p, attention) for p in pools]
-    batched = [session(model, p, attention) for p in pools]
+    alone = [session(model, p, attention, **kw) for p in pools]
+    batched = [session(model, p, attention, arena, **kw) for p in pools]
     first = [s.forward_greedy(p, 0) for s, p in zip(alone, ps)]
     assert [s.forward_greedy(p, 0) for s, p in zip(batched, ps)] == first
     return alone, batched, first
@@ -61,6 +62,65 @@ def test_batched_steps_equal_steps_alone(tiny_gguf, attention):
     # f16 weights: a 4-column matmul sums in another order than a 1-column one (SmolLM2's Q4_1: equal bytes)
     np.testing.assert_allclose(logits_b, logits_a, rtol=0, atol=2e-3)
     assert decoder.compute_bytes > 0
+
+
+@pytest.mark.parametrize("attention,kv_type", [("matmul", "f16"), ("flash", "f16"), ("flash", "q8_0")])
+def test_pools_in_one_arena_step_as_alone(tiny_gguf, attention, kv_type):
+    """Sessions whose pools are lanes of one arena: one K/V write and one attention call per layer for all of
+    them. Every step, all lanes or some (gaps split the lanes into runs), in any order, must leave each session
+    where its own steps would have."""
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    arena = _core.PoolArena(4)
+    alone, batched, tok = twins(model, [448] * 4, [400, 390, 700, 30], attention, arena, kv_type=kv_type)
+    assert [s.arena_lane for s in batched] == [0, 1, 2, 3] and arena.lanes_free == 0
+    assert arena.device_bytes == sum(s.memory()["pool_bytes"] for s in batched)
+    decoder = _core.BatchDecoder(model)
+    tok = step_both(alone, batched, decoder, tok, 100)
+    assert all(s.pager.stats().page_outs > 0 for s in batched[:3])   # the steps paged
+    assert decoder.attention_calls == 1
+    # lanes 3, 0, 2: two runs (0 | 2, 3) and the caller's order is not the lanes'
+    pick = [3, 0, 2]
+    sub = step_both([alone[i] for i in pick], [batched[i] for i in pick], decoder, [tok[i] for i in pick], 20)
+    assert decoder.attention_calls == 2
+    for i, t in zip(pick, sub):
+        tok[i] = t
+    tok[1:2] = step_both(alone[1:2], batched[1:2], decoder, tok[1:2], 3)   # one lane alone
+    logits_a = np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)])
+    logits_b = decoder.step(batched, tok)
+    np.testing.assert_allclose(logits_b, logits_a, rtol=0, atol=2e-3)
+
+
+def test_an_arena_lane_is_taken_once_and_comes_back_zeroed(tiny_gguf):
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    arena = _core.PoolArena(2)
+    a, b = session(model, 448, arena=arena), session(model, 448, arena=arena)
+    with pytest.raises(ValueError, match="every lane"):
+        session(model, 448, arena=arena)
+    a.forward(np.arange(1, 300, dtype=np.int32), 0)
+    lane = a.arena_lane
+    del a
+    assert arena.lanes_free == 1
+    c = session(model, 448, arena=arena)
+    assert c.arena_lane == lane
+    assert all(not any(c.kv.read_block(blk)) for blk in range(448 // 64))   # nothing of a's K/V is left
+    with pytest.raises(ValueError, match="pool of the sessions already in it"):
+        _core.Session(model, _core.SessionConfig(max_tokens=4096, pool_tokens=512, n_batch=64), arena=_core.PoolArena(2)) \
+            and session(model, 640, arena=arena)
+    assert arena.lanes_free == 0 and b.arena_lane != c.arena_lane
+
+
+def test_arena_and_own_pools_share_a_step(tiny_gguf):
+    """A step of sessions in an arena and one with its own pool: every session attends its own pool, correctly."""
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    arena = _core.PoolArena(2)
+    ps = prompts(model.hparams.n_vocab, [300, 500, 200])
+    alone = [session(model, 448) for _ in ps]
+    batched = [session(model, 448, arena=arena), session(model, 448), session(model, 448, arena=arena)]
+    tok = [s.forward_greedy(p, 0) for s, p in zip(alone, ps)]
+    assert [s.forward_greedy(p, 0) for s, p in zip(batched, ps)] == tok
+    decoder = _core.BatchDecoder(model)
+    step_both(alone, batched, decoder, tok, 40)
+    assert decoder.attention_calls == 3
 
 
 @pytest.mark.slow

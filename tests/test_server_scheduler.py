@@ -8,9 +8,8 @@ import time
 import pytest
 
 from kvflash_ggml import _core
-from kvflash_ggml.engine import Engine
 from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
-from kvflash_ggml.server.scheduler import QueueFull, Request, Scheduler
+from kvflash_ggml.server.scheduler import QueueFull, Request, Scheduler, slot_engines
 from kvflash_ggml.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -34,8 +33,8 @@ def make_scheduler(smollm2, smollm2_path, tmp_path):
     def make(n_slots=2, max_queue=4, prefill="exact", batch=True, speculative=None):
         tok = Tokenizer(smollm2_path)
         pool = PoolConfig(n_ctx=4096, pool_tokens=512)
-        engines = [Engine(smollm2, tok, pool, ResidencyConfig(prefill=prefill), prefix_cache_dir=tmp_path / "cache",
-                          store_each_turn=False, speculative=speculative) for _ in range(n_slots)]
+        engines = slot_engines(n_slots, smollm2, tok, pool, ResidencyConfig(prefill=prefill),
+                               prefix_cache_dir=tmp_path / "cache", store_each_turn=False, speculative=speculative)
         s = Scheduler(engines, max_queue=max_queue, batch=batch)
         made.append(s)
         return s, tok

@@ -12,6 +12,14 @@ namespace kvf::bind {
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
 
 void register_batch(py::module_ & m) {
+    py::class_<PoolArena, std::shared_ptr<PoolArena>>(m, "PoolArena",
+                             "The pools of several sessions of one Model in one allocation, one lane each "
+                             "(kv/pool_arena.h): a BatchDecoder step then writes and attends all of them at once. "
+                             "Pass it to Session(model, config, arena=...); the first session fixes the pool layout.")
+        .def(py::init<int64_t>(), py::arg("lanes"))
+        .def_property_readonly("lanes", &PoolArena::n_lanes)
+        .def_property_readonly("lanes_free", &PoolArena::lanes_free, "lanes no session holds")
+        .def_property_readonly("device_bytes", &PoolArena::device_bytes, "bytes of every lane (0 until a session joins)");
     py::class_<BatchDecoder>(m, "BatchDecoder",
                              "One decode step of several sessions of one Model as one graph: the weights are read once "
                              "for all of them, attention runs per session over its own pool (runtime/batch_decoder.h).")
@@ -37,6 +45,9 @@ void register_batch(py::module_ & m) {
                  return make_logits(std::move(out), n, n_vocab, true);
              }, py::arg("sessions"), py::arg("tokens"),
              "feed tokens[i] to sessions[i] at its n_tokens; logits [len(sessions), n_vocab]")
+        .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
+                               "attention calls per layer in the last step: one per run of consecutive arena lanes, "
+                               "else one per session")
         .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
                                "device bytes of the batched step graphs' compute buffer");
 }

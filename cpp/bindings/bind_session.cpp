@@ -84,8 +84,14 @@ void register_session(py::module_ & m, py::module_ & testing) {
     const auto released = py::call_guard<py::gil_scoped_release>();
     py::class_<Session> session(m, "Session");
     session
-        .def(py::init<std::shared_ptr<Model>, const SessionConfig &>(), py::arg("model"), py::arg("config"),
-             py::keep_alive<1, 2>())
+        .def(py::init<std::shared_ptr<Model>, const SessionConfig &, std::shared_ptr<PoolArena>>(), py::arg("model"),
+             py::arg("config"), py::arg("arena") = nullptr, py::keep_alive<1, 2>(),
+             "arena: keep the pool in a lane of this PoolArena (batched decode steps of its sessions attend all "
+             "their pools at once)")
+        .def_property_readonly("arena_lane", [](const Session & s) {
+                 const SessionLock held = s.lock(false);
+                 return s.kv().arena() ? s.kv().lane() : -1;
+             }, "the pool's lane in its PoolArena (-1: a pool of its own)")
         .def("forward", [](Session & s, const Tokens & tokens, int64_t start, bool all_logits) {
                  // a copy: another thread may write into the caller's array while this one computes
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());

@@ -62,4 +62,50 @@ ggml_tensor * get_v_trans(ggml_context * ctx, const PooledKV & kv, const KvStepI
     return ggml_cont(ctx, ggml_permute(ctx, get_v(ctx, kv, in, il, n_kv, head_dim_v), 1, 2, 0, 3));
 }
 
+namespace {
+
+// Lanes [lane, lane + n_lanes) of an arena tensor in slot rows, first n_kv rows of each, split into heads.
+ggml_tensor * lanes_view(ggml_context * ctx, ggml_tensor * t, int64_t pool_tokens, int64_t head_dim, int64_t n_kv,
+                         int64_t lane, int64_t n_lanes) {
+    return ggml_view_4d(ctx, t, head_dim, t->ne[0] / head_dim, n_kv, n_lanes, ggml_row_size(t->type, head_dim), t->nb[1],
+                        t->nb[1] * pool_tokens, t->nb[1] * pool_tokens * lane);
+}
+
+}  // namespace
+
+ggml_tensor * cpy_k_lanes(ggml_context * ctx, const PoolArena & arena, const KvStepInputs & in, int64_t il, ggml_tensor * k) {
+    ggml_tensor * k_rows = ggml_view_2d(ctx, k, k->ne[0] * k->ne[1], k->ne[2], k->nb[2], 0);
+    return ggml_set_rows(ctx, arena.k(il), k_rows, in.slots);
+}
+
+ggml_tensor * cpy_v_lanes(ggml_context * ctx, const PoolArena & arena, const KvStepInputs & in, int64_t il, ggml_tensor * v) {
+    ggml_tensor * v_arena = arena.v(il);
+    if (arena.layout().v_trans) {
+        ggml_tensor * v_vals = ggml_reshape_2d(ctx, ggml_is_contiguous(v) ? v : ggml_cont(ctx, v), 1, ggml_nelements(v));
+        return ggml_set_rows(ctx, ggml_reshape_2d(ctx, v_arena, 1, ggml_nelements(v_arena)), v_vals, in.v_slots);
+    }
+    ggml_tensor * v_rows = ggml_view_2d(ctx, v, v->ne[0] * v->ne[1], v->ne[2], v->nb[2], 0);
+    return ggml_set_rows(ctx, v_arena, v_rows, in.slots);
+}
+
+ggml_tensor * get_k_lanes(ggml_context * ctx, const PoolArena & arena, int64_t il, int64_t n_kv, int64_t head_dim_k,
+                          int64_t lane, int64_t n_lanes) {
+    return lanes_view(ctx, arena.k(il), arena.layout().pool_tokens, head_dim_k, n_kv, lane, n_lanes);
+}
+
+ggml_tensor * get_v_lanes(ggml_context * ctx, const PoolArena & arena, int64_t il, int64_t n_kv, int64_t head_dim_v,
+                          int64_t lane, int64_t n_lanes) {
+    if (arena.layout().v_trans) throw std::logic_error("get_v_lanes: V is transposed (v_trans); use get_v_trans_lanes");
+    return lanes_view(ctx, arena.v(il), arena.layout().pool_tokens, head_dim_v, n_kv, lane, n_lanes);
+}
+
+ggml_tensor * get_v_trans_lanes(ggml_context * ctx, const PoolArena & arena, int64_t il, int64_t n_kv,
+                                int64_t head_dim_v, int64_t lane, int64_t n_lanes) {
+    if (!arena.layout().v_trans) throw std::logic_error("get_v_trans_lanes: V is in slot rows; use get_v_lanes");
+    ggml_tensor * v = arena.v(il);   // [pool_tokens, n_embd_v * n_lanes]: lane l's channels after lane l-1's
+    const int64_t n_embd_v = arena.layout().n_embd_v;
+    return ggml_view_4d(ctx, v, n_kv, head_dim_v, n_embd_v / head_dim_v, n_lanes, v->nb[1], v->nb[1] * head_dim_v,
+                        v->nb[1] * n_embd_v, v->nb[1] * n_embd_v * lane);
+}
+
 }  // namespace kvf

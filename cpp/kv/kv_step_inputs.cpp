@@ -133,6 +133,34 @@ void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKey
     ggml_backend_tensor_set(in.mask, mask, 0, scratch.size());
 }
 
+void kv_step_inputs_set_lanes(const KvStepInputs & in, const KvLayout & L, const std::vector<LaneToken> & tokens,
+                              std::vector<uint8_t> & scratch) {
+    const int64_t n = (int64_t) tokens.size(), n_kv = in.mask->ne[0], P = L.pool_tokens, W = L.n_embd_v;
+    if (in.slots->ne[0] != n || in.mask->ne[1] != n || in.kv_order) {
+        throw std::logic_error("kv_step_inputs_set_lanes: the step's input tensors were made for another shape");
+    }
+    std::vector<int64_t> rows(n);
+    for (int64_t t = 0; t < n; ++t) rows[t] = tokens[t].lane * P + tokens[t].slot;
+    ggml_backend_tensor_set(in.slots, rows.data(), 0, n * sizeof(int64_t));
+    if (in.v_slots) {
+        std::vector<int64_t> v_slots((size_t) (W * n));
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t c = 0; c < W; ++c) v_slots[t * W + c] = tokens[t].lane * P * W + c * P + tokens[t].slot;
+        }
+        ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
+    }
+    scratch.resize((size_t) (n_kv * n) * sizeof(ggml_fp16_t));
+    auto * mask = reinterpret_cast<ggml_fp16_t *>(scratch.data());
+    for (int64_t t = 0; t < n; ++t) {
+        const KvKeyOrder & o = *tokens[t].order;
+        if (o.gathered || (int64_t) o.key_pos.size() < n_kv) {
+            throw std::logic_error("kv_step_inputs_set_lanes: a lane's keys are not its pool's slots");
+        }
+        build_slot_mask(o.key_pos.data(), n_kv, &tokens[t].pos, 1, o.window, mask + t * n_kv);
+    }
+    ggml_backend_tensor_set(in.mask, mask, 0, scratch.size());
+}
+
 void build_slot_mask(const int64_t * slot_pos, int64_t n_kv, const int32_t * pos, int64_t n_tokens, int64_t window,
                      ggml_fp16_t * out) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);

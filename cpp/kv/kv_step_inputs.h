@@ -75,6 +75,22 @@ private:
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & layout, const KvKeyOrder & order,
                         const Plan & alloc, const int32_t * pos, std::vector<uint8_t> & scratch);
 
+// One token of a batched decode step over a pool arena (kv/pool_arena.h): its session's lane, the slot its
+// pager gave it, its position and its session's key order.
+struct LaneToken {
+    int64_t lane;
+    int64_t slot;
+    int32_t pos;
+    const KvKeyOrder * order;
+};
+
+// Uploads such a step's inputs (made by kv_step_inputs_new with the arena's per-lane layout, n tokens and the
+// step's n_kv): token t writes arena row lane * pool_tokens + slot (under v_trans, V element
+// lane * pool_tokens * n_embd_v + channel * pool_tokens + slot), and mask row t is its own pool's slot mask
+// over the first n_kv slots (n_kv is the largest of the lanes' own: slots past a lane's own are empty, masked).
+void kv_step_inputs_set_lanes(const KvStepInputs & in, const KvLayout & layout, const std::vector<LaneToken> & tokens,
+                              std::vector<uint8_t> & scratch);
+
 // The F16 slot-space mask for one step, [n_kv, n_tokens] in ggml order (row i = query token i):
 // 0 where slot s holds a position p with 0 <= p <= pos[i] and (window <= 0 or pos[i] - p < window),
 // -inf elsewhere. slot_pos has at least n_kv entries (-1 = empty slot).

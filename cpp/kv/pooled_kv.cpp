@@ -1,5 +1,7 @@
 #include "kv/pooled_kv.h"
 
+#include "kv/pool_arena.h"
+
 
 #include <algorithm>
 #include <cmath>
@@ -52,8 +54,7 @@ void transpose_v_images(const KvLayout & L, const uint8_t * src, uint8_t * dst, 
 
 }  // namespace
 
-PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout), backend_(backend) {
-    const auto & L = layout_;
+void PooledKV::check_layout(const KvLayout & L) {
     if (L.n_layer <= 0 || L.n_embd_k <= 0 || L.n_embd_v <= 0) {
         throw std::invalid_argument("PooledKV: n_layer, n_embd_k and n_embd_v must be positive");
     }
@@ -71,6 +72,11 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
                                         " is not a multiple of the " + ggml_type_name(t) + " block size");
         }
     }
+}
+
+PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout), backend_(backend) {
+    const auto & L = layout_;
+    check_layout(L);
     ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
     ctx_ = ggml_init(params);
     for (int64_t il = 0; il < L.n_layer; ++il) {
@@ -91,11 +97,29 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(la
     can_pin_ = can_pin_for(backend);
 }
 
+PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout, std::shared_ptr<PoolArena> arena)
+    : layout_(layout), backend_(backend), arena_(std::move(arena)) {
+    const auto & L = layout_;
+    check_layout(L);
+    if (!arena_) throw std::invalid_argument("PooledKV: no pool arena given");
+    lane_ = arena_->acquire(backend, L);
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
+    ctx_ = ggml_init(params);
+    for (int64_t il = 0; il < L.n_layer; ++il) {
+        k_.push_back(arena_->lane_k(ctx_, il, lane_));
+        v_.push_back(arena_->lane_v(ctx_, il, lane_));
+        // A lane an earlier session held keeps its bytes: start from zeros, as a pool of its own does.
+        for (ggml_tensor * t : {k_.back(), v_.back()}) ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
+    }
+    can_pin_ = can_pin_for(backend);
+}
+
 PooledKV::~PooledKV() {
     synchronize();   // no copy may still be writing into a slab or reading a block that goes away
     slabs_.clear();
     if (buf_) ggml_backend_buffer_free(buf_);
     if (ctx_) ggml_free(ctx_);
+    if (arena_) arena_->release(lane_);
 }
 
 int64_t PooledKV::chunk_bytes() const {

@@ -36,6 +36,7 @@ namespace kvf {
 
 class ByteReader;
 class ByteWriter;
+class PoolArena;
 
 struct KvLayout {
     int64_t n_layer      = 0;   // pooled (full-attention) layers
@@ -58,11 +59,15 @@ inline bool v_trans_for(bool flash_attn, bool ordered_attention) { return !flash
 class PooledKV {
 public:
     PooledKV(ggml_backend_t backend, const KvLayout & layout);
+    // A pool that is one lane of `arena` (kv/pool_arena.h): the same behaviour, in the arena's memory.
+    PooledKV(ggml_backend_t backend, const KvLayout & layout, std::shared_ptr<PoolArena> arena);
     ~PooledKV();
     PooledKV(const PooledKV &) = delete;
     PooledKV & operator=(const PooledKV &) = delete;
 
     const KvLayout & layout() const { return layout_; }
+    const PoolArena * arena() const { return arena_.get(); }   // nullptr: the pool has memory of its own
+    int64_t lane() const { return lane_; }                     // its lane in arena()
     ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens]
     ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens] ([pool_tokens, n_embd_v] if v_trans)
 
@@ -120,6 +125,7 @@ public:
                     const std::vector<uint8_t> & host_valid);
 
 private:
+    static void check_layout(const KvLayout & layout);
     // Visit every region of one block, as ggml's 2D copies take them: fn(tensor, byte offset, run size, runs,
     // run stride in the tensor, offset in image); in the image the runs lie back to back.
     // only_layer >= 0: that layer's regions alone, image offsets counted from the layer's start.
@@ -138,6 +144,8 @@ private:
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> k_, v_;
+    std::shared_ptr<PoolArena> arena_;   // set: k_ and v_ view lane_ of it (buf_ stays null)
+    int64_t lane_ = -1;
 
     // Host store: fixed-size image slots carved out of slabs; chunk -> slot.
     bool can_pin_ = false, pinned_ = false;

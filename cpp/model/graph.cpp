@@ -208,6 +208,41 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, n);
 }
 
+// A batched decode over a pool arena: every token writes its own lane with one set_rows per K/V, and each
+// run of consecutive lanes is attended by one call with the lanes along ne3 (one query per lane), under each
+// token's own mask row. Same arguments and result as attend.
+ggml_tensor * attend_lanes(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    ggml_context * ctx = g.ctx;
+    const GraphCtx::ArenaBatch & b = g.arena;
+    const PoolArena & arena = *b.arena;
+    const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1];
+    if (k) ggml_build_forward_expand(g.gf, cpy_k_lanes(ctx, arena, b.in, kl, k));
+    if (v) ggml_build_forward_expand(g.gf, cpy_v_lanes(ctx, arena, b.in, kl, v));
+    ggml_tensor * out = nullptr;
+    for (const GraphCtx::LaneRun & r : b.runs) {
+        ggml_tensor * qp = ggml_permute(ctx, ggml_view_4d(ctx, q, head_dim_k, n_head, 1, r.n, q->nb[1], q->nb[2], q->nb[2],
+                                                          r.token * q->nb[2]), 0, 2, 1, 3);   // [head_dim_k, 1, n_head, n]
+        ggml_tensor * kp = ggml_permute(ctx, get_k_lanes(ctx, arena, kl, b.n_kv, head_dim_k, r.lane, r.n), 0, 2, 1, 3);
+        ggml_tensor * mask = ggml_view_4d(ctx, b.in.mask, b.n_kv, 1, 1, r.n, b.in.mask->nb[1], b.in.mask->nb[1],
+                                          b.in.mask->nb[1], r.token * b.in.mask->nb[1]);
+        ggml_tensor * o;
+        if (g.flash_attn) {
+            ggml_tensor * vp = ggml_permute(ctx, get_v_lanes(ctx, arena, kl, b.n_kv, head_dim_v, r.lane, r.n), 0, 2, 1, 3);
+            o = ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, 1, n]
+            ggml_prec_set_acc(o, GGML_PREC_F32);
+            o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, r.n);
+        } else {
+            ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, 1, n_head, n]
+            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            kq = ggml_soft_max_ext(ctx, kq, mask, kq_scale, 0.0f);
+            ggml_tensor * kqv = ggml_mul_mat(ctx, get_v_trans_lanes(ctx, arena, kl, b.n_kv, head_dim_v, r.lane, r.n), kq);
+            o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, r.n);   // kqv: [head_dim_v, 1, n_head, n]
+        }
+        out = out ? ggml_concat(ctx, out, o, 1) : o;
+    }
+    return out;
+}
+
 // Token t of x [ne0, ne1, n_tokens] as [ne0, ne1, 1] (nullptr stays nullptr).
 ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
     if (!x) return nullptr;
@@ -219,6 +254,7 @@ ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
 ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                         float kq_scale) {
     ggml_context * ctx = g.ctx;
+    if (g.arena.arena) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
     if (!g.lanes.empty()) {   // a batched decode: each token attends its own session's pool
         const int64_t kl = m.hparams().kv_index(il);
         ggml_tensor * out = nullptr;

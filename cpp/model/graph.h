@@ -50,6 +50,18 @@ struct GraphCtx {
         int64_t n_kv;
     };
     std::vector<Lane> lanes;
+    // A batched decode whose sessions all keep their pools in one arena (kv/pool_arena.h; lanes then stays
+    // empty): one K/V write for every token, and one attention call per run of tokens whose lanes follow
+    // one another (tokens [token, token + n) are lanes [lane, lane + n)), the lanes along ne3.
+    struct LaneRun {
+        int64_t token, lane, n;
+    };
+    struct ArenaBatch {
+        const PoolArena * arena = nullptr;
+        KvStepInputs in;   // slots: arena rows; mask [n_kv, n_tokens]: row t is token t's own pool's
+        int64_t n_kv = 0;
+        std::vector<LaneRun> runs;
+    } arena;
 
     // Where layer il keeps its K/V (or, without K/V of its own, reads its source layer's): the pool (global
     // layers) or the ring (sliding-window layers). Only pooled layers are paged and scored, so only they keep

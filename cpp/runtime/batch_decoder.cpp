@@ -35,6 +35,17 @@ std::string BatchDecoder::ineligible(const Session & s) const {
     return "";
 }
 
+const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders) {
+    const PoolArena * arena = sessions.front()->kv().arena();
+    if (!arena) return nullptr;
+    // The mul_mat path reads V transposed in place; from slot rows it would need a transposed copy per lane.
+    if (!sessions.front()->flash_attn() && !arena->layout().v_trans) return nullptr;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+        if (sessions[i]->kv().arena() != arena || orders[i].gathered) return nullptr;
+    }
+    return arena;
+}
+
 int64_t BatchDecoder::compute_bytes() const {
     if (!sched_) return 0;
     return (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
@@ -58,10 +69,25 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
-    for (int64_t i = 0; i < n; ++i) {
-        const PooledKV & kv = sessions[i]->kv();
-        g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, orders[i].n_kv, orders[i].gathered),
-                           orders[i].n_kv});
+    if (const PoolArena * arena = shared_arena(sessions, orders)) {
+        GraphCtx::ArenaBatch & b = g.arena;
+        b.arena = arena;
+        for (const KvKeyOrder & o : orders) b.n_kv = std::max(b.n_kv, o.n_kv);
+        b.in = kv_step_inputs_new(g.ctx, arena->layout(), n, b.n_kv, false);
+        for (int64_t i = 0; i < n; ++i) {   // runs of lanes that follow one another (the sessions come sorted by lane)
+            const int64_t lane = sessions[i]->kv().lane();
+            if (!b.runs.empty() && b.runs.back().lane + b.runs.back().n == lane) {
+                b.runs.back().n++;
+            } else {
+                b.runs.push_back({i, lane, 1});
+            }
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const PooledKV & kv = sessions[i]->kv();
+            g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, orders[i].n_kv, orders[i].gathered),
+                               orders[i].n_kv});
+        }
     }
     const Model & m = *model_;
     logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n]
@@ -112,6 +138,42 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
     }
 
     const auto t0 = std::chrono::steady_clock::now();
+    // The graph takes the sessions in lane order (runs of consecutive lanes share one attention call);
+    // results go back in the caller's order.
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return sessions[a]->kv_->lane() < sessions[b]->kv_->lane();
+    });
+    std::vector<Session *> in_order(n);
+    std::vector<int32_t> tokens_in_order(n);
+    for (int64_t i = 0; i < n; ++i) {
+        in_order[i] = sessions[order[i]];
+        tokens_in_order[i] = tokens[order[i]];
+    }
+    step_in_order(in_order, tokens_in_order, greedy, logits);
+    // back to the caller's order
+    if (greedy) {
+        std::vector<int32_t> g(*greedy);
+        for (int64_t i = 0; i < n; ++i) (*greedy)[order[i]] = g[i];
+    }
+    if (logits) {
+        const size_t row = logits->size() / (size_t) n;
+        std::vector<float> l(*logits);
+        for (int64_t i = 0; i < n; ++i) std::copy_n(l.begin() + i * row, row, logits->begin() + order[i] * row);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (int64_t i = 0; i < n; ++i) {
+        Session & s = *sessions[i];
+        s.tokens_.push_back(tokens[i]);
+        s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
+        s.timings_.n_computes++;
+    }
+}
+
+void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                                 std::vector<int32_t> * greedy, std::vector<float> * logits) {
+    const int64_t n = (int64_t) sessions.size();
     std::vector<Plan> plans;
     std::vector<int32_t> pos(n);
     auto undo = [&] {   // forget the positions placed so far: no session changes on an error
@@ -126,9 +188,17 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
             s.execute(plans.back());
             orders.push_back(kv_key_order(*s.pager_, s.kv_->layout(), s.ordered_, s.kv_pad_));
         }
-        std::vector<int64_t> shape = {greedy != nullptr};
+        // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
+        std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, orders) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
-            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].n_kv, orders[i].gathered});
+            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered});
+        }
+        if (shape[1]) {
+            int64_t n_kv = 0;
+            for (const KvKeyOrder & o : orders) n_kv = std::max(n_kv, o.n_kv);
+            shape.push_back(n_kv);
+        } else {
+            for (const KvKeyOrder & o : orders) shape.push_back(o.n_kv);
         }
         if (shape != shape_) {
             build_graph(sessions, orders, greedy != nullptr);
@@ -136,8 +206,14 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         }
         ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, n * sizeof(int32_t));
         ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, n * sizeof(int32_t));
-        for (int64_t i = 0; i < n; ++i) {
-            kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i], &pos[i], scratch_);
+        if (graph_.arena.arena) {
+            std::vector<LaneToken> lt;
+            for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv_->lane(), plans[i].slots[0], pos[i], &orders[i]});
+            kv_step_inputs_set_lanes(graph_.arena.in, graph_.arena.arena->layout(), lt, scratch_);
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i], &pos[i], scratch_);
+            }
         }
         if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("ggml graph compute failed");
@@ -153,13 +229,6 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
     } catch (...) {
         undo();
         throw;
-    }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    for (int64_t i = 0; i < n; ++i) {
-        Session & s = *sessions[i];
-        s.tokens_.push_back(tokens[i]);
-        s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
-        s.timings_.n_computes++;
     }
 }
 

@@ -34,11 +34,20 @@ public:
     void step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
               std::vector<int32_t> * greedy, std::vector<float> * logits);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
+    // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
+    // when the sessions do not share an arena.
+    int64_t attention_calls() const { return graph_.arena.arena ? (int64_t) graph_.arena.runs.size() : (int64_t) graph_.lanes.size(); }
 
 private:
     // Graph nodes of a batched step: a session's graph, plus per session and layer its own attention (token
     // views, K/V writes, pool views, permutes, attention, concat).
     static size_t graph_nodes(const Session & s);
+    // The arena every session's pool is a lane of, when the step can attend them all at once; else nullptr
+    // (each session then attends its own pool: GraphCtx::lanes).
+    static const PoolArena * shared_arena(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders);
+    // step() with the sessions sorted by lane: places, computes, reads the outputs in this order.
+    void step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                       std::vector<int32_t> * greedy, std::vector<float> * logits);
     void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders, bool greedy);
 
     std::shared_ptr<Model> model_;
@@ -47,7 +56,7 @@ private:
     GraphCtx graph_;
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n]
     ggml_tensor * argmax_ = nullptr;   // I32 [n]
-    std::vector<int64_t> shape_;       // greedy, then per session: its pool, n_kv, gathered (rebuilt on change)
+    std::vector<int64_t> shape_;       // what the graph was built for (rebuilt on change)
     std::vector<uint8_t> scratch_;
 };
 

@@ -49,7 +49,8 @@ void check_capture_path(const std::string & attention, ggml_type type_v) {
 
 }  // namespace
 
-Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : model_(std::move(model)), cfg_(cfg) {
+Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::shared_ptr<PoolArena> arena)
+    : model_(std::move(model)), cfg_(cfg) {
     const ModelHparams & hp = model_->hparams();
     if (cfg_.max_tokens <= 0) throw std::invalid_argument("max_tokens must be positive");
     // Positions are int32 in the graph; the pool size below multiplies the chunk geometry.
@@ -93,7 +94,8 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg) : mode
     layout.v_trans = v_trans_for(flash_attn_, ordered_);
 
     pc.validate();
-    kv_ = std::make_unique<PooledKV>(model_->backend(), layout);
+    kv_ = arena ? std::make_unique<PooledKV>(model_->backend(), layout, std::move(arena))
+                : std::make_unique<PooledKV>(model_->backend(), layout);
     if (hp.n_swa_layers() > 0) {
         KvLayout rl = layout;
         rl.n_layer = hp.n_swa_layers();

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "kv/kv_step_inputs.h"
+#include "kv/pool_arena.h"
 #include "kv/pooled_kv.h"
 #include "kv/recurrent_state.h"
 #include "kv/sliding_window_kv.h"
@@ -108,7 +109,9 @@ struct SessionLock {
 
 class Session {
 public:
-    Session(std::shared_ptr<Model> model, const SessionConfig & cfg);
+    // arena: keep the pool in a lane of it (kv/pool_arena.h), so batched decode steps of the arena's
+    // sessions write and attend all their pools at once; nullptr: the pool has memory of its own.
+    Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::shared_ptr<PoolArena> arena = nullptr);
     ~Session();
     Session(const Session &) = delete;
     Session & operator=(const Session &) = delete;

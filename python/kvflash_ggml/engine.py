@@ -58,14 +58,15 @@ class GenerationRecord:
 
 
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False,
-                 n_batch: Optional[int] = None) -> _core.Session:
-    """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch)."""
+                 n_batch: Optional[int] = None, arena: Optional[_core.PoolArena] = None) -> _core.Session:
+    """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch). arena: keep the
+    pool in a lane of it (a server's slots: their batched decode steps then attend all pools at once)."""
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
         attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries)
-    return _core.Session(model, config)
+    return _core.Session(model, config, arena=arena)
 
 
 POLICY_NAMES = ("lru", "qk", "quest", "drafter")
@@ -169,6 +170,8 @@ class Engine:
     between_prefill_steps: called between the forward steps of a prompt (the server runs the other slots'
     decode steps there); it may raise to abandon the prompt (the session is rolled back).
     speculative: decode by drafting and verifying on the pool (speculative.py); None: one token per step.
+    arena: keep the pool in a lane of this _core.PoolArena (a server's slots: a batched decode step writes and
+    attends all their pools at once).
     chat_template: renders chat messages instead of the GGUF's own template.
     See the module docstring for threads and streams."""
 
@@ -177,7 +180,7 @@ class Engine:
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, chat_template: Optional[str] = None,
                  store_each_turn: bool = True, between_prefill_steps: Optional[Callable[[], None]] = None,
-                 speculative: Optional[SpeculativeConfig] = None) -> None:
+                 speculative: Optional[SpeculativeConfig] = None, arena: Optional[_core.PoolArena] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -185,7 +188,7 @@ class Engine:
         self.chat_template = chat_template
         self.companion = make_companion(model, tokenizer, pool, residency)
         self.policy = make_policy(residency.policy, companion=self.companion)
-        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries)
+        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries, arena=arena)
         self.speculator = make_speculator(speculative, model, tokenizer, pool) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from .. import _core
 from ..engine import Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
+from ..server.scheduler import slot_engines
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
 from ..model import cpu_threads
@@ -66,10 +67,9 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
         pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
     template = Path(args.chat_template).read_text() if args.chat_template else None
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
-    engines = [Engine(model, tokenizer, pool, residency, prefix_cache_dir=cache,
-                      prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,
-                      speculative=speculative)
-               for _ in range(args.parallel)]
+    engines = slot_engines(args.parallel, model, tokenizer, pool, residency, prefix_cache_dir=cache,
+                           prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,
+                           speculative=speculative)
     return engines, args.alias or Path(path).stem, why
 
 

@@ -8,8 +8,9 @@ chunk-aligned prefix in the prefix cache, so a conversation that comes back resu
 All computing happens on the scheduler thread, as in llama-server's main loop: each round steps every
 active slot once (the first step of a request runs its prompt and picks the first token, later steps one
 token each). The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
-read once for all slots, attention runs per slot over its own pool; the argmax on the backend when every
-slot decodes greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
+read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
+per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
+greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
 drafter) and sliding-window models step alone. A long prompt does
 not stall the others: between its forward steps (and between layers of an exact prefill) the engine calls
 back here and the slots that are decoding take one step each. Records go to the request's asyncio queue on
@@ -35,6 +36,12 @@ from ..options import SamplingParams
 from ..tokens import common_prefix
 
 log = logging.getLogger(__name__)
+
+
+def slot_engines(n_slots: int, *args: Any, **kwargs: Any) -> list[Engine]:
+    """n_slots Engines (args as Engine's) whose pools are lanes of one _core.PoolArena."""
+    arena = _core.PoolArena(n_slots) if n_slots > 1 else None
+    return [Engine(*args, arena=arena, **kwargs) for _ in range(n_slots)]
 
 
 class QueueFull(RuntimeError):

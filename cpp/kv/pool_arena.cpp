@@ -1,0 +1,111 @@
+#include "kv/pool_arena.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvf {
+
+namespace {
+
+bool same_layout(const KvLayout & a, const KvLayout & b) {
+    return a.n_layer == b.n_layer && a.n_embd_k == b.n_embd_k && a.n_embd_v == b.n_embd_v &&
+           a.pool_tokens == b.pool_tokens && a.chunk_tokens == b.chunk_tokens && a.type_k == b.type_k &&
+           a.type_v == b.type_v && a.v_trans == b.v_trans;
+}
+
+std::string describe(const KvLayout & L) {
+    return std::to_string(L.n_layer) + " layers, pool " + std::to_string(L.pool_tokens) + ", K " +
+           ggml_type_name(L.type_k) + " x " + std::to_string(L.n_embd_k) + ", V " + ggml_type_name(L.type_v) + " x " +
+           std::to_string(L.n_embd_v) + (L.v_trans ? " transposed" : "");
+}
+
+ggml_tensor * bind(ggml_tensor * view) {
+    if (ggml_backend_view_init(view) != GGML_STATUS_SUCCESS) throw std::runtime_error("PoolArena: could not bind a lane view");
+    return view;
+}
+
+}  // namespace
+
+PoolArena::PoolArena(int64_t n_lanes) : n_lanes_(n_lanes), taken_((size_t) std::max<int64_t>(n_lanes, 0), false) {
+    if (n_lanes <= 0) throw std::invalid_argument("a pool arena needs at least one lane, got " + std::to_string(n_lanes));
+}
+
+PoolArena::~PoolArena() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+void PoolArena::allocate(ggml_backend_t backend, const KvLayout & L) {
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
+    ctx_ = ggml_init(params);
+    const int64_t rows = L.pool_tokens * n_lanes_;
+    for (int64_t il = 0; il < L.n_layer; ++il) {
+        k_.push_back(ggml_new_tensor_2d(ctx_, L.type_k, L.n_embd_k, rows));
+        v_.push_back(L.v_trans ? ggml_new_tensor_2d(ctx_, L.type_v, L.pool_tokens, L.n_embd_v * n_lanes_)
+                               : ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, rows));
+        ggml_format_name(k_.back(), "arena_k_%d", (int) il);
+        ggml_format_name(v_.back(), "arena_v_%d", (int) il);
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
+    if (!buf_) {
+        ggml_free(ctx_);
+        ctx_ = nullptr;
+        k_.clear();
+        v_.clear();
+        throw std::runtime_error("PoolArena: could not allocate " + std::to_string(device_bytes()) + " bytes for " +
+                                 std::to_string(n_lanes_) + " pools on " + ggml_backend_name(backend));
+    }
+    ggml_backend_buffer_clear(buf_, 0);
+    layout_ = L;
+    backend_ = backend;
+}
+
+int64_t PoolArena::acquire(ggml_backend_t backend, const KvLayout & layout) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!buf_) {
+        allocate(backend, layout);
+    } else if (backend != backend_ || !same_layout(layout, layout_)) {
+        throw std::invalid_argument("a session joining a pool arena must have the pool of the sessions already in it (" +
+                                    describe(layout_) + "), got " + describe(layout));
+    }
+    for (int64_t lane = 0; lane < n_lanes_; ++lane) {
+        if (taken_[lane]) continue;
+        taken_[lane] = true;
+        return lane;
+    }
+    throw std::invalid_argument("every lane of the pool arena is taken (" + std::to_string(n_lanes_) + " sessions)");
+}
+
+void PoolArena::release(int64_t lane) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (lane >= 0 && lane < n_lanes_) taken_[lane] = false;
+}
+
+int64_t PoolArena::lanes_free() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t n = 0;
+    for (bool t : taken_) n += !t;
+    return n;
+}
+
+int64_t PoolArena::device_bytes() const {
+    int64_t n = 0;
+    for (size_t il = 0; il < k_.size(); ++il) n += (int64_t) (ggml_nbytes(k_[il]) + ggml_nbytes(v_[il]));
+    return n;
+}
+
+ggml_tensor * PoolArena::lane_k(ggml_context * ctx, int64_t il, int64_t lane) const {
+    ggml_tensor * k = k_[il];
+    return bind(ggml_view_2d(ctx, k, k->ne[0], layout_.pool_tokens, k->nb[1], (size_t) (lane * layout_.pool_tokens) * k->nb[1]));
+}
+
+ggml_tensor * PoolArena::lane_v(ggml_context * ctx, int64_t il, int64_t lane) const {
+    ggml_tensor * v = v_[il];
+    if (layout_.v_trans) {   // lane l: channels [l * n_embd_v, (l + 1) * n_embd_v) of pool_tokens values each
+        return bind(ggml_view_2d(ctx, v, layout_.pool_tokens, layout_.n_embd_v, v->nb[1], (size_t) (lane * layout_.n_embd_v) * v->nb[1]));
+    }
+    return bind(ggml_view_2d(ctx, v, v->ne[0], layout_.pool_tokens, v->nb[1], (size_t) (lane * layout_.pool_tokens) * v->nb[1]));
+}
+
+}  // namespace kvf

@@ -1,0 +1,67 @@
+// PoolArena: the pools of several sessions of one Model in one allocation, lane after lane. Per pooled
+// layer, K is [n_embd_k, pool_tokens * n_lanes] (lane l's slot s is row l * pool_tokens + s), V the same,
+// or [pool_tokens, n_embd_v * n_lanes] when transposed (lane l's [pool_tokens, n_embd_v] block after
+// lane l-1's). A session's PooledKV is then a view of its lane and pages, snapshots and attends as if it
+// owned the memory, while a batched decode step (runtime/batch_decoder.h) writes every lane's K/V with one
+// set_rows and attends every lane's pool with one attention call per layer, the lanes along ggml's
+// sequence dimension (ne[3]), as llama.cpp's multi-stream KV cache does. Eight sessions each calling their
+// own set_rows and flash attention per layer made a step ~4x slower than one session's (H100, 8B, 32K).
+//
+// The first session to join fixes the per-lane layout (sessions compute it from their config and the
+// attention path) and allocates the arena; every later one must bring the same layout. A lane is held
+// until its PooledKV goes away, and is zeroed when taken again.
+//
+// Threads: acquire and release lock the arena (sessions of a server are made and dropped on any thread).
+#pragma once
+
+#include "kv/pooled_kv.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace kvf {
+
+class PoolArena {
+public:
+    explicit PoolArena(int64_t n_lanes);
+    ~PoolArena();
+    PoolArena(const PoolArena &) = delete;
+    PoolArena & operator=(const PoolArena &) = delete;
+
+    // A free lane for a pool of `layout` on `backend` (the arena is allocated on the first call). Throws
+    // std::invalid_argument when the layout or the backend differs from the first session's, and when
+    // every lane is taken.
+    int64_t acquire(ggml_backend_t backend, const KvLayout & layout);
+    void release(int64_t lane);
+
+    int64_t n_lanes() const { return n_lanes_; }
+    int64_t lanes_free() const;
+    bool allocated() const { return buf_ != nullptr; }
+    const KvLayout & layout() const { return layout_; }   // one lane's (valid once allocated)
+    ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens * n_lanes]
+    ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens * n_lanes] or [pool_tokens, n_embd_v * n_lanes]
+    int64_t device_bytes() const;
+
+    // Lane `lane` of layer il's K or V, shaped as a PooledKV's own tensors; made in ctx (no_alloc) and
+    // bound to the arena's memory.
+    ggml_tensor * lane_k(ggml_context * ctx, int64_t il, int64_t lane) const;
+    ggml_tensor * lane_v(ggml_context * ctx, int64_t il, int64_t lane) const;
+
+private:
+    void allocate(ggml_backend_t backend, const KvLayout & layout);
+
+    const int64_t n_lanes_;
+    mutable std::mutex mutex_;
+    std::vector<bool> taken_;
+    KvLayout layout_;
+    ggml_backend_t backend_ = nullptr;
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_tensor *> k_, v_;
+};
+
+}  // namespace kvf
