@@ -398,21 +398,24 @@ def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
     assert diff <= TOL_SAME and same_state
 
 
+@pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32"])
-def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant):
-    """BatchDecoder on the GPU: three sessions (two pools that page, a full cache) stepped in one graph give the
-    logits and greedy tokens each gives alone (same kernels; the matmuls see 3 columns instead of 1)."""
+def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
+    """BatchDecoder on the GPU: three sessions (two pools that page, a full cache; or three pools of one arena,
+    attended by one flash-attention call per layer) stepped in one graph give the logits and greedy tokens each
+    gives alone (same kernels; the matmuls see 3 columns instead of 1)."""
     model = _core.Model(model_path(variant), backend="cuda")
     tol = VARIANTS[variant][2]
-    pools, lengths = [448, 0, 640], [400, 90, 700]
+    pools, lengths = ([448] * 3 if arena else [448, 0, 640]), [400, 90, 700]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.hparams.n_vocab, n).astype(np.int32) for n in lengths]
 
-    def sessions():
-        out = [_core.Session(model, _core.SessionConfig(max_tokens=1024, pool_tokens=p, n_batch=64)) for p in pools]
+    def sessions(lanes=None):
+        out = [_core.Session(model, _core.SessionConfig(max_tokens=1024, pool_tokens=p, n_batch=64), arena=lanes)
+               for p in pools]
         return out, [s.forward_greedy(pr, 0) for s, pr in zip(out, prompts)]
 
-    (alone, tok), (batched, _) = sessions(), sessions()
+    (alone, tok), (batched, _) = sessions(), sessions(_core.PoolArena(3) if arena else None)
     decoder = _core.BatchDecoder(model)
     for _ in range(48):
         la = np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)])
@@ -423,4 +426,6 @@ def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant):
     assert any(s.pager.stats().page_outs for s in batched)
     greedy_a = [s.forward_greedy(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)]
     greedy_b = decoder.step_greedy(batched, tok)
-    report(f"CUDA-BATCH {variant}: greedy alone {greedy_a} batched {greedy_b}")
+    report(f"CUDA-BATCH {variant} arena={arena}: greedy alone {greedy_a} batched {greedy_b}, "
+           f"{decoder.attention_calls} attention calls per layer")
+    assert decoder.attention_calls == (1 if arena else 3)

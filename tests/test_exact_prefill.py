@@ -232,13 +232,13 @@ def test_a_snapshot_after_exact_prefill_restores_and_continues_exactly(tiny):
 
 
 def test_exact_prefill_step_keeps_its_masks_below_one_layers_kv():
-    # The band and the step's mask cost 4 bytes per key per step token; one pooled layer's K/V costs
-    # kv_bytes_per_position per key. The step is capped so that the masks never outgrow the staging pool.
+    # The step's mask costs 2 bytes per key per step token; one pooled layer's K/V costs kv_bytes_per_position
+    # per key. The step is capped so that the mask never outgrows the staging pool.
     from kvflash_ggml.options import PoolConfig
 
     pool = PoolConfig(n_ctx=8192, pool_tokens=1024)
     assert pool.exact_prefill_batch(True, kv_bytes_per_position=4096) == 1024   # 8B: 8 KV heads x 128, f16
-    assert pool.exact_prefill_batch(True, kv_bytes_per_position=1024) == 256    # Gemma 3 270M: 1 KV head x 256
+    assert pool.exact_prefill_batch(True, kv_bytes_per_position=1024) == 512    # Gemma 3 270M: 1 KV head x 256
     assert pool.exact_prefill_batch(True, kv_bytes_per_position=100) == C       # never below a chunk
     assert pool.exact_prefill_batch(True) == 1024
     assert pool.exact_prefill_batch(False, kv_bytes_per_position=4096) == pool.n_batch

@@ -69,23 +69,24 @@ KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t 
 
 CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad)
     : n_slots_(n_slots), max_tokens_(max_tokens) {
-    // Columns past n_slots + max_tokens: a last step's n_kv is rounded up to kv_pad.
-    const int64_t width = n_slots + max_tokens + kv_pad;
-    ggml_init_params ip{ggml_tensor_overhead(), nullptr, true};
+    // Triangle columns past max_tokens: a last step's n_kv is rounded up to kv_pad.
+    const int64_t width = max_tokens + kv_pad;
+    ggml_init_params ip{2 * ggml_tensor_overhead(), nullptr, true};
     ctx_ = ggml_init(ip);
-    band_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width, max_tokens);
+    zeros_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_F16, std::max<int64_t>(n_slots, 1));
+    triangle_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width, max_tokens);
     buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
     if (!buf_) {
         ggml_free(ctx_);
-        throw std::runtime_error("could not allocate " + std::to_string(width * max_tokens * 2) +
+        throw std::runtime_error("could not allocate " + std::to_string((n_slots + width * max_tokens) * 2) +
                                  " bytes for the prefill's causal mask");
     }
-    std::vector<ggml_fp16_t> row((size_t) width, ggml_fp32_to_fp16(-INFINITY));
-    std::fill(row.begin(), row.begin() + n_slots, ggml_fp32_to_fp16(0.0f));
-    for (int64_t i = 0; i < max_tokens; ++i) {   // row i: zeros through column n_slots + i
-        row[(size_t) (n_slots + i)] = ggml_fp32_to_fp16(0.0f);
-        ggml_backend_tensor_set(band_, row.data(), (size_t) i * band_->nb[1], band_->nb[1]);
+    ggml_backend_buffer_clear(buf_, 0);   // F16 zero is all zero bits
+    std::vector<ggml_fp16_t> tri((size_t) (width * max_tokens), ggml_fp32_to_fp16(-INFINITY));
+    for (int64_t i = 0; i < max_tokens; ++i) {
+        std::fill(tri.begin() + i * width, tri.begin() + i * width + i + 1, ggml_fp32_to_fp16(0.0f));
     }
+    ggml_backend_tensor_set(triangle_, tri.data(), 0, tri.size() * sizeof(ggml_fp16_t));
 }
 
 CausalBand::~CausalBand() {
@@ -94,15 +95,22 @@ CausalBand::~CausalBand() {
 }
 
 ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const {
-    const int64_t from = n_slots_ - first_pos;
-    if (first_pos < 0 || first_pos > n_slots_ || n_tokens > max_tokens_ || from + n_kv > band_->ne[0]) {
+    const int64_t right = n_kv - first_pos;
+    if (first_pos < 0 || first_pos > n_slots_ || n_tokens > max_tokens_ || right < n_tokens || right > triangle_->ne[0]) {
         throw std::logic_error("CausalBand: a step outside the band");
     }
-    // Attention wants a contiguous mask: one F16 copy, a quarter of the bytes an F32 mask built in the graph moved.
-    return ggml_cont(ctx, ggml_view_2d(ctx, band_, n_kv, n_tokens, band_->nb[1], (size_t) from * band_->nb[0]));
+    // Attention wants a contiguous mask; either way it is one F16 write of n_kv x n_tokens in the graph.
+    ggml_tensor * tri = ggml_view_2d(ctx, triangle_, right, n_tokens, triangle_->nb[1], 0);
+    if (first_pos == 0) return ggml_cont(ctx, tri);
+    // Every row the same zeros: a one-row view given n_tokens rows of stride 0 (ggml's view constructors size a
+    // view as if contiguous, so they refuse this one; concat reads its sources through their strides).
+    ggml_tensor * seen = ggml_view_2d(ctx, zeros_, first_pos, 1, zeros_->nb[0] * first_pos, 0);
+    seen->ne[1] = n_tokens;
+    seen->nb[1] = seen->nb[2] = seen->nb[3] = 0;
+    return ggml_concat(ctx, seen, tri, 0);
 }
 
-int64_t CausalBand::device_bytes() const { return (int64_t) ggml_nbytes(band_); }
+int64_t CausalBand::device_bytes() const { return (int64_t) (ggml_nbytes(zeros_) + ggml_nbytes(triangle_)); }
 
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
                         const int32_t * pos, std::vector<uint8_t> & scratch) {

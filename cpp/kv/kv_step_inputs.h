@@ -47,11 +47,12 @@ KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int
                                 bool gathered, ggml_tensor * mask = nullptr);
 
 // The slot masks of an identity pool (slot j holds position j) filled in order, for every step of a
-// layer-major prefill: query i of a step at first_pos sees slots j <= first_pos + i. All these masks are
-// windows of one F16 band [n_slots + max_tokens + kv_pad, max_tokens] made once, row i = 0 up to column
-// n_slots + i and -inf after; the step's mask is a contiguous copy of the window starting at column
-// n_slots - first_pos. Equal to build_slot_mask's for that pool. Uploading a mask per layer per step cost
-// more than the compute at 32K positions; building it in each graph from F32 ops, 14% of the GPU time.
+// layer-major prefill: query i of a step at first_pos sees slots j <= first_pos + i. A step's mask is made
+// in its graph by one concat of two small device tensors made once: first_pos columns of zeros (one zero row
+// read with a row stride of 0) and a triangle [max_tokens + kv_pad, max_tokens] (row i: 0 up to column i,
+// -inf after). Equal to build_slot_mask's for that pool. Uploading a mask per layer per step cost more than the
+// compute at 32K positions; building it from F32 ops, 14% of the GPU time; a band of every step's rows
+// [n_slots + max_tokens, max_tokens] held as many bytes as the step's mask (258 MiB at 128K x 1024).
 class CausalBand {
 public:
     CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad);
@@ -66,7 +67,8 @@ private:
     int64_t n_slots_, max_tokens_;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
-    ggml_tensor * band_ = nullptr;
+    ggml_tensor * zeros_ = nullptr;      // F16 [n_slots]
+    ggml_tensor * triangle_ = nullptr;   // F16 [max_tokens + kv_pad, max_tokens]
 };
 
 // Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos),

@@ -57,7 +57,7 @@ class SlotCosts:
     state: float   # sliding-window rings and linear-attention state: fixed per session
     layer_per_token: float
     compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
-    exact_step: int           # tokens per step of the exact prefill (its masks: 4 bytes per key per step token)
+    exact_step: int           # tokens per step of the exact prefill (its mask: 2 bytes per key per step token)
     n_batch: int              # the probes' step
 
 
@@ -74,10 +74,10 @@ def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
 
 
 def _exact_prefill_bytes(costs: SlotCosts, n_ctx: int) -> float:
-    """One layer's K/V of a whole-context prompt and its step's masks over all of it, beside a step's compute
+    """One layer's K/V of a whole-context prompt and its step's mask over all of it, beside a step's compute
     buffer (probed at n_batch tokens, scaled to the exact step). On the H100 (8B, 128K) this came to 1.20 GiB
-    where the prefill held 1.27 GiB: the headroom covers the rest."""
-    return n_ctx * (costs.layer_per_token + 4 * costs.exact_step) + \
+    where the prefill held 1.27 GiB (then with a second mask-sized band, since removed): the headroom covers the rest."""
+    return n_ctx * (costs.layer_per_token + 2 * costs.exact_step) + \
         costs.compute_max * costs.exact_step / max(1, costs.n_batch)
 
 
