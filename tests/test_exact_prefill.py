@@ -23,11 +23,12 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact-prefill")
     models: dict[str, _core.Model] = {}
 
-    def get(arch: str) -> _core.Model:
-        if arch not in models:
-            path = rg.write_preset(root / f"{arch}.gguf", f"tiny-{arch}", weight_type="f32")
-            models[arch] = _core.Model(str(path), backend="cpu", n_threads=1)
-        return models[arch]
+    def get(arch: str, **overrides) -> _core.Model:
+        name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+        if name not in models:
+            path = rg.write_preset(root / f"{name}.gguf", f"tiny-{arch}", weight_type="f32", **overrides)
+            models[name] = _core.Model(str(path), backend="cpu", n_threads=1)
+        return models[name]
 
     return get
 
@@ -47,6 +48,13 @@ def assert_same_chunks(sess: _core.Session, full: _core.Session, n_tokens: int) 
     sess.pager.check_invariants()
     for c in range(n_tokens // C):
         assert chunk_bytes(sess, c) == full.kv.read_block(c), f"chunk {c}"
+
+
+def assert_same_rings(sess: _core.Session, full: _core.Session) -> None:
+    """The sliding-window rings hold the full cache's bytes, row for row."""
+    assert sess.ring_tokens == full.ring_tokens > 0
+    for b in range(sess.ring_tokens // C):
+        assert sess.ring_block(b) == full.ring_block(b), f"ring block {b}"
 
 
 def prompt(model, n: int, seed: int = 0) -> np.ndarray:
@@ -71,13 +79,58 @@ def test_exact_prefill_writes_the_full_cache_bytes(tiny, arch, attention, kv_typ
     assert attention_to.max() > 0
 
 
+# gemma4's last 3 layers keep no K/V: local layers 3 and 4 attend local layer 1's (its ring), global layer 5 attends
+# global layer 2's (the staging pool). They write none and run only the prompt's last step, so the chunks and rings
+# test their sources and the logits test them.
+SHARED_KV = dict(n_shared_kv=3)
+
+
+@pytest.mark.parametrize("attention,kv_type", [("matmul", "f16"), ("flash", "f16"), ("flash", "q8_0"),
+                                               ("flash", "q4_0")])
+def test_exact_prefill_of_shared_kv_layers_writes_the_full_cache_bytes(tiny, attention, kv_type):
+    model = tiny("gemma4", **SHARED_KV)
+    assert model.hparams.n_layer_kv == 3
+    tokens = prompt(model, 700)
+    full = session(model, 0, attention=attention, kv_type=kv_type)
+    logits_full = full.forward(tokens, 0)
+    sess = session(model, POOL, attention=attention, kv_type=kv_type)
+    logits, attention_to = sess.prefill_exact(tokens, 0)
+    np.testing.assert_array_equal(logits, logits_full)
+    assert sess.pager.stats().page_outs > 0
+    assert_same_chunks(sess, full, len(tokens))
+    assert_same_rings(sess, full)   # 700 positions through rings of 256 rows: each wrapped twice
+    assert attention_to.max() > 0
+
+
 @pytest.mark.parametrize("attention", ["flash", "matmul"])
-def test_exact_prefill_in_larger_steps_than_the_full_cache(tiny, attention):
+@pytest.mark.parametrize("held", [576, 601, 950])
+def test_exact_prefill_of_shared_kv_layers_extends_a_held_prefix(tiny, attention, held):
+    # The shared global layer attends the held positions the staging pool took from the pool and the host store;
+    # after 950 held the whole prompt is one step, whose local windows reach back into the rings' held rows.
+    model = tiny("gemma4", **SHARED_KV)
+    tokens = prompt(model, 1000, seed=7)
+    full = session(model, 0, attention=attention)
+    full.forward(tokens[:held], 0)
+    logits_full = full.forward(tokens[held:], held)
+    sess = session(model, POOL, attention=attention)
+    sess.prefill_exact(tokens[:held], 0)
+    assert sess.pager.n_host_images() > 0
+    logits, _ = sess.prefill_exact(tokens[held:], held)
+    np.testing.assert_array_equal(logits, logits_full)
+    assert_same_chunks(sess, full, len(tokens))
+    assert_same_rings(sess, full)
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("gemma4", SHARED_KV)])
+@pytest.mark.parametrize("attention", ["flash", "matmul"])
+def test_exact_prefill_in_larger_steps_than_the_full_cache(tiny, attention, arch, overrides):
     # The engine runs the exact prefill in larger steps than a full cache when attention is flash
     # (PoolConfig.exact_prefill_batch). On the CPU the mul_mat path computes each token's row alone: bytes stay
     # the full cache's. The flash kernel tiles a large batch of queries differently (F32 tiles, not per-row F16
-    # dots): equal within summation order, measured max |logit diff| 6.7e-4 here.
-    model = tiny("qwen3")
+    # dots): equal within summation order, measured max |logit diff| 6.7e-4 here (gemma4: 5.0e-4). On gemma4 the
+    # ring layers' steps stay at what a ring takes (160), the global ones take 384, and the shared layers the last
+    # ring step: a global shared layer then runs steps of another size than its source did.
+    model = tiny(arch, **overrides)
     tokens = prompt(model, 700, seed=3)
     full = session(model, 0, attention=attention)
     logits_full = full.forward(tokens, 0)
@@ -214,6 +267,18 @@ def test_memory_reports_the_prefill_workspace(tiny):
     one_layer_kv = 768 * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2   # staging: positions, padded
     assert mem["pool_bytes"] == sess.kv.device_bytes
     assert one_layer_kv <= mem["prefill_peak_bytes"] < one_layer_kv + 8 * 2**20
+
+
+def test_shared_kv_layers_run_only_the_prompts_last_step_and_need_no_workspace(tiny):
+    # Their outputs at earlier positions feed nothing (no K/V): 6 steps of 128 for each of layers 0-2, one for each of
+    # 3-5, and the workspace is the staging pool's, as for any model.
+    model = tiny("gemma4", **SHARED_KV)
+    sess = session(model, POOL, attention="matmul")
+    sess.prefill_exact(prompt(model, 700, seed=6), 0)
+    assert sess.timings.n_computes == 3 * 6 + 3
+    hp = model.hparams
+    staging = 768 * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2
+    assert staging <= sess.memory()["prefill_peak_bytes"] < staging + 8 * 2**20
 
 
 def test_a_snapshot_after_exact_prefill_restores_and_continues_exactly(tiny):

@@ -6,8 +6,8 @@ the global layers' RoPE has proportional-RoPE factors (rope_freqs) and the local
 V is RMS-normed; FFN widths differ per layer; per-layer token embeddings (PLE) enter every layer; optional routed
 experts beside the dense FFN; a per-layer output scale; and the last layers may keep no K/V of their own, attending
 an earlier layer's instead. References: libllama's llama_decode on the same GGUF (tiny random models), and our own
-full cache for the pooled paths. Exact prefill of the preset (no shared K/V) is covered with every family in
-test_exact_prefill.py; shared K/V is refused there (test below).
+full cache for the pooled paths. Exact (layer-major) prefill is covered with every family in test_exact_prefill.py,
+shared K/V included; the Engine's default prefill with shared K/V below.
 """
 from __future__ import annotations
 
@@ -150,16 +150,22 @@ def test_snapshot_restores_and_continues_exactly(model_path, variant):
     np.testing.assert_array_equal(r.forward(follow, 900, all_logits=True), s.forward(follow, 900, all_logits=True))
 
 
-def test_exact_prefill_refuses_shared_kv_and_leaves_the_session_usable(model_path):
-    """Layer-major prefill reaches a shared layer after its local source's ring has moved on: refused, by name."""
-    model = model_of(model_path("shared-f32"))
-    s = session(model, POOL)
-    with pytest.raises(ValueError, match=r"layers 3\.\.5 of this gemma4 model attend the K/V of earlier layers "
-                                         r"\(attention.shared_kv_layers\)"):
-        s.prefill_exact(tokens(700), 0)
-    assert s.n_tokens == 0
-    full = session(model, 0).forward(tokens(300), 0)
-    np.testing.assert_array_equal(s.forward(tokens(300), 0), full)
+@pytest.mark.parametrize("variant", ["shared-f32", "moe-shared-q8_0"])
+def test_engine_default_prefill_with_shared_kv_starts_as_the_full_cache(model_path, variant):
+    """prefill="exact" (the default) of a prompt larger than the pool, on a model whose last layers share K/V: the
+    first token's distribution is the full cache's, byte for byte (steps of 64 in both, so rings of one size), and
+    generation goes on in the pool, paging. The tokens after it are not compared: decode steps see the 7 resident
+    chunks of 15, which on a random model moves logits by ~0.5 against margins of ~0.05."""
+    from kvflash_ggml import Model
+
+    prompt = tokens(900).tolist()
+    kw = dict(model_path=model_path(variant), n_ctx=MAX_TOKENS, backend="cpu", n_threads=1, attention="matmul", n_batch=64)
+    with Model(pool_tokens=POOL, **kw) as pooled, Model(pool_tokens=None, **kw) as full:
+        made = [list(m.engine.generate(prompt, max_tokens=4, temperature=0.0, logprobs=5)) for m in (pooled, full)]
+        st = pooled.stats()
+    assert made[0][0].token == made[1][0].token and made[0][0].logprobs == made[1][0].logprobs
+    assert sum(r.token is not None for r in made[0]) == 4
+    assert st["page_outs"] > 0 and st["device_prefill_peak_bytes"] > 0   # it ran layer-major
 
 
 # ---- bad files ---------------------------------------------------------------------------------------

@@ -115,21 +115,23 @@ int64_t CausalBand::device_bytes() const { return (int64_t) (ggml_nbytes(zeros_)
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
                         const int32_t * pos, std::vector<uint8_t> & scratch) {
     const int64_t n = alloc.span_n;
-    const bool same_shape = in.slots->ne[0] == n && in.mask->ne[0] == order.n_kv && in.mask->ne[1] == n &&
+    const bool same_shape = (!in.slots || in.slots->ne[0] == n) && in.mask->ne[0] == order.n_kv && in.mask->ne[1] == n &&
                             (in.kv_order != nullptr) == order.gathered;
     if (!same_shape) {
         throw std::logic_error("kv_step_inputs_set: the step's input tensors were made for another shape");
     }
-    std::vector<int64_t> slots(n);
-    for (int64_t i = 0; i < n; ++i) slots[i] = alloc.slots[i];
-    ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
-    if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
-        const int64_t W = L.n_embd_v, P = L.pool_tokens;
-        std::vector<int64_t> v_slots((size_t) (W * n));
-        for (int64_t i = 0; i < n; ++i) {
-            for (int64_t c = 0; c < W; ++c) v_slots[i * W + c] = c * P + slots[i];
+    if (in.slots) {   // none: a step that only reads (alloc then has no slots either)
+        std::vector<int64_t> slots(n);
+        for (int64_t i = 0; i < n; ++i) slots[i] = alloc.slots[i];
+        ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+        if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
+            const int64_t W = L.n_embd_v, P = L.pool_tokens;
+            std::vector<int64_t> v_slots((size_t) (W * n));
+            for (int64_t i = 0; i < n; ++i) {
+                for (int64_t c = 0; c < W; ++c) v_slots[i * W + c] = c * P + slots[i];
+            }
+            ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
         }
-        ggml_backend_tensor_set(in.v_slots, v_slots.data(), 0, v_slots.size() * sizeof(int64_t));
     }
 
     if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));

@@ -17,7 +17,8 @@ namespace kvf {
 
 // Input tensors of one step's graph, created in its no_alloc context; shapes in ggml order.
 struct KvStepInputs {
-    ggml_tensor * slots    = nullptr;   // I64 [n_tokens]  pool row written by each token
+    ggml_tensor * slots    = nullptr;   // I64 [n_tokens]  pool row written by each token (nullptr, v_slots
+                                        // too: the step writes nothing, kv_step_inputs_reads_only)
     ggml_tensor * v_slots  = nullptr;   // I64 [n_embd_v * n_tokens]  element of the transposed V pool
                                         // written by each V value (v_trans layouts only, else nullptr)
     ggml_tensor * mask     = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
@@ -46,6 +47,10 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int64_t n_tokens, int64_t n_kv,
                                 bool gathered, ggml_tensor * mask = nullptr);
 
+// The inputs of a step that only reads the pool (a layer attending another layer's K/V): no slot rows, which
+// its graph would never allocate.
+inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots = nullptr; }
+
 // The slot masks of an identity pool (slot j holds position j) filled in order, for every step of a
 // layer-major prefill: query i of a step at first_pos sees slots j <= first_pos + i. A step's mask is made
 // in its graph by one concat of two small device tensors made once: first_pos columns of zeros (one zero row
@@ -71,8 +76,8 @@ private:
     ggml_tensor * triangle_ = nullptr;   // F16 [max_tokens + kv_pad, max_tokens]
 };
 
-// Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos),
-// the V element indices, the slot mask over order's first n_kv keys and the key order. The tensors must
+// Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos;
+// none for a step that only reads, whose alloc needs only span_n), the V element indices, the slot mask over order's first n_kv keys and the key order. The tensors must
 // be allocated (after ggml_backend_sched_alloc_graph) and shaped for this step. scratch is reused.
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & layout, const KvKeyOrder & order,
                         const Plan & alloc, const int32_t * pos, std::vector<uint8_t> & scratch);

@@ -6,7 +6,8 @@
 // takes the whole prompt, in the steps a full-cache session takes (n_batch tokens; same shapes, so the
 // same kernels), before layer l+1 starts. Layer l then needs only its own K/V of every position, in a
 // one-layer staging pool; the hidden states wait in host memory between layers. Weights are still read
-// once per step per layer, as in any prefill.
+// once per step per layer, as in any prefill. A layer that attends an earlier layer's K/V (gemma4's shared
+// K/V) needs none of its own and runs the prompt's last step only (check_shared_kv says why).
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
@@ -177,6 +178,38 @@ private:
     size_t queued_ = 0;               // steps whose inputs are queued (or need none)
 };
 
+// Layers without K/V of their own (gemma4's last attention.shared_kv_layers: ModelHparams::has_kv, kv_source)
+// attend their source layer's and write none, so what they compute for a position feeds only that position in
+// the next layer: of a prompt, only the last token's logits need them. Layer-major runs them over the prompt's
+// last step alone, after every layer with K/V ran the whole prompt. Then the staging pool still holds the last
+// global layer's K/V of every position, and the rings hold the window before every query of that step (a step
+// takes at most ring rows - window tokens): what a full cache's last step attends, in the same slots under the
+// same masks, so the logits are its bytes. It costs no workspace (keeping a sliding-window source's ring rows of
+// every step, so that each step could run, would cost that layer's K/V of the prompt) and saves those layers'
+// other steps. Throws, naming the layer, where this cannot serve: a global layer reading another layer's K/V
+// than the last one staged, or a layer with K/V after a shared one (which would need every position's output).
+void check_shared_kv(const ModelHparams & hp) {
+    int64_t last_staged = -1, first_shared = -1;
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        std::string why;
+        if (hp.has_kv(il)) {
+            if (first_shared >= 0) why = "has K/V of its own after layer " + std::to_string(first_shared) + ", which has none";
+            if (hp.is_pooled(il)) last_staged = il;
+        } else {
+            if (first_shared < 0) first_shared = il;
+            const int64_t src = hp.kv_source(il);
+            if (!hp.is_swa(il) && src != last_staged) {
+                why = "attends the K/V of layer " + std::to_string(src) + ", not of the last global layer before it";
+            }
+        }
+        if (!why.empty()) {
+            throw std::invalid_argument("prefill_exact: layer " + std::to_string(il) + " of this " + hp.arch + " model " +
+                                        why + ": layer-major prefill cannot run it; use prefill='pooled' or a pool that "
+                                        "holds the prompt");
+        }
+    }
+}
+
 }  // namespace
 
 void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
@@ -207,14 +240,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     const Model & m = *model_;
     const ModelHparams & hp = m.hparams();
     ggml_backend_t backend = m.backend();
-    if (!hp.has_kv(hp.n_layer - 1)) {
-        // A shared layer needs its source layer's K/V of every position when its turn comes: the staging pool
-        // still holds a global source's, but a sliding-window source's ring has moved on to the prompt's end.
-        throw std::invalid_argument("prefill_exact: layers " + std::to_string(hp.n_layer_kv) + ".." +
-                                    std::to_string(hp.n_layer - 1) + " of this " + hp.arch + " model attend the K/V of "
-                                    "earlier layers (attention.shared_kv_layers), which layer-major prefill does not "
-                                    "support; use prefill='pooled' or a pool that holds the prompt");
-    }
+    check_shared_kv(hp);
+    // A global layer attends the staging pool: its own K/V, or (shared K/V) its source's, staged last.
+    const auto attends_staging = [&hp](int il) { return !hp.is_swa(il) && !hp.is_recurrent(il); };
 
     // ---- the workspace, allocated before any state changes ----
     PagerConfig spc = pager_->config();   // staging: identity mapping over positions [0, end)
@@ -228,10 +256,17 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
     const bool pin = can_pin_for(backend);
-    // The steps, layer by layer: a sliding-window layer's are capped by its ring.
+    // The steps, layer by layer: a sliding-window layer's are capped by its ring. A layer without K/V of its own
+    // takes only the last of the steps a ring layer takes (check_shared_kv), which every layer kind can take.
     std::vector<HiddenStates::Step> steps;
+    const int64_t ring_step = ring_ ? std::min(n_batch, ring_->max_step()) : n_batch;
+    const int64_t last_p0 = start + (n - 1) / ring_step * ring_step;
     for (int il = 0; il < hp.n_layer; ++il) {
-        const int64_t layer_step = hp.is_swa(il) ? std::min(n_batch, ring_->max_step()) : n_batch;
+        if (!hp.has_kv(il)) {
+            steps.push_back({il, last_p0, end - last_p0});
+            continue;
+        }
+        const int64_t layer_step = hp.is_swa(il) ? ring_step : n_batch;
         for (int64_t p0 = start; p0 < end; p0 += layer_step) steps.push_back({il, p0, std::min(layer_step, end - p0)});
     }
     HiddenStates hidden(backend, n_embd, start, n, steps, pin);
@@ -278,7 +313,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             const int il = steps[k].layer;
             const int64_t p0 = steps[k].p0, mt = steps[k].n;
             const bool last_layer = il == hp.n_layer - 1, final_step = p0 + mt == end;
-            const bool swa = hp.is_swa(il), pooled = hp.is_pooled(il);
+            const bool swa = hp.is_swa(il), staged = attends_staging(il), pooled = hp.is_pooled(il);
             StepGraph sg;
             sg.ctx.reset(new_graph_ctx());
             GraphCtx & g = sg.g;
@@ -306,10 +341,11 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.ring = &ring_->kv();
                 g.n_ring_kv = n_kv;
                 g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, n_kv, false);
-            } else if (pooled) {
+            } else if (staged) {
                 g.n_kv = n_kv;
                 g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, band.mask(g.ctx, n_kv, mt, p0));
             }
+            if (!hp.has_kv(il)) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
             sg.y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
             if (last_layer) {
                 sg.y = build_logits(g, m, sg.y);   // [n_vocab, 1]: the step's last token
@@ -320,10 +356,13 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
         };
 
         for (int il = 0; il < hp.n_layer; ++il) {
-            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), pooled = hp.is_pooled(il);
+            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), staged = attends_staging(il),
+                       pooled = hp.is_pooled(il);
             const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring, or its state)
             auto t_io = std::chrono::steady_clock::now();
-            if (swa) {
+            if (!hp.has_kv(il)) {
+                // It reads the ring or the staging pool as its source left them, at the prompt's end.
+            } else if (swa) {
                 // A sliding-window layer runs the prompt through its own ring, from where the ring stood
                 // before the prompt (every ring layer takes the same positions, one layer after another).
                 ring_->rewind_to(ring_start);
@@ -363,7 +402,11 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 const bool final_step = p0 + mt == end;
                 Plan plan;
                 KvKeyOrder order;
-                if (swa) {
+                if (!hp.has_kv(il)) {   // reads only: the keys every position of the prompt left
+                    plan.span_start = p0;
+                    plan.span_n = mt;
+                    order = swa ? ring_->key_order() : kv_key_order(stage_pager, sl, false, kv_pad_);
+                } else if (swa) {
                     plan = ring_->place(p0, mt);
                     order = ring_->key_order();
                 } else if (pooled) {
@@ -376,7 +419,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 StepGraph sg = build_graph(k, order.n_kv, false);
                 GraphCtx & g = sg.g;
                 ggml_tensor * y = sg.y;
-                KvStepInputs * step_kv = swa ? &g.ring_in : pooled ? &g.in.kv : nullptr;   // none: a recurrent layer
+                KvStepInputs * step_kv = swa ? &g.ring_in : staged ? &g.in.kv : nullptr;   // none: a recurrent layer
                 ggml_backend_sched_reset(sched.get());
                 if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
                     throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");

@@ -89,7 +89,7 @@ SHAPES: dict[str, dict] = {
     "tiny-gemma3": dict(arch="gemma3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
                         n_vocab=1000, n_ctx_train=4096, n_swa=96, swa_pattern=2, rope_freq_base=1000000.0),
     # gemma4: local layers 0, 1, 3, 4 (window 96, head 32), global 2 and 5 (head 64); per-layer embeddings of 32;
-    # FFN widths per layer; no shared K/V (layer-major exact prefill refuses it: tests ask for it by override,
+    # FFN widths per layer; no shared K/V (tests ask for it by override:
     # n_shared_kv=3 makes local layers 3 and 4 attend layer 1's K/V and global layer 5 layer 2's), no experts (n_expert=4, n_expert_used=2,
     # n_ff_exp=64 by override).
     "tiny-gemma4": dict(arch="gemma4", n_layer=6, n_embd=64, n_head=4, n_head_kv=2, head_dim=64, head_dim_swa=32,
