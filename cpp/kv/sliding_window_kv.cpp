@@ -95,6 +95,22 @@ void SlidingWindowKV::save_state(ByteWriter & w, int64_t n_tokens) const {
     kv_->save_state(w, all_blocks());
 }
 
+std::vector<uint8_t> SlidingWindowKV::copy_rows() const {
+    std::vector<uint8_t> rows;
+    for (int64_t b : all_blocks()) {
+        const std::vector<uint8_t> block = kv_->read_block(b);
+        rows.insert(rows.end(), block.begin(), block.end());
+    }
+    return rows;
+}
+
+void SlidingWindowKV::restore_rows(const std::vector<uint8_t> & rows) {
+    const size_t n = (size_t) kv_->chunk_bytes();
+    const std::vector<int64_t> blocks = all_blocks();
+    if (rows.size() != n * blocks.size()) throw std::logic_error("SlidingWindowKV::restore_rows: bytes of another ring");
+    for (size_t i = 0; i < blocks.size(); ++i) kv_->write_block(blocks[i], std::vector<uint8_t>(rows.begin() + i * n, rows.begin() + (i + 1) * n));
+}
+
 std::vector<int64_t> SlidingWindowKV::all_blocks() const {
     std::vector<int64_t> blocks((size_t) (ring_tokens() / kv_->layout().chunk_tokens));
     std::iota(blocks.begin(), blocks.end(), 0);

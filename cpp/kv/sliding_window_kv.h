@@ -52,6 +52,10 @@ public:
     struct Mark { int64_t n_tokens; std::vector<int64_t> slot_pos; };
     Mark mark() const { return {n_tokens_, slot_pos_}; }
     void rewind_to(const Mark & m) { n_tokens_ = m.n_tokens; slot_pos_ = m.slot_pos; }
+    // Every row's bytes, every layer (host memory of the ring's size): a layer-major prefill that extends held
+    // positions overwrites rows their windows still need, so it keeps these to put back if it fails.
+    std::vector<uint8_t> copy_rows() const;
+    void restore_rows(const std::vector<uint8_t> & rows);
 
     // ---- state: window, ring_tokens, n_tokens, slot positions, then the rings (PooledKV state, every block) ----
     static constexpr uint32_t k_state_version = 1;

@@ -282,6 +282,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     int64_t peak_compute = 0;
     const auto t0 = std::chrono::steady_clock::now();
     const SlidingWindowKV::Mark ring_start = ring_ ? ring_->mark() : SlidingWindowKV::Mark{};
+    const std::vector<uint8_t> ring_rows = ring_ && start > 0 ? ring_->copy_rows() : std::vector<uint8_t>{};
     // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
     // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
     const RecurrentState::Copy recurrent_start = recurrent_ ? recurrent_->copy() : RecurrentState::Copy{};
@@ -502,7 +503,10 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
         kv_->synchronize();
     } catch (...) {
         kv_->synchronize();
-        if (ring_) ring_->rewind_to(ring_start);
+        if (ring_) {
+            ring_->rewind_to(ring_start);
+            if (!ring_rows.empty()) ring_->restore_rows(ring_rows);
+        }
         if (recurrent_) recurrent_->rewind_to(recurrent_start);
         truncate(start);   // no new position is complete before its last layer is written: forget them all
         throw;
