@@ -368,14 +368,27 @@ def test_sliding_window_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, v
     (assert_mostly_close if variant == "laguna-f32" else assert_close)(
         f"{variant} pool 512 cuda vs cpu", ours_gpu, ours_cpu, TOL_FLOAT)
 
+    assert_exact_prefill_equals_full_cache(gpu, prompt, kw, variant)
+
+
+def assert_exact_prefill_equals_full_cache(gpu, prompt, kw, what):
     full = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, n_batch=128))
     logits_full = full.forward(prompt, 0)
     exact = _core.Session(gpu, _core.SessionConfig(**kw))
     logits, _ = exact.prefill_exact(prompt, 0)
     diff = float(np.abs(logits - logits_full).max())
     same = sum(exact.ring_block(b) == full.ring_block(b) for b in range(exact.ring_tokens // 64))
-    report(f"CUDA-SWA exact: max |logit diff| {diff:.2e}, ring blocks byte-equal {same}/{exact.ring_tokens // 64}")
+    report(f"CUDA-SWA exact {what}: max |logit diff| {diff:.2e}, ring blocks byte-equal {same}/{exact.ring_tokens // 64}")
     assert diff <= TOL_SAME and same == exact.ring_tokens // 64
+
+
+def test_gemma4_shared_kv_exact_prefill_on_cuda(model_path):
+    """gemma4 with shared-K/V layers (their one step at the prompt's end reads the source layers' staging and
+    rings): layer-major exact prefill on CUDA gives a full cache's logits and rings. (Its CUDA-vs-CPU gap is
+    libllama's own: test_cuda_matches_cpu_and_libllama.)"""
+    gpu = _core.Model(model_path("gemma4-f32"), backend="cuda")
+    prompt = prompt_for(gpu.hparams.n_vocab, n=900)
+    assert_exact_prefill_equals_full_cache(gpu, prompt, dict(max_tokens=1024, pool_tokens=512, n_batch=128), "gemma4-f32")
 
 
 @pytest.mark.parametrize("variant", ["qwen35-f32", "qwen35moe-q8_0"])
