@@ -2,7 +2,7 @@
 # What ran on the lent H100 for docs/RESULTS.md, phase by phase, each phase's log under $OUT.
 #
 #   experiments/gpu_session.sh PHASE...     phases run in the order given:
-#     build        scripts/build_cuda.sh (CUDA module + llama-bench, sm_90), from $CARRY/llama.cpp.tar.xz
+#     build        scripts/build_cuda.sh (CUDA module + llama-bench + llama-server, sm_90), from $CARRY/llama.cpp.tar.xz
 #     check        GPU facts, then tests/test_cuda.py (ours on CUDA vs ours on CPU vs libllama on CUDA; CHECK_K:
 #                  a pytest -k expression, e.g. "paging or adopt")
 #     model        write MODEL (SHAPE) now, so the next call's phases find it
@@ -18,7 +18,8 @@
 #     fit          experiments/fit_check.py: pool_tokens="auto" for 1 and 8 slots at 32K, then those slots built and
 #                  filled (FIT_CTX, FIT_SLOTS)
 #     serve        kvflash bench serve on the 8B shape: aggregate decode tok/s of 1, 4, 8 streams (SERVE_STREAMS) at
-#                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto); LLAMA_SERVER: a llama-server to run beside
+#                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto), beside the llama-server the build
+#                  phase installed (LLAMA_SERVER: another binary, or none: ours only)
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);

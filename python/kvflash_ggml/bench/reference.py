@@ -1,6 +1,6 @@
 """What the speed benches share: llama-bench, the reference every figure of ours is printed beside (found,
-run, read), the driver's free device memory, and the command-line plumbing before a run (the flags for the
-reference, comma-separated integer lists, the model)."""
+run, read), where llama-server is found, the driver's free device memory, and the command-line plumbing
+before a run (the flags for the reference, comma-separated integer lists, the model)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,13 @@ from ..known_models import resolve_model_path
 from ..tokenizer import Tokenizer
 
 
+def _first_executable(candidates: Sequence[Optional[str]]) -> Optional[str]:
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
     """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed in the package beside its libraries and CPU
     variants (KVFLASH_LLAMA_BENCH=ON builds), a build made by scripts/build_llama_bench.sh, or llama-bench on
@@ -27,10 +34,16 @@ def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
                   str(Path(__file__).resolve().parent.parent / "llama-bench")]
     candidates += [str(p) for p in sorted(Path.cwd().glob("build/llama-bench/**/llama-bench"))]
     candidates.append(shutil.which("llama-bench"))
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
+    return _first_executable(candidates)
+
+
+def find_llama_server() -> Optional[str]:
+    """The llama-server installed in the package (KVFLASH_LLAMA_SERVER=ON builds), or one in a build folder
+    under the working directory (build/*/bin/llama-server). Not PATH: `kvflash bench serve` runs what this
+    finds without being asked, and only one from our tree and ggml build compares like with like."""
+    candidates = [str(Path(__file__).resolve().parent.parent / "llama-server")]
+    candidates += [str(p) for p in sorted(Path.cwd().glob("build/*/bin/llama-server"))]
+    return _first_executable(candidates)
 
 
 def gpu_free_bytes() -> Optional[int]:

@@ -4,8 +4,10 @@
               completions of a distinct --context-token prompt at once, one token each: the prompts' time);
               then send the same S prompts again at once, so each continues on the slot that holds it, and
               measure the aggregate decode rate while all S decode (tokens stamped in the window from the last
-              stream's first token to the first stream's end). With --llama-server BIN the same load then runs
-              against `BIN -np S -c S*ctx` (its prompt cache reuses a slot's prompt the same way).
+              stream's first token to the first stream's end). The same load then runs against llama-server
+              `-np S -c S*ctx` (its prompt cache reuses a slot's prompt the same way): --llama-server BIN, or by
+              default the one built from our tree (KVFLASH_LLAMA_SERVER=ON: installed in the package, or in a
+              build/*/bin folder here), if any; --llama-server none: ours only.
   soak        (--soak SECONDS) --requests requests of mixed prompt and output lengths from --concurrency
               clients, streamed and not, some leaving part way; the server's RSS sampled throughout.
 
@@ -27,6 +29,7 @@ import numpy as np
 
 from ..known_models import resolve_model_path
 from ..testing.server_process import ServerProcess, free_port
+from .reference import find_llama_server
 
 
 def ours(args, n_slots: int, log: Path) -> ServerProcess:
@@ -121,7 +124,7 @@ def throughput(args) -> dict:
             row["ratio"] = row["kvflash"]["tok_s"] / row["llama-server"]["tok_s"]
             print(f"{'ratio':>12}  {row['ratio']:.2f}x", flush=True)
         rows.append(row)
-    return {"mode": "throughput", "rows": rows}
+    return {"mode": "throughput", "llama_server": args.llama_server, "rows": rows}
 
 
 def soak(args) -> dict:
@@ -189,7 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="prompt tokens per stream (soak: the largest)")
     ap.add_argument("--gen", type=int, default=512,
                     help="tokens generated per stream (soak: the largest); enough that all streams decode at once")
-    ap.add_argument("--llama-server", default=None, help="llama-server binary to run beside ours")
+    ap.add_argument("--llama-server", default=None,
+                    help="llama-server to run beside ours, or none (default: the one built from our tree, if any)")
     ap.add_argument("--ours-flags", default="", help="more flags for kvflash serve (e.g. '--backend cuda')")
     ap.add_argument("--llama-flags", default="", help="more flags for llama-server")
     ap.add_argument("--soak", type=float, default=None, help="run the soak for about this many seconds instead")
@@ -202,6 +206,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.llama_server == "none":
+        args.llama_server = None
+    elif args.llama_server is None and not args.soak:
+        args.llama_server = find_llama_server()
+        print(f"llama-server: {args.llama_server or 'none built (KVFLASH_LLAMA_SERVER=ON builds one); ours only'}",
+              flush=True)
     result = soak(args) if args.soak else throughput(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
