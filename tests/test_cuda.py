@@ -418,7 +418,10 @@ def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
     attended by one flash-attention call per layer) stepped in one graph give the logits and greedy tokens each
     gives alone (same kernels; the matmuls see 3 columns instead of 1)."""
     model = _core.Model(model_path(variant), backend="cuda")
-    tol = VARIANTS[variant][2]
+    # An arena step attends all lanes in one flash-attention call, whose kernel tiles the sums otherwise than
+    # one session's: on the random Q4_0 model that moved logits by up to 0.034 (H100), the size of this model's
+    # own CUDA-vs-CPU gap (0.029); the greedy tokens stay equal.
+    tol = VARIANTS[variant][2] * (1.5 if arena else 1.0)
     pools, lengths = ([448] * 3 if arena else [448, 0, 640]), [400, 90, 700]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.hparams.n_vocab, n).astype(np.int32) for n in lengths]
