@@ -131,14 +131,36 @@ def test_smollm2_batched_greedy(smollm2):
 def test_who_cannot_join(tiny_gguf, tmp_path):
     model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     other = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
-    gemma = _core.Model(str(rg.write_preset(tmp_path / "g.gguf", "tiny-gemma3")), backend="cpu", n_threads=2)
+    qwen35 = _core.Model(str(rg.write_preset(tmp_path / "q.gguf", "tiny-qwen35")), backend="cpu", n_threads=2)
     decoder = _core.BatchDecoder(model)
     assert decoder.ineligible(session(model, 448)) is None
     assert "summaries" in decoder.ineligible(session(model, 448, track_summaries=True))
     assert "captures attention" in decoder.ineligible(session(model, 448, capture_attention=True))
     assert "another Model" in decoder.ineligible(session(other, 448))
-    assert "sliding-window" in _core.BatchDecoder(gemma).ineligible(
-        _core.Session(gemma, _core.SessionConfig(max_tokens=1024, pool_tokens=448)))
+    assert "linear-attention" in _core.BatchDecoder(qwen35).ineligible(
+        _core.Session(qwen35, _core.SessionConfig(max_tokens=1024, pool_tokens=448)))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("arena", [False, True])
+def test_sliding_window_models_step_batched_as_alone(tmp_path, arch, arena):
+    """Rings: each session's sliding-window layers attend its own ring (past its window, so rows are reused),
+    its global layers its pool (paging), batched with the others; gemma4's shared-K/V layers read the source
+    layers' rings and pools."""
+    model = _core.Model(str(rg.write_preset(tmp_path / f"{arch}.gguf", f"tiny-{arch}", weight_type="f32")),
+                        backend="cpu", n_threads=2)
+    pools = [448] * 3 if arena else [448, 0, 640]
+    alone, batched, tok = twins(model, pools, [400, 300, 700], "flash", _core.PoolArena(3) if arena else None)
+    assert batched[0].ring_tokens > 0
+    decoder = _core.BatchDecoder(model)
+    tok = step_both(alone, batched, decoder, tok, 80)
+    assert any(s.pager.stats().page_outs > 0 for s in batched)
+    assert decoder.attention_calls == (1 if arena else 3)
+    logits_a = np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)])
+    # The CPU kernels sum a 3-token step otherwise than a 1-token one: one session's 3-token step against three
+    # 1-token steps moves gemma4's logits by 1.3e-3 (gemma3, llama: 7e-4); after 80 steps the sessions differ by
+    # up to ~3e-3. (A batched step of one session was bit-equal to that session's own step, gemma4 included.)
+    np.testing.assert_allclose(decoder.step(batched, tok), logits_a, rtol=0, atol=5e-3)
 
 
 def test_bad_steps_change_nothing(tiny_gguf):

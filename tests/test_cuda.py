@@ -412,7 +412,7 @@ def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
 
 
 @pytest.mark.parametrize("arena", [False, True])
-@pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32"])
+@pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32", "gemma3-f32", "gemma4-f32"])
 def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
     """BatchDecoder on the GPU: three sessions (two pools that page, a full cache; or three pools of one arena,
     attended by one flash-attention call per layer) stepped in one graph give the logits and greedy tokens each

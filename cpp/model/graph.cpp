@@ -254,13 +254,16 @@ ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
 ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                         float kq_scale) {
     ggml_context * ctx = g.ctx;
-    if (g.arena.arena) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
-    if (!g.lanes.empty()) {   // a batched decode: each token attends its own session's pool
+    const bool swa = m.hparams().is_swa(il);
+    if (g.arena.arena && !swa) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
+    if (!g.lanes.empty() || g.arena.arena) {   // a batched decode: each token attends its own session's pool or ring
         const int64_t kl = m.hparams().kv_index(il);
         ggml_tensor * out = nullptr;
-        for (int64_t t = 0; t < (int64_t) g.lanes.size(); ++t) {
-            const GraphCtx::Lane & lane = g.lanes[t];
-            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
+        for (int64_t t = 0; t < g.n_tokens; ++t) {
+            const PooledKV * kv = swa ? g.lane_rings[t].ring : g.lanes[t].kv;
+            const KvStepInputs & in = swa ? g.lane_rings[t].in : g.lanes[t].in;
+            const int64_t n_kv = swa ? g.lane_rings[t].n_kv : g.lanes[t].n_kv;
+            ggml_tensor * o = attend(g, *kv, in, kl, n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
                                      token_view(ctx, v, t), kq_scale, false);
             out = out ? ggml_concat(ctx, out, o, 1) : o;
         }

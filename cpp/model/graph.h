@@ -56,6 +56,14 @@ struct GraphCtx {
     struct LaneRun {
         int64_t token, lane, n;
     };
+    // Per token of a batched decode, its session's sliding-window rings (the sliding-window layers attend these
+    // one session at a time; empty when the model has no such layers).
+    struct LaneRing {
+        const PooledKV * ring;
+        KvStepInputs in;
+        int64_t n_kv;
+    };
+    std::vector<LaneRing> lane_rings;
     struct ArenaBatch {
         const PoolArena * arena = nullptr;
         KvStepInputs in;   // slots: arena rows; mask [n_kv, n_tokens]: row t is token t's own pool's

@@ -28,7 +28,6 @@ BatchDecoder::~BatchDecoder() {
 
 std::string BatchDecoder::ineligible(const Session & s) const {
     if (&s.model() != model_.get()) return "it runs another Model object";
-    if (s.ring()) return "its model has sliding-window layers (their rings are not batched yet)";
     if (s.recurrent()) return "its model has linear-attention layers (their state is not batched yet)";
     if (s.config().track_summaries) return "it tracks chunk summaries (the qk / quest scorers read one session's step)";
     if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";
@@ -52,7 +51,7 @@ int64_t BatchDecoder::compute_bytes() const {
 }
 
 void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
-                               bool greedy) {
+                               const std::vector<KvKeyOrder> & ring_orders, bool greedy) {
     const Session & first = *sessions.front();
     const size_t n_nodes = graph_nodes(first);
     if (!sched_) sched_ = first.new_sched(n_nodes);
@@ -69,6 +68,11 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
+    for (int64_t i = 0; i < n && first.ring(); ++i) {
+        const PooledKV & ring = sessions[i]->ring()->kv();
+        g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), 1, ring_orders[i].n_kv, false),
+                                ring_orders[i].n_kv});
+    }
     if (const PoolArena * arena = shared_arena(sessions, orders)) {
         GraphCtx::ArenaBatch & b = g.arena;
         b.arena = arena;
@@ -174,12 +178,15 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
 void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
                                  std::vector<int32_t> * greedy, std::vector<float> * logits) {
     const int64_t n = (int64_t) sessions.size();
-    std::vector<Plan> plans;
+    std::vector<Plan> plans, ring_plans;
     std::vector<int32_t> pos(n);
+    std::vector<SlidingWindowKV::Mark> ring_marks;
     auto undo = [&] {   // forget the positions placed so far: no session changes on an error
         for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(pos[i]));
+        // The ring row a failed step may have written held a position no window reaches any more.
+        for (size_t i = 0; i < ring_marks.size(); ++i) sessions[i]->ring_->rewind_to(ring_marks[i]);
     };
-    std::vector<KvKeyOrder> orders;
+    std::vector<KvKeyOrder> orders, ring_orders;
     try {
         for (int64_t i = 0; i < n; ++i) {
             Session & s = *sessions[i];
@@ -187,6 +194,11 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
             plans.push_back(s.pager_->plan_alloc(pos[i], 1));
             s.execute(plans.back());
             orders.push_back(kv_key_order(*s.pager_, s.kv_->layout(), s.ordered_, s.kv_pad_));
+            if (s.ring_) {
+                ring_marks.push_back(s.ring_->mark());
+                ring_plans.push_back(s.ring_->place(pos[i], 1));
+                ring_orders.push_back(s.ring_->key_order());
+            }
         }
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
         std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, orders) != nullptr};
@@ -200,12 +212,17 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
         } else {
             for (const KvKeyOrder & o : orders) shape.push_back(o.n_kv);
         }
+        for (const KvKeyOrder & o : ring_orders) shape.push_back(o.n_kv);
         if (shape != shape_) {
-            build_graph(sessions, orders, greedy != nullptr);
+            build_graph(sessions, orders, ring_orders, greedy != nullptr);
             shape_ = shape;
         }
         ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, n * sizeof(int32_t));
         ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, n * sizeof(int32_t));
+        for (size_t i = 0; i < ring_plans.size(); ++i) {
+            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring_->kv().layout(), ring_orders[i], ring_plans[i],
+                               &pos[i], scratch_);
+        }
         if (graph_.arena.arena) {
             std::vector<LaneToken> lt;
             for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv_->lane(), plans[i].slots[0], pos[i], &orders[i]});

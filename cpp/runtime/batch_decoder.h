@@ -4,9 +4,10 @@
 // (GraphCtx::lanes). Each session's pager places its token and pages as its forward would, so a session
 // ends a batched step exactly where forward_greedy / forward would have left it.
 //
-// Which sessions can share a step (eligible()): same Model, same attention path, no sliding-window rings,
+// Which sessions can share a step (eligible()): same Model, same attention path, no linear-attention state,
 // and no per-step captures for the scorers (track_summaries, capture_attention: the qk / quest / drafter
-// capture reads one sequence's step). Others decode alone.
+// capture reads one sequence's step). Others decode alone. Sliding-window layers attend each session's own
+// ring (one attention call per session and layer: rings are small and are not in an arena).
 //
 // Threads: a step holds every session's mutex (taken in address order, so two steps over overlapping
 // sessions cannot deadlock) and then the model's compute mutex, as Session's own calls do.
@@ -48,7 +49,8 @@ private:
     // step() with the sessions sorted by lane: places, computes, reads the outputs in this order.
     void step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
                        std::vector<int32_t> * greedy, std::vector<float> * logits);
-    void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders, bool greedy);
+    void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
+                     const std::vector<KvKeyOrder> & ring_orders, bool greedy);
 
     std::shared_ptr<Model> model_;
     ggml_backend_sched_t sched_ = nullptr;

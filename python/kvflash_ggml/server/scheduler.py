@@ -11,7 +11,7 @@ token each). The decode steps of a round run as one batched forward (_core.Batch
 read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
 per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
 greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
-drafter) and sliding-window models step alone. A long prompt does
+drafter) and hybrid (linear-attention) models step alone; sliding-window layers attend each slot's own ring. A long prompt does
 not stall the others: between its forward steps (and between layers of an exact prefill) the engine calls
 back here and the slots that are decoding take one step each. Records go to the request's asyncio queue on
 the event loop that submitted it. A cancelled request (the client went away) ends at its slot's next step,
