@@ -260,10 +260,8 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
         const int64_t kl = m.hparams().kv_index(il);
         ggml_tensor * out = nullptr;
         for (int64_t t = 0; t < g.n_tokens; ++t) {
-            const PooledKV * kv = swa ? g.lane_rings[t].ring : g.lanes[t].kv;
-            const KvStepInputs & in = swa ? g.lane_rings[t].in : g.lanes[t].in;
-            const int64_t n_kv = swa ? g.lane_rings[t].n_kv : g.lanes[t].n_kv;
-            ggml_tensor * o = attend(g, *kv, in, kl, n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
+            const GraphCtx::Lane & lane = swa ? g.lane_rings[t] : g.lanes[t];
+            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
                                      token_view(ctx, v, t), kq_scale, false);
             out = out ? ggml_concat(ctx, out, o, 1) : o;
         }

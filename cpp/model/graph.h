@@ -50,20 +50,15 @@ struct GraphCtx {
         int64_t n_kv;
     };
     std::vector<Lane> lanes;
+    // Per token of a batched decode, its session's sliding-window rings (the sliding-window layers attend these
+    // one session at a time; empty when the model has no such layers).
+    std::vector<Lane> lane_rings;
     // A batched decode whose sessions all keep their pools in one arena (kv/pool_arena.h; lanes then stays
     // empty): one K/V write for every token, and one attention call per run of tokens whose lanes follow
     // one another (tokens [token, token + n) are lanes [lane, lane + n)), the lanes along ne3.
     struct LaneRun {
         int64_t token, lane, n;
     };
-    // Per token of a batched decode, its session's sliding-window rings (the sliding-window layers attend these
-    // one session at a time; empty when the model has no such layers).
-    struct LaneRing {
-        const PooledKV * ring;
-        KvStepInputs in;
-        int64_t n_kv;
-    };
-    std::vector<LaneRing> lane_rings;
     struct ArenaBatch {
         const PoolArena * arena = nullptr;
         KvStepInputs in;   // slots: arena rows; mask [n_kv, n_tokens]: row t is token t's own pool's

@@ -11,6 +11,14 @@ namespace {
 
 constexpr int64_t k_max_lanes = 64;   // sessions in one step: the graph's node budget is sized for this many
 
+// An arena step attends the same number of slots in every lane: the largest any session needs (past a session's
+// own, its slots are empty and masked).
+int64_t widest(const std::vector<KvKeyOrder> & orders) {
+    int64_t n_kv = 0;
+    for (const KvKeyOrder & o : orders) n_kv = std::max(n_kv, o.n_kv);
+    return n_kv;
+}
+
 }  // namespace
 
 size_t BatchDecoder::graph_nodes(const Session & s) {
@@ -76,7 +84,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     if (const PoolArena * arena = shared_arena(sessions, orders)) {
         GraphCtx::ArenaBatch & b = g.arena;
         b.arena = arena;
-        for (const KvKeyOrder & o : orders) b.n_kv = std::max(b.n_kv, o.n_kv);
+        b.n_kv = widest(orders);
         b.in = kv_step_inputs_new(g.ctx, arena->layout(), n, b.n_kv, false);
         for (int64_t i = 0; i < n; ++i) {   // runs of lanes that follow one another (the sessions come sorted by lane)
             const int64_t lane = sessions[i]->kv().lane();
@@ -206,9 +214,7 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
             shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered});
         }
         if (shape[1]) {
-            int64_t n_kv = 0;
-            for (const KvKeyOrder & o : orders) n_kv = std::max(n_kv, o.n_kv);
-            shape.push_back(n_kv);
+            shape.push_back(widest(orders));
         } else {
             for (const KvKeyOrder & o : orders) shape.push_back(o.n_kv);
         }
