@@ -40,7 +40,6 @@ public:
 
     int64_t n_lanes() const { return n_lanes_; }
     int64_t lanes_free() const;
-    bool allocated() const { return buf_ != nullptr; }
     const KvLayout & layout() const { return layout_; }   // one lane's (valid once allocated)
     ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens * n_lanes]
     ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens * n_lanes] or [pool_tokens, n_embd_v * n_lanes]

@@ -164,12 +164,13 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         tokens_in_order[i] = tokens[order[i]];
     }
     step_in_order(in_order, tokens_in_order, greedy, logits);
-    // back to the caller's order
-    if (greedy) {
+    // back to the caller's order (a server's slots come in lane order: nothing to move)
+    const bool reordered = !std::is_sorted(order.begin(), order.end());
+    if (reordered && greedy) {
         std::vector<int32_t> g(*greedy);
         for (int64_t i = 0; i < n; ++i) (*greedy)[order[i]] = g[i];
     }
-    if (logits) {
+    if (reordered && logits) {
         const size_t row = logits->size() / (size_t) n;
         std::vector<float> l(*logits);
         for (int64_t i = 0; i < n; ++i) std::copy_n(l.begin() + i * row, row, logits->begin() + order[i] * row);
