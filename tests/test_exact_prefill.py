@@ -147,6 +147,47 @@ def test_exact_prefill_in_larger_steps_than_the_full_cache(tiny, attention, arch
         np.testing.assert_allclose(mine, theirs, atol=2e-3, err_msg=f"chunk {c}")
 
 
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen35", {}), ("gemma4", SHARED_KV)])
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides, attention):
+    # A step's mask (and the mul_mat path's attention matrix) grows with the keys it attends, so the layer-major
+    # prefill attends a step's queries in blocks whose buffers fit attention_block_bytes: 1 byte forces the
+    # smallest block (32 queries), four per step of 128, each seeing only the keys up to its last position. The
+    # mul_mat path computes each query's row alone: the full cache's bytes. The CPU flash kernel tiles a block
+    # of 32 queries otherwise than one of 128: summation order only (measured max |diff| of logits / attention /
+    # K/V values: llama 2.5e-4 / 1.2e-7 / 4.9e-4, qwen35 7.6e-5 / 1.8e-5 / 2.4e-3 on K/V of ~1, gemma4 0).
+    model = tiny(arch, **overrides)
+    tokens = prompt(model, 1000, seed=5)
+    full = session(model, 0, attention=attention)
+    full.forward(tokens[:600], 0)
+    logits_full = full.forward(tokens[600:], 600)
+    whole = session(model, POOL, attention=attention)
+    whole.prefill_exact(tokens[:600], 0)
+    _, attention_whole = whole.prefill_exact(tokens[600:], 600)
+    sess = session(model, POOL, attention=attention)
+    sess.prefill_exact(tokens[:600], 0, attention_block_bytes=1)
+    assert sess.pager.n_host_images() > 0
+    logits, attention_to = sess.prefill_exact(tokens[600:], 600, attention_block_bytes=1)
+    if attention == "matmul":
+        np.testing.assert_array_equal(logits, logits_full)
+        np.testing.assert_array_equal(attention_to, attention_whole)
+        assert_same_chunks(sess, full, len(tokens))
+        return
+    np.testing.assert_allclose(logits, logits_full, atol=1e-3)
+    np.testing.assert_allclose(attention_to, attention_whole, atol=1e-4)
+    for c in range(len(tokens) // C):
+        mine = np.frombuffer(chunk_bytes(sess, c), np.float16).astype(np.float32)
+        theirs = np.frombuffer(full.kv.read_block(c), np.float16).astype(np.float32)
+        np.testing.assert_allclose(mine, theirs, atol=5e-3, err_msg=f"chunk {c}")
+
+
+def test_exact_prefill_refuses_a_negative_attention_block(tiny):
+    sess = session(tiny("llama"), POOL)
+    with pytest.raises(ValueError, match="attention_block_bytes"):
+        sess.prefill_exact(prompt(tiny("llama"), 600), 0, attention_block_bytes=-1)
+    assert sess.n_tokens == 0
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 def test_exact_prefill_extends_a_held_prefix_from_the_pool_and_the_host_store(tiny, ordered):
     # The second part attends to the first wherever it lies: resident blocks and host images alike.
@@ -302,14 +343,12 @@ def test_a_snapshot_after_exact_prefill_restores_and_continues_exactly(tiny):
     np.testing.assert_array_equal(restored.forward(tok, len(tokens)), sess.forward(tok, len(tokens)))
 
 
-def test_exact_prefill_step_keeps_its_masks_below_one_layers_kv():
-    # The step's mask costs 2 bytes per key per step token; one pooled layer's K/V costs kv_bytes_per_position
-    # per key. The step is capped so that the mask never outgrows the staging pool.
+def test_exact_prefill_step_is_large_with_flash_attention_only():
+    # Steps pay a fixed cost each (flash attention: 1024 tokens at least); their masks and attention matrices
+    # no longer grow with the step (blocks of queries), so nothing caps it below that.
     from kvflash_ggml.options import PoolConfig
 
     pool = PoolConfig(n_ctx=8192, pool_tokens=1024)
-    assert pool.exact_prefill_batch(True, kv_bytes_per_position=4096) == 1024   # 8B: 8 KV heads x 128, f16
-    assert pool.exact_prefill_batch(True, kv_bytes_per_position=1024) == 512    # Gemma 3 270M: 1 KV head x 256
-    assert pool.exact_prefill_batch(True, kv_bytes_per_position=100) == C       # never below a chunk
     assert pool.exact_prefill_batch(True) == 1024
-    assert pool.exact_prefill_batch(False, kv_bytes_per_position=4096) == pool.n_batch
+    assert PoolConfig(n_ctx=8192, pool_tokens=1024, n_batch=2048).exact_prefill_batch(True) == 2048
+    assert pool.exact_prefill_batch(False) == pool.n_batch

@@ -25,7 +25,7 @@ COSTS = SlotCosts(kv_per_token=128 * 1024, compute_per_token=100, compute_fixed=
 def need(costs: SlotCosts, pool: int, n_slots: int, n_ctx: int) -> float:
     """Bytes n_slots sessions of `pool` tokens, one exact prefill and the headroom take (total memory small)."""
     return n_slots * (pool * (costs.kv_per_token + costs.compute_per_token) + costs.compute_fixed + costs.state) + \
-        n_ctx * (costs.layer_per_token + 2 * costs.exact_step) + costs.compute_max * 2 + MIN_HEADROOM
+        n_ctx * costs.layer_per_token + _core.ATTENTION_BLOCK_BYTES + costs.compute_max * 2 + MIN_HEADROOM
 
 
 def test_solve_takes_the_largest_pool_that_fits():

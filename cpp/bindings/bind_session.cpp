@@ -76,6 +76,7 @@ void bind_config_and_timings(py::module_ & m) {
 void register_session(py::module_ & m, py::module_ & testing) {
     bind_config_and_timings(m);
     m.attr("CHUNK_TOKENS") = k_chunk_tokens;
+    m.attr("ATTENTION_BLOCK_BYTES") = k_attention_block_bytes;
     m.attr("CAPTURE_TOKENS") = k_capture_tokens;
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python
@@ -147,16 +148,18 @@ void register_session(py::module_ & m, py::module_ & testing) {
              }, py::arg("block"), "raw bytes of ring rows [64 block, 64 block + 64), every sliding-window layer (tests)")
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
         .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
-                                 std::optional<py::function> between) {
+                                 std::optional<py::function> between, int64_t attention_block_bytes) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
                  std::function<void()> cb;
                  if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
-                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb); });
+                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb, attention_block_bytes); });
                  return py::make_tuple(float_array(r.logits), float_array(r.attention));
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
+             py::arg("attention_block_bytes") = 0,
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
-             "session's); between() runs after each layer and may "
+             "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
+             "attention_block_bytes (0: 32 MiB); between() runs after each layer and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
         .def("memory", [](const Session & s) {

@@ -51,24 +51,34 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 }
 
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t n_tokens, int64_t n_kv, bool gathered,
-                                ggml_tensor * mask) {
+                                const CausalBand * band, int64_t first_pos) {
     if (gathered && L.v_trans) {
         throw std::logic_error("a position-ordered copy gathers slot rows: it needs V in slot rows, not v_trans");
     }
     KvStepInputs in;
     in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     in.v_slots = L.v_trans ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
-    in.mask_on_backend = mask != nullptr;
-    in.mask = mask ? mask : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    in.band = band;
+    in.first_pos = first_pos;
+    in.mask = band ? nullptr : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
     in.kv_order = gathered ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.pool_tokens) : nullptr;
-    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask_on_backend ? nullptr : in.mask, in.kv_order}) {
+    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask, in.kv_order}) {
         if (t) ggml_set_input(t);
     }
     return in;
 }
 
+KvMaskRows kv_mask_rows(ggml_context * ctx, const KvStepInputs & in, int64_t n_kv, int64_t row0, int64_t n_rows) {
+    if (in.band) {
+        const int64_t first = in.first_pos + row0, seen = in.band->keys_seen(first + n_rows - 1, n_kv);
+        return {in.band->mask(ctx, seen, n_rows, first), seen};
+    }
+    if (row0 == 0 && n_rows == in.mask->ne[1]) return {in.mask, n_kv};
+    return {ggml_view_2d(ctx, in.mask, in.mask->ne[0], n_rows, in.mask->nb[1], row0 * in.mask->nb[1]), n_kv};
+}
+
 CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad)
-    : n_slots_(n_slots), max_tokens_(max_tokens) {
+    : n_slots_(n_slots), max_tokens_(max_tokens), kv_pad_(kv_pad) {
     // Triangle columns past max_tokens: a last step's n_kv is rounded up to kv_pad.
     const int64_t width = max_tokens + kv_pad;
     ggml_init_params ip{2 * ggml_tensor_overhead(), nullptr, true};
@@ -110,12 +120,16 @@ ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_token
     return ggml_concat(ctx, seen, tri, 0);
 }
 
+int64_t CausalBand::keys_seen(int64_t last_pos, int64_t n_kv) const {
+    return std::min(n_kv, (last_pos + 1 + kv_pad_ - 1) / kv_pad_ * kv_pad_);
+}
+
 int64_t CausalBand::device_bytes() const { return (int64_t) (ggml_nbytes(zeros_) + ggml_nbytes(triangle_)); }
 
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
                         const int32_t * pos, std::vector<uint8_t> & scratch) {
     const int64_t n = alloc.span_n;
-    const bool same_shape = (!in.slots || in.slots->ne[0] == n) && in.mask->ne[0] == order.n_kv && in.mask->ne[1] == n &&
+    const bool same_shape = (!in.slots || in.slots->ne[0] == n) && (in.band || (in.mask->ne[0] == order.n_kv && in.mask->ne[1] == n)) &&
                             (in.kv_order != nullptr) == order.gathered;
     if (!same_shape) {
         throw std::logic_error("kv_step_inputs_set: the step's input tensors were made for another shape");
@@ -135,7 +149,7 @@ void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKey
     }
 
     if (in.kv_order) ggml_backend_tensor_set(in.kv_order, order.slot_row.data(), 0, order.slot_row.size() * sizeof(int64_t));
-    if (in.mask_on_backend) return;
+    if (in.band) return;
     const int64_t n_kv = order.n_kv;
     scratch.resize((size_t) n_kv * n * sizeof(ggml_fp16_t));
     auto * mask = reinterpret_cast<ggml_fp16_t *>(scratch.data());

@@ -15,17 +15,29 @@
 
 namespace kvf {
 
+class CausalBand;
+
 // Input tensors of one step's graph, created in its no_alloc context; shapes in ggml order.
 struct KvStepInputs {
     ggml_tensor * slots    = nullptr;   // I64 [n_tokens]  pool row written by each token (nullptr, v_slots
                                         // too: the step writes nothing, kv_step_inputs_reads_only)
     ggml_tensor * v_slots  = nullptr;   // I64 [n_embd_v * n_tokens]  element of the transposed V pool
                                         // written by each V value (v_trans layouts only, else nullptr)
-    ggml_tensor * mask     = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask
+    ggml_tensor * mask     = nullptr;   // F16 [n_kv, n_tokens]  slot-space mask (nullptr: made from band)
     ggml_tensor * kv_order = nullptr;   // I64 [pool_tokens]  row of each slot in the position-ordered copy
                                         // (nullptr: attend the pool in slot order)
-    bool mask_on_backend = false;       // the mask is computed in the graph (causal_mask), not uploaded
+    const CausalBand * band = nullptr;  // set: an identity pool filled in order, whose mask rows are made in
+    int64_t first_pos = 0;              // the graph per block of queries (kv_mask_rows); the step's first position
 };
+
+// The mask of queries [row0, row0 + n_rows) of a step, over the keys they can see: the first n_kv keys, or
+// fewer when the mask comes from a band (keys past the block's last position are masked for all of its
+// queries, so attention over the shorter prefix is the same sum). A graph node in ctx, F16 [n_kv, n_rows].
+struct KvMaskRows {
+    ggml_tensor * mask;
+    int64_t n_kv;
+};
+KvMaskRows kv_mask_rows(ggml_context * ctx, const KvStepInputs & in, int64_t n_kv, int64_t row0, int64_t n_rows);
 
 // The key order of one step: per attended key, the position it holds, as attention sees the keys.
 struct KvKeyOrder {
@@ -43,9 +55,10 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 
 // Creates (and marks as inputs) the tensors of a step of n_tokens tokens attending n_kv slots, in the
 // no_alloc graph context ctx. gathered: the step attends a position-ordered copy (KvKeyOrder::gathered).
-// mask: the step's slot mask when it is already on the backend (CausalBand::mask), else nullptr (uploaded).
+// band: the step's queries are those of an identity pool filled in order from first_pos, and their mask is
+// made in the graph from the band (nothing uploaded); nullptr: the mask is an input, uploaded.
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int64_t n_tokens, int64_t n_kv,
-                                bool gathered, ggml_tensor * mask = nullptr);
+                                bool gathered, const CausalBand * band = nullptr, int64_t first_pos = 0);
 
 // The inputs of a step that only reads the pool (a layer attending another layer's K/V): no slot rows, which
 // its graph would never allocate.
@@ -57,19 +70,22 @@ inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots
 // read with a row stride of 0) and a triangle [max_tokens + kv_pad, max_tokens] (row i: 0 up to column i,
 // -inf after). Equal to build_slot_mask's for that pool. Uploading a mask per layer per step cost more than the
 // compute at 32K positions; building it from F32 ops, 14% of the GPU time; a band of every step's rows
-// [n_slots + max_tokens, max_tokens] held as many bytes as the step's mask (258 MiB at 128K x 1024).
+// [n_slots + max_tokens, max_tokens] held as many bytes as the step's mask (258 MiB at 128K x 1024). A step's
+// whole mask is as large (n_kv x step), so attention asks for it a block of queries at a time (kv_mask_rows).
 class CausalBand {
 public:
     CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad);
     ~CausalBand();
     CausalBand(const CausalBand &) = delete;
     CausalBand & operator=(const CausalBand &) = delete;
-    // The [n_kv, n_tokens] mask of the step whose first token is at first_pos (a graph node in ctx).
+    // The [n_kv, n_tokens] mask of the queries whose first is at first_pos (a graph node in ctx).
     ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const;
+    // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
+    int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
     int64_t device_bytes() const;
 
 private:
-    int64_t n_slots_, max_tokens_;
+    int64_t n_slots_, max_tokens_, kv_pad_;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     ggml_tensor * zeros_ = nullptr;      // F16 [n_slots]

@@ -3,8 +3,10 @@
 #include "kv/kv_graph.h"
 #include "model/gguf_meta.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 namespace kvf {
 
@@ -165,16 +167,35 @@ ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
 }
 
 // Flash attention never materialises its probabilities: the captured queries' own softmax, as the
-// mul_mat path computes it (qp [head_dim, n_tokens, n_head], kp [head_dim, n_kv, n_head_kv]), laid out
-// like its kq so capture_head_max reads the last rows: F32 [n_kv, n_attn_tokens, n_head].
+// mul_mat path computes it (qp [head_dim, n_rows, n_head] the last block's queries, kp [head_dim, n_kv,
+// n_head_kv], mask [n_kv, n_rows]), laid out like its kq so capture_head_max reads the last rows:
+// F32 [n_kv, n_attn_tokens, n_head].
 ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor * mask, float kq_scale) {
     ggml_context * ctx = g.ctx;
-    const int64_t n_q = g.n_attn_tokens, off = g.n_tokens - n_q;
+    const int64_t n_q = g.n_attn_tokens, off = qp->ne[1] - n_q;
     ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
     ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
     ggml_prec_set_acc(kq, GGML_PREC_F32);
     ggml_tensor * mask_last = ggml_view_2d(ctx, mask, mask->ne[0], n_q, mask->nb[1], off * mask->nb[1]);
     return ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f);
+}
+
+constexpr int64_t k_min_query_block = 32;   // at least the scorers' captured queries (k_capture_tokens)
+
+struct QueryBlock {
+    int64_t row0, n;
+};
+
+// The blocks of a step's n queries: one unless the mask is made per block; then as many queries per block as
+// block_bytes allows at bytes_per_key per query and key, the last block whole (it holds the captured queries).
+std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t n_kv, int64_t bytes_per_key,
+                                     int64_t block_bytes) {
+    if (!in.band) return {{0, n}};
+    const int64_t per_block = std::max(k_min_query_block, block_bytes / (n_kv * bytes_per_key));
+    std::vector<QueryBlock> blocks;
+    for (int64_t end = n; end > 0; end -= per_block) blocks.insert(blocks.begin(), {std::max<int64_t>(0, end - per_block), 0});
+    for (size_t b = 0; b < blocks.size(); ++b) blocks[b].n = (b + 1 < blocks.size() ? blocks[b + 1].row0 : n) - blocks[b].row0;
+    return blocks;
 }
 
 // Writes k and v of the step's tokens into layer kl of `kv` and attends its first n_kv slots under `in`:
@@ -188,24 +209,34 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1], n = q->ne[2];
     if (k) ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
     if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
-    ggml_tensor * kk = get_k(ctx, kv, in, kl, n_kv, head_dim_k);   // [head_dim_k, n_head_kv, n_kv]
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
-    ggml_tensor * kp = ggml_permute(ctx, kk, 0, 2, 1, 3);  // [head_dim_k, n_kv, n_head_kv]
-    if (g.flash_attn) {
-        if (capture_attn) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qp, kp, in.mask, kq_scale)));
-        ggml_tensor * vv = get_v(ctx, kv, in, kl, n_kv, head_dim_v);   // [head_dim_v, n_head_kv, n_kv]
-        ggml_tensor * vp = ggml_permute(ctx, vv, 0, 2, 1, 3);  // [head_dim_v, n_kv, n_head_kv]
-        ggml_tensor * out = ggml_flash_attn_ext(ctx, qp, kp, vp, in.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n]
-        ggml_prec_set_acc(out, GGML_PREC_F32);
-        return ggml_reshape_2d(ctx, out, head_dim_v * n_head, n);
+    const int64_t bytes_per_key = sizeof(ggml_fp16_t) + (g.flash_attn ? 0 : 2 * n_head * sizeof(float));
+    ggml_tensor * out = nullptr;
+    for (const QueryBlock & b : query_blocks(in, n, n_kv, bytes_per_key, g.attention_block_bytes)) {
+        const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
+        const bool last = b.row0 + b.n == n;
+        if (capture_attn && last && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");
+        ggml_tensor * qb = b.n == n ? qp : ggml_view_3d(ctx, qp, head_dim_k, b.n, n_head, qp->nb[1], qp->nb[2], b.row0 * qp->nb[1]);
+        ggml_tensor * kp = ggml_permute(ctx, get_k(ctx, kv, in, kl, mr.n_kv, head_dim_k), 0, 2, 1, 3);   // [head_dim_k, n_kv, n_head_kv]
+        ggml_tensor * o;
+        if (g.flash_attn) {
+            if (capture_attn && last) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qb, kp, mr.mask, kq_scale)));
+            ggml_tensor * vp = ggml_permute(ctx, get_v(ctx, kv, in, kl, mr.n_kv, head_dim_v), 0, 2, 1, 3);   // [head_dim_v, n_kv, n_head_kv]
+            o = ggml_flash_attn_ext(ctx, qb, kp, vp, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
+            ggml_prec_set_acc(o, GGML_PREC_F32);
+            o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, b.n);
+        } else {
+            ggml_tensor * kq = ggml_mul_mat(ctx, kp, qb);   // [n_kv, b.n, n_head]
+            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            kq = ggml_soft_max_ext(ctx, kq, mr.mask, kq_scale, 0.0f);
+            if (capture_attn && last) g.attn.push_back(capture_head_max(g, kq));
+            ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, mr.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
+            ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, b.n, n_head]
+            o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, b.n);
+        }
+        out = out ? ggml_concat(ctx, out, o, 1) : o;
     }
-    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);   // [n_kv, n, n_head]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
-    kq = ggml_soft_max_ext(ctx, kq, in.mask, kq_scale, 0.0f);
-    if (capture_attn) g.attn.push_back(capture_head_max(g, kq));
-    ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
-    ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, n, n_head]
-    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, n);
+    return out;
 }
 
 // A batched decode over a pool arena: every token writes its own lane with one set_rows per K/V, and each

@@ -11,6 +11,11 @@
 
 namespace kvf {
 
+// A layer-major prefill's attention calls each hold at most this much mask (and attention matrix): its steps
+// attend their queries a block at a time, so these buffers stay this size whatever the context. One call over
+// a step of 1024 queries and 128K keys held a 256 MiB mask beside the 512 MiB of an 8B model's layer of K/V.
+constexpr int64_t k_attention_block_bytes = 32ll << 20;
+
 struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
     ggml_tensor * positions = nullptr;   // I32 [n_tokens]
@@ -38,6 +43,9 @@ struct GraphCtx {
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
     bool flash_attn = false;
+    // What one attention call of a step whose mask is made per block of queries (KvStepInputs::band) may hold
+    // for that block's mask and, on the mul_mat path, its attention matrix (graph.cpp: query_blocks).
+    int64_t attention_block_bytes = k_attention_block_bytes;
     int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
     int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)

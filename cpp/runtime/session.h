@@ -152,8 +152,10 @@ public:
     // pool's window wide, which exactness does not need). between() runs after each layer (the caller's
     // interrupt point); if anything throws, the session forgets the new positions and holds its first
     // `start` tokens again.
+    // attention_block_bytes: what each attention call's mask (and, without flash attention, its attention
+    // matrix) may hold; a step attends its queries in blocks that fit (0: k_attention_block_bytes).
     ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
-                               const std::function<void()> & between = {});
+                               const std::function<void()> & between = {}, int64_t attention_block_bytes = 0);
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.

@@ -231,11 +231,13 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
 }
 
 ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                    const std::function<void()> & between) {
+                                    const std::function<void()> & between, int64_t attention_block_bytes) {
     const SessionLock held = lock();
     check_tokens(tokens, n, start);
     if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (n_batch == 0) n_batch = cfg_.n_batch;
+    if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
+    if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
     const int64_t C = cfg_.chunk_tokens, end = start + n;
     const Model & m = *model_;
     const ModelHparams & hp = m.hparams();
@@ -326,6 +328,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             g.n_tokens = mt;
             g.n_outputs = last_layer ? 1 : mt;
             g.flash_attn = flash_attn_;
+            g.attention_block_bytes = attention_block_bytes;
             // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
             g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
             g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
@@ -344,7 +347,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, n_kv, false);
             } else if (staged) {
                 g.n_kv = n_kv;
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, band.mask(g.ctx, n_kv, mt, p0));
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, &band, p0);
             }
             if (!hp.has_kv(il)) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
             sg.y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));

@@ -327,8 +327,7 @@ class Engine:
         return logits
 
     def _exact_prefill_step(self) -> int:
-        return self.pool.exact_prefill_batch(self.session.flash_attn,
-                                             self.session.kv.layer_chunk_bytes // _core.CHUNK_TOKENS)
+        return self.pool.exact_prefill_batch(self.session.flash_attn)
 
     def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
         return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,

@@ -57,7 +57,7 @@ class SlotCosts:
     state: float   # sliding-window rings and linear-attention state: fixed per session
     layer_per_token: float
     compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
-    exact_step: int           # tokens per step of the exact prefill (its mask: 2 bytes per key per step token)
+    exact_step: int           # tokens per step of the exact prefill
     n_batch: int              # the probes' step
 
 
@@ -69,15 +69,15 @@ def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
     return SlotCosts(kv_per_token=small["kv_per_token"], compute_per_token=per_token,
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), state=small["state"],
                      layer_per_token=small["layer_per_token"], compute_max=large["compute"],
-                     exact_step=pool.exact_prefill_batch(small["flash"], int(small["layer_per_token"])),
+                     exact_step=pool.exact_prefill_batch(small["flash"]),
                      n_batch=pool.n_batch)
 
 
 def _exact_prefill_bytes(costs: SlotCosts, n_ctx: int) -> float:
-    """One layer's K/V of a whole-context prompt and its step's mask over all of it, beside a step's compute
-    buffer (probed at n_batch tokens, scaled to the exact step). On the H100 (8B, 128K) this came to 1.20 GiB
-    where the prefill held 1.27 GiB (then with a second mask-sized band, since removed): the headroom covers the rest."""
-    return n_ctx * (costs.layer_per_token + 2 * costs.exact_step) + \
+    """One layer's K/V of a whole-context prompt, one attention block's mask and attention matrix
+    (_core.ATTENTION_BLOCK_BYTES, whatever the context) and a step's compute buffer (probed at n_batch tokens,
+    scaled to the exact step)."""
+    return n_ctx * costs.layer_per_token + _core.ATTENTION_BLOCK_BYTES + \
         costs.compute_max * costs.exact_step / max(1, costs.n_batch)
 
 

@@ -80,23 +80,15 @@ class PoolConfig:
         C = _core.CHUNK_TOKENS
         return min(self.n_batch, max(C, pool // 8 // C * C))
 
-    def exact_prefill_batch(self, flash_attn: bool, kv_bytes_per_position: int = 0) -> int:
+    def exact_prefill_batch(self, flash_attn: bool) -> int:
         """Tokens per step of the exact (layer-major) prefill. With flash attention at least EXACT_PREFILL_STEP:
-        each step pays a fixed cost besides its kernels (its hidden-state tile in and out of host memory,
-        synchronously, and a graph launch), and the exact prefill takes n_layer steps where a full cache takes
-        one: on the H100 (8B, 32K prompt, experiments/profile_prefill.py) steps of 512 spent 5.7 s, of 2048
-        4.9 s, for the same kernel time. The price is the step's mask ([keys, step] F16: 2 bytes per key per step
-        token), which must stay below the staging pool it sits beside (kv_bytes_per_position: one
-        pooled layer's K and V of one position): where K/V rows are narrow (Gemma 3 270M: one KV head, 1 KiB
-        per position) steps of 1024 held more mask than the full cache holds K/V. Without flash attention a step
-        holds its attention matrix ([keys, step, heads] F32): on SmolLM2 at 8K, steps of 1024 held more than
-        the whole full cache, so the step stays n_batch there."""
-        if not flash_attn:
-            return self.n_batch
-        step = max(self.n_batch, EXACT_PREFILL_STEP)
-        if kv_bytes_per_position > 0:
-            step = min(step, max(_core.CHUNK_TOKENS, kv_bytes_per_position // 2 // _core.CHUNK_TOKENS * _core.CHUNK_TOKENS))
-        return step
+        each step pays a fixed cost besides its kernels (its hidden-state tile in and out of host memory, and a
+        graph launch), and the exact prefill takes n_layer steps where a full cache takes one: on the H100 (8B,
+        32K prompt, experiments/profile_prefill.py) steps of 512 spent 5.7 s, of 2048 4.9 s, for the same kernel
+        time. The step's mask and attention matrix do not grow with it: a step attends its queries in blocks
+        that fit _core.ATTENTION_BLOCK_BYTES. Without flash attention (the CPU's default path) the step stays
+        n_batch: larger steps were measured only with flash attention on the H100."""
+        return max(self.n_batch, EXACT_PREFILL_STEP) if flash_attn else self.n_batch
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class DraftModel:
         # the H100 it made speculation 25x slower than plain decoding), and the draft's own steps attend the
         # pool anyway.
         if not s.full_cache and len(new) > s.pager.config().pool_tokens:
-            step = self.pool.exact_prefill_batch(s.flash_attn, s.kv.layer_chunk_bytes // _core.CHUNK_TOKENS)
+            step = self.pool.exact_prefill_batch(s.flash_attn)
             logits, attention = s.prefill_exact(new, n_keep, n_batch=step)
             if s.pager.n_chunks() > s.pager.n_blocks():   # what the model's post-prompt reselect pages in, too
                 s.reselect(prompt_attention_scores(attention, s.pager.n_chunks()))
