@@ -171,6 +171,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  d["recurrent_checkpoint_bytes"] = m.recurrent_checkpoint_bytes;
                  d["compute_bytes"] = m.compute_bytes;
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
+                 d["prefill_staging_bytes"] = m.prefill_staging_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;
                  return d;
              }, "device bytes besides the weights: the pool, the sliding-window rings, the step graphs' compute buffer, the largest layer-major "

@@ -87,6 +87,7 @@ struct SessionMemory {
     int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
     int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
                                        // one-layer staging K/V + its compute buffer (freed after each prompt)
+    int64_t prefill_staging_bytes = 0; // ... of which the staging K/V (one layer's of the prompt)
     int64_t prefill_host_bytes = 0;    // ... and its host buffers (hidden states, bounce), largest so far
 };
 
@@ -262,6 +263,7 @@ private:
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
     StepQueries prefill_queries_;      // the last prompt tokens' queries after a layer-major prefill
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
+    int64_t prefill_staging_bytes_ = 0;   // ... of which staging
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers
     std::vector<uint8_t> input_scratch_, ring_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read

@@ -516,8 +516,11 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     }
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
-    prefill_peak_bytes_ = std::max(prefill_peak_bytes_,
-                                   stage.device_bytes() + band.device_bytes() + hidden.device_bytes() + peak_compute);
+    const int64_t workspace = stage.device_bytes() + band.device_bytes() + hidden.device_bytes() + peak_compute;
+    if (workspace > prefill_peak_bytes_) {
+        prefill_peak_bytes_ = workspace;
+        prefill_staging_bytes_ = stage.device_bytes();
+    }
     prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden.host().size() + bounce_buf.size()));
     return out;
 }
@@ -531,6 +534,7 @@ SessionMemory Session::memory() const {
     mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
     mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
     mem.prefill_peak_bytes = prefill_peak_bytes_;
+    mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;
     return mem;
 }

@@ -502,6 +502,7 @@ class Engine:
             "device_weight_bytes": weights,
             "device_compute_bytes": mem["compute_bytes"],
             "device_prefill_peak_bytes": mem["prefill_peak_bytes"],
+            "device_prefill_staging_bytes": mem["prefill_staging_bytes"],
             "device_drafter_bytes": drafter,
             "device_ring_bytes": mem["ring_bytes"],
             "device_recurrent_bytes": mem["recurrent_bytes"],

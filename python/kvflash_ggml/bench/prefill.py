@@ -162,6 +162,13 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
                         for m in modes)
         print(f"{r['length']:>7} " + " ".join(f"{r[m]['tok_s']:>13.1f}" for m in modes) +
               f" {best or 0:>12.1f} " + " ".join(f"{ratio(m):>13}" for m in modes) + f"  {held}")
+    if "exact" in modes:   # the exact prefill's workspace: one layer's K/V of the prompt + buffers of fixed size
+        for r in report["rows"]:
+            e = r["exact"]
+            stage, peak = e.get("device_prefill_staging_bytes", 0), e.get("device_prefill_peak_bytes", 0)
+            print(f"exact prefill workspace at {r['length']}: {mib(peak)} MiB = staging {mib(stage)} MiB (one layer's "
+                  f"K/V of the prompt) + {mib(peak - stage)} MiB (step compute buffer, attention blocks of at most "
+                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, mask triangle)")
     print(f"tok/s: median of {report['reps']} prefills from an empty session (llama-bench -p N -n 0, best of flash "
           "attention on/off); device MiB besides the weights: on a GPU the driver's free memory sampled while the "
           "prompt ran, else stats()' pool + compute buffers + prefill workspace")
