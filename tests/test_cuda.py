@@ -312,6 +312,26 @@ def test_exact_prefill_on_cuda_writes_the_full_cache_bytes(model_path, attention
     assert same == 1500 // 64
 
 
+@pytest.mark.parametrize("attention", ["flash", "matmul"])
+def test_exact_prefill_on_cuda_in_blocks_of_queries(model_path, attention):
+    """A step's queries attended in blocks of 32 (attention_block_bytes=1; the default's 32 MiB take whole steps
+    at this size), each over the keys up to its last position: the full cache's logits within TOL_FLOAT on a
+    Q4_0 model (other query counts per kernel call: summation order), K/V bytes reported."""
+    gpu = _core.Model(model_path("llama-q4_0"), backend="cuda")
+    prompt = prompt_for(gpu.hparams.n_vocab, n=1500)
+    cfg = dict(max_tokens=2048, attention=attention, n_batch=256)
+    full = _core.Session(gpu, _core.SessionConfig(**cfg))
+    sess = _core.Session(gpu, _core.SessionConfig(pool_tokens=512, **cfg))
+    logits_full = full.forward(prompt, 0)
+    logits, _ = sess.prefill_exact(prompt, 0, attention_block_bytes=1)
+    diff = float(np.abs(logits - logits_full).max())
+    same = sum((sess.kv.read_block(b) if b >= 0 else sess.kv.host_image(c)) == full.kv.read_block(c)
+               for c, b in enumerate(sess.pager.chunk_blocks()[:1500 // 64]))
+    report(f"CUDA-EXACT-BLOCKS {attention}: max |logit diff| {diff:.2e}, chunks byte-equal {same}/{1500 // 64}")
+    assert diff <= TOL_FLOAT and sess.pager.host_bytes() > 0
+    assert int(logits.argmax()) == int(logits_full.argmax())
+
+
 def test_device_kv_is_the_pool(model_path):
     gpu = _core.Model(model_path("llama-f32"), backend="cuda")
     free0 = _core.gpu_devices()[0]["memory_free"]
