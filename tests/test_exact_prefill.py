@@ -152,8 +152,9 @@ def test_exact_prefill_in_larger_steps_than_the_full_cache(tiny, attention, arch
 def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides, attention):
     # A step's mask (and the mul_mat path's attention matrix) grows with the keys it attends, so the layer-major
     # prefill attends a step's queries in blocks whose buffers fit attention_block_bytes: 1 byte forces the
-    # smallest block (32 queries), four per step of 128, each seeing only the keys up to its last position. The
-    # mul_mat path computes each query's row alone: the full cache's bytes. The CPU flash kernel tiles a block
+    # smallest block (32 queries), four per step of 128, each seeing only the keys up to its last position; on the
+    # flash path the captured queries' attention is then computed over blocks of 64 keys (a log-sum-exp pass,
+    # then the probabilities). The mul_mat path computes each query's row alone: the full cache's bytes. The CPU flash kernel tiles a block
     # of 32 queries otherwise than one of 128: summation order only (measured max |diff| of logits / attention /
     # K/V values: llama 2.5e-4 / 1.2e-7 / 4.9e-4, qwen35 7.6e-5 / 1.8e-5 / 2.4e-3 on K/V of ~1, gemma4 0).
     model = tiny(arch, **overrides)

@@ -149,38 +149,83 @@ ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
 
 namespace {
 
-// Softmaxed attention of the last n_attn_tokens queries, max over heads, for the drafter scorer.
-// kq: F32 [n_kv, n_tokens, n_head]; returns F32 [n_kv, n_attn_tokens], marked as an output.
-ggml_tensor * capture_head_max(GraphCtx & g, ggml_tensor * kq) {
-    ggml_context * ctx = g.ctx;
-    const int64_t n_q = g.n_attn_tokens, n_kv = kq->ne[0], n_head = kq->ne[2];
-    ggml_tensor * last = ggml_view_3d(ctx, kq, n_kv, n_q, n_head, kq->nb[1], kq->nb[2], (kq->ne[1] - n_q) * kq->nb[1]);
+// Max over heads of x F32 [n_kv, n_q, n_head]: F32 [n_kv, n_q].
+ggml_tensor * head_max(ggml_context * ctx, ggml_tensor * x) {
+    const int64_t n_kv = x->ne[0], n_q = x->ne[1], n_head = x->ne[2];
     // Heads into ne0, then a max pool as wide as the heads: ggml has no max-reduction op, and pool_2d
     // runs on CPU and CUDA alike (the greedy argmax uses it the same way).
-    ggml_tensor * heads = ggml_cont(ctx, ggml_permute(ctx, last, 1, 2, 0, 3));   // [n_head, n_kv, n_q]
+    ggml_tensor * heads = ggml_cont(ctx, ggml_permute(ctx, x, 1, 2, 0, 3));   // [n_head, n_kv, n_q]
     ggml_tensor * rows = ggml_reshape_2d(ctx, heads, n_head, n_kv * n_q);
     ggml_tensor * best = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) n_head, 1, (int) n_head, 1, 0, 0);   // [1, n_kv * n_q]
-    best = ggml_reshape_2d(ctx, best, n_kv, n_q);
-    ggml_set_output(best);
-    ggml_build_forward_expand(g.gf, best);
-    return best;
+    return ggml_reshape_2d(ctx, best, n_kv, n_q);
 }
 
-// Flash attention never materialises its probabilities: the captured queries' own softmax, as the
-// mul_mat path computes it (qp [head_dim, n_rows, n_head] the last block's queries, kp [head_dim, n_kv,
-// n_head_kv], mask [n_kv, n_rows]), laid out like its kq so capture_head_max reads the last rows:
-// F32 [n_kv, n_attn_tokens, n_head].
-ggml_tensor * last_queries_softmax(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor * mask, float kq_scale) {
+// Keeps a captured attention F32 [n_kv, n_attn_tokens] as a graph output, for the drafter scorer.
+void keep_capture(GraphCtx & g, ggml_tensor * best) {
+    ggml_set_output(best);
+    ggml_build_forward_expand(g.gf, best);
+    g.attn.push_back(best);
+}
+
+// Softmaxed attention of the last n_attn_tokens queries, max over heads: kq F32 [n_kv, n_tokens, n_head].
+void capture_head_max(GraphCtx & g, ggml_tensor * kq) {
+    const int64_t n_q = g.n_attn_tokens;
+    keep_capture(g, head_max(g.ctx, ggml_view_3d(g.ctx, kq, kq->ne[0], n_q, kq->ne[2], kq->nb[1], kq->nb[2],
+                                                 (kq->ne[1] - n_q) * kq->nb[1])));
+}
+
+// The flash path never materialises its probabilities: the captured queries' attention is computed apart,
+// from qp [head_dim, n_rows, n_head] (the last block's queries), kp [head_dim, n_kv, n_head_kv] and mask
+// [n_kv, n_rows]. One softmax over all keys ([n_kv, n_q, n_head] F32, twice: 256 MiB at 128K on an 8B model)
+// unless keys_per_block < n_kv: then two passes over blocks of keys, the first taking each block's
+// log-sum-exp per query and head, the second each block's probabilities against their total, so no buffer
+// holds more than a block.
+void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor * mask, float kq_scale,
+                   int64_t keys_per_block) {
     ggml_context * ctx = g.ctx;
-    const int64_t n_q = g.n_attn_tokens, off = qp->ne[1] - n_q;
+    const int64_t n_q = g.n_attn_tokens, off = qp->ne[1] - n_q, n_kv = kp->ne[1];
     ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
-    ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
-    ggml_tensor * mask_last = ggml_view_2d(ctx, mask, mask->ne[0], n_q, mask->nb[1], off * mask->nb[1]);
-    return ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f);
+    ggml_tensor * mask_last = ggml_view_2d(ctx, mask, n_kv, n_q, mask->nb[1], off * mask->nb[1]);
+    const auto scores = [&](int64_t k0, int64_t nk) {   // F32 [nk, n_q, n_head]: scaled, masked
+        ggml_tensor * kb = ggml_view_3d(ctx, kp, kp->ne[0], nk, kp->ne[2], kp->nb[1], kp->nb[2], k0 * kp->nb[1]);
+        ggml_tensor * kq = ggml_mul_mat(ctx, kb, q_last);
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        ggml_tensor * m = ggml_cast(ctx, ggml_view_2d(ctx, mask_last, nk, n_q, mask_last->nb[1], k0 * mask_last->nb[0]), GGML_TYPE_F32);
+        return ggml_add(ctx, ggml_scale(ctx, kq, kq_scale), m);
+    };
+    const auto row_max = [&](ggml_tensor * x) {   // [1, n_q, n_head]: max over ne0 (x contiguous)
+        ggml_tensor * rows = ggml_reshape_2d(ctx, x, x->ne[0], x->ne[1] * x->ne[2]);
+        ggml_tensor * m = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) x->ne[0], 1, (int) x->ne[0], 1, 0, 0);
+        // A row every key of the block masks: a finite max keeps exp(-inf - max) at 0 instead of NaN.
+        return ggml_clamp(ctx, ggml_reshape_3d(ctx, m, 1, x->ne[1], x->ne[2]), -1e30f, INFINITY);
+    };
+    const auto log_sum_exp = [&](ggml_tensor * x) {   // [1, n_q, n_head]
+        ggml_tensor * m = row_max(x);
+        return ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, x, m)))), m);
+    };
+    if (keys_per_block >= n_kv) {
+        ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f)));
+        return;
+    }
+    ggml_tensor * lse = nullptr;   // [n_blocks, n_q, n_head], then [1, n_q, n_head]
+    for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
+        ggml_tensor * l = log_sum_exp(scores(k0, std::min(keys_per_block, n_kv - k0)));
+        lse = lse ? ggml_concat(ctx, lse, l, 0) : l;
+    }
+    lse = log_sum_exp(lse);
+    ggml_tensor * best = nullptr;
+    for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
+        ggml_tensor * p = ggml_exp(ctx, ggml_sub(ctx, scores(k0, std::min(keys_per_block, n_kv - k0)), lse));
+        ggml_tensor * b = head_max(ctx, p);
+        best = best ? ggml_concat(ctx, best, b, 0) : b;
+    }
+    keep_capture(g, best);
 }
 
 constexpr int64_t k_min_query_block = 32;   // at least the scorers' captured queries (k_capture_tokens)
+constexpr int64_t k_min_key_block = 64;
 
 struct QueryBlock {
     int64_t row0, n;
@@ -220,7 +265,11 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
         ggml_tensor * kp = ggml_permute(ctx, get_k(ctx, kv, in, kl, mr.n_kv, head_dim_k), 0, 2, 1, 3);   // [head_dim_k, n_kv, n_head_kv]
         ggml_tensor * o;
         if (g.flash_attn) {
-            if (capture_attn && last) g.attn.push_back(capture_head_max(g, last_queries_softmax(g, qb, kp, mr.mask, kq_scale)));
+            if (capture_attn && last) {
+                const int64_t per_key = g.n_attn_tokens * n_head * 2 * sizeof(float);   // scores and their exp
+                capture_flash(g, qb, kp, mr.mask, kq_scale,
+                              in.band ? std::max<int64_t>(k_min_key_block, g.attention_block_bytes / per_key) : n_kv);
+            }
             ggml_tensor * vp = ggml_permute(ctx, get_v(ctx, kv, in, kl, mr.n_kv, head_dim_v), 0, 2, 1, 3);   // [head_dim_v, n_kv, n_head_kv]
             o = ggml_flash_attn_ext(ctx, qb, kp, vp, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
             ggml_prec_set_acc(o, GGML_PREC_F32);
@@ -229,7 +278,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
             ggml_tensor * kq = ggml_mul_mat(ctx, kp, qb);   // [n_kv, b.n, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             kq = ggml_soft_max_ext(ctx, kq, mr.mask, kq_scale, 0.0f);
-            if (capture_attn && last) g.attn.push_back(capture_head_max(g, kq));
+            if (capture_attn && last) capture_head_max(g, kq);
             ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, mr.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
             ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, b.n, n_head]
             o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, b.n);
