@@ -314,7 +314,7 @@ def test_exact_prefill_on_cuda_writes_the_full_cache_bytes(model_path, attention
 
 @pytest.mark.parametrize("attention", ["flash", "matmul"])
 def test_exact_prefill_on_cuda_in_blocks_of_queries(model_path, attention):
-    """A step's queries attended in blocks of 32 (attention_block_bytes=1; the default's 32 MiB take whole steps
+    """A step's queries attended in blocks of 32 (attention_block_bytes=1; the default's 64 MiB take whole steps
     at this size), each over the keys up to its last position: the full cache's logits within TOL_QUANT on this
     random Q4_0 model (measured 0.021 with flash attention, where other query counts per kernel call tile
     otherwise: the same gap as the model's CUDA-vs-CPU one), the same greedy token, K/V bytes reported."""

@@ -14,7 +14,9 @@ namespace kvf {
 // A layer-major prefill's attention calls each hold at most this much mask (and attention matrix): its steps
 // attend their queries a block at a time, so these buffers stay this size whatever the context. One call over
 // a step of 1024 queries and 128K keys held a 256 MiB mask beside the 512 MiB of an 8B model's layer of K/V.
-constexpr int64_t k_attention_block_bytes = 32ll << 20;
+// H100, 8B shape, 1024-token steps (experiments/prefill_blocks.py): 32 MiB split a 32K prompt's steps in two
+// and cost 4% of its speed; 64 MiB keeps them whole there, and at 128K (four blocks) was as fast as one block.
+constexpr int64_t k_attention_block_bytes = 64ll << 20;
 
 struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
