@@ -18,8 +18,8 @@ again (Generation._verify_drafts).
 
 Drafters: PromptLookup (n-gram lookup in the history: no second model), DraftModel (a smaller GGUF of the
 same vocabulary, its own pooled session that follows the history) and TextMappedDraft (a DraftModel of another
-vocabulary, mapped through text); MtpDraft (mtp.py) drafts with the model's own multi-token-prediction head. Speculator holds the drafter, the adaptive draft length and the counters
-stats() reports.
+vocabulary, mapped through text); MtpDraft (mtp.py) drafts with the model's own multi-token-prediction head.
+Speculator holds the drafter, the adaptive draft length and the counters stats() reports.
 """
 from __future__ import annotations
 
