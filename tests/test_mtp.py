@@ -15,8 +15,9 @@ import pytest
 from kvflash_ggml import Model, _core
 from kvflash_ggml.engine import Engine
 from kvflash_ggml.mtp import MtpDraft
-from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from kvflash_ggml.options import PoolConfig, SamplingParams, SpeculativeConfig
 from kvflash_ggml.sampling import Sampler
+from kvflash_ggml.snapshot import session_key
 from kvflash_ggml.testing import random_gguf as rg
 from kvflash_ggml.tokenizer import Tokenizer
 from greedy_check import random_tokens as tokens
@@ -176,6 +177,7 @@ def test_a_snapshot_carries_the_heads_kv_and_carry(path):
     plain = _core.Session(model, _core.SessionConfig(max_tokens=1024, pool_tokens=POOL, attention="matmul"))
     with pytest.raises(_core.SnapshotError, match="multi-token-prediction"):
         plain.load_bytes(s.to_bytes())
+    assert session_key(plain, model) != session_key(s, model)   # a prefix cache keeps them apart
 
 
 # ---- speculative decoding -----------------------------------------------------------------------------------
