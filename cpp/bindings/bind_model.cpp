@@ -63,8 +63,10 @@ void bind_vocab(py::module_ & m) {
 // libllama as the test reference (kvflash_ggml._core.testing).
 void bind_reference(py::module_ & testing) {
     py::class_<LlamaReference>(testing, "LlamaReference")
-        .def(py::init<const std::string &, int, int, bool, int, bool>(), py::arg("path"), py::kw_only(), py::arg("n_ctx"),
-             py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0, py::arg("repack") = true)
+        .def(py::init<const std::string &, int, int, bool, int, bool, bool>(), py::arg("path"), py::kw_only(),
+             py::arg("n_ctx"), py::arg("n_threads") = 2, py::arg("flash_attn") = false, py::arg("n_gpu_layers") = 0,
+             py::arg("repack") = true, py::arg("mtp") = false,
+             "mtp: also libllama's multi-token-prediction context, fed every decoded batch (mtp_draft)")
         .def("decode", [](LlamaReference & r, const std::vector<int32_t> & tokens, bool all) {
                  std::vector<float> out = reference_call([&] { return r.decode(tokens, all); });
                  return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), all);
@@ -72,6 +74,12 @@ void bind_reference(py::module_ & testing) {
         .def("clear", [](LlamaReference & r) { reference_call([&] { r.clear(); }); })
         .def("remove", [](LlamaReference & r, int64_t p0, int64_t p1) { reference_call([&] { r.remove(p0, p1); }); },
              py::arg("p0"), py::arg("p1"))
+        .def("mtp_draft", [](LlamaReference & r, const std::vector<int32_t> & tokens) {
+                 std::vector<float> out = reference_call([&] { return r.mtp_draft(tokens); });
+                 return logits_array(std::move(out), (int64_t) tokens.size(), r.n_vocab(), true);
+             }, py::arg("tokens"),
+             "the MTP context's logits [len(tokens), n_vocab] of a draft chain: tokens[0] at n_past (with the trunk's "
+             "last h_nextn), tokens[i] at n_past + i (with the MTP's own output of step i - 1)")
         .def_property_readonly("n_past", [](const LlamaReference & r) { return reference_call([&] { return r.n_past(); }); });
 }
 
@@ -121,14 +129,19 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("n_expert_used", &ModelHparams::n_expert_used)
         .def_readonly("n_ff_exp", &ModelHparams::n_ff_exp)
         .def_readonly("n_ff_shexp", &ModelHparams::n_ff_shexp)
-        .def_property_readonly("n_pooled_layers", &ModelHparams::n_pooled_layers);
+        .def_property_readonly("n_pooled_layers", &ModelHparams::n_pooled_layers)
+        .def_readonly("n_layer_nextn", &ModelHparams::n_layer_nextn,
+                      "multi-token-prediction (nextn) layers in the file, after the trunk's n_layer");
 
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
-        .def(py::init([](const std::string & path, const std::string & backend, int n_threads) {
+        .def(py::init([](const std::string & path, const std::string & backend, int n_threads, bool mtp) {
                  py::gil_scoped_release nogil;
-                 return std::make_shared<Model>(path, ModelOptions{backend, n_threads});
+                 return std::make_shared<Model>(path, ModelOptions{backend, n_threads, mtp});
              }),
-             py::arg("path"), py::kw_only(), py::arg("backend") = "auto", py::arg("n_threads") = 0)
+             py::arg("path"), py::kw_only(), py::arg("backend") = "auto", py::arg("n_threads") = 0, py::arg("mtp") = false,
+             "mtp: also load the first multi-token-prediction (nextn) layer, the head Session(mtp=True) drafts with "
+             "(ValueError for a file or family without one)")
+        .def_property_readonly("has_mtp", &Model::has_mtp, "the multi-token-prediction head is loaded")
         .def_property_readonly("hparams", &Model::hparams)
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("on_gpu", &Model::on_gpu)

@@ -40,15 +40,15 @@ void bind_config_and_timings(py::module_ & m) {
     py::class_<SessionConfig>(m, "SessionConfig")
         .def(py::init([](int64_t max_tokens, int64_t pool_tokens, const std::string & kv_type, const std::string & attention,
                          int64_t n_batch, int64_t chunk_tokens, int64_t sink_chunks, int64_t tail_chunks, bool allow,
-                         std::optional<bool> ordered, bool summaries, bool capture) {
+                         std::optional<bool> ordered, bool summaries, bool capture, bool mtp) {
                  return SessionConfig{max_tokens, pool_tokens, kv_type, attention, n_batch, chunk_tokens, sink_chunks,
-                                      tail_chunks, allow, ordered ? (int) *ordered : -1, summaries, capture};
+                                      tail_chunks, allow, ordered ? (int) *ordered : -1, summaries, capture, mtp};
              }),
              py::kw_only(), py::arg("max_tokens") = 4096, py::arg("pool_tokens") = 0, py::arg("kv_type") = "f16",
              py::arg("attention") = "auto", py::arg("n_batch") = 512, py::arg("chunk_tokens") = k_chunk_tokens,
              py::arg("sink_chunks") = 1, py::arg("tail_chunks") = 4, py::arg("allow_beyond_train_ctx") = false,
              py::arg("ordered_attention") = py::none(), py::arg("track_summaries") = false,
-             py::arg("capture_attention") = false)
+             py::arg("capture_attention") = false, py::arg("mtp") = false)
         .def_readonly("max_tokens", &SessionConfig::max_tokens)
         .def_readonly("pool_tokens", &SessionConfig::pool_tokens)
         .def_readonly("kv_type", &SessionConfig::kv_type)
@@ -59,7 +59,8 @@ void bind_config_and_timings(py::module_ & m) {
             return c.ordered_attention != 0;
         })
         .def_readonly("track_summaries", &SessionConfig::track_summaries)
-        .def_readonly("capture_attention", &SessionConfig::capture_attention);
+        .def_readonly("capture_attention", &SessionConfig::capture_attention)
+        .def_readonly("mtp", &SessionConfig::mtp);
 
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
@@ -120,6 +121,16 @@ void register_session(py::module_ & m, py::module_ & testing) {
         .def("stash", &Session::stash, released,
              "keep the linear-attention layers' state at n_tokens in a second device buffer (one, overwritten by the "
              "next stash), so truncate() can come back here; no-op for models without such layers")
+        .def("mtp_draft", [](Session & s, int32_t token, int64_t step) {
+                 std::vector<float> out = without_gil([&] { return s.mtp_draft(token, step); });
+                 return make_logits(std::move(out), 1, s.model().hparams().n_vocab, false);
+             }, py::arg("token"), py::arg("step"),
+             "the multi-token-prediction head's logits [n_vocab] for the token after `token` at n_tokens + step: step 0's "
+             "token is the one to be fed next, step i's the draft chosen from step i-1 (steps in order, nothing run "
+             "between; needs mtp=True)")
+        .def("mtp_room", &Session::mtp_room, released,
+             "how many mtp_draft steps fit now (the pool's free slots and the context left; 0 without mtp)")
+        .def_property_readonly("mtp", &Session::mtp, "the session runs the multi-token-prediction head")
         .def_property_readonly("has_recurrent_state", [](const Session & s) { return s.recurrent() != nullptr; },
              "whether the model has linear-attention layers: a state that exists only for everything held "
              "(no prefix snapshots, no truncate except to 0)")

@@ -8,12 +8,13 @@
 
 namespace kvf {
 
-RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems)
-    : conv_elems_(conv_elems), ssm_elems_(ssm_elems), backend_(backend) {
-    if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0) {
+RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
+                               int64_t carry_elems)
+    : conv_elems_(conv_elems), ssm_elems_(ssm_elems), carry_elems_(carry_elems), backend_(backend) {
+    if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0 || carry_elems < 0) {
         throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
     }
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 1), nullptr, true};
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 2), nullptr, true};
     ctx_ = ggml_init(params);
     if (!ctx_) throw std::runtime_error("could not create the recurrent state's context");
     for (int64_t l = 0; l < n_layer; ++l) {
@@ -21,6 +22,10 @@ RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t 
         ssm_.push_back(ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, ssm_elems));
         ggml_format_name(conv_.back(), "conv_state.%d", (int) l);
         ggml_format_name(ssm_.back(), "ssm_state.%d", (int) l);
+    }
+    if (carry_elems > 0) {
+        carry_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, carry_elems);
+        ggml_set_name(carry_, "mtp_carry");
     }
     buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
     if (!buf_) {
@@ -48,6 +53,7 @@ std::vector<ggml_tensor *> RecurrentState::tensors() const {
         out.push_back(conv_[(size_t) l]);
         out.push_back(ssm_[(size_t) l]);
     }
+    if (carry_) out.push_back(carry_);
     return out;
 }
 
@@ -71,7 +77,9 @@ void RecurrentState::stash() {
     stash_n_ = n_tokens_;
 }
 
-size_t RecurrentState::total_bytes() const { return (size_t) (n_layer() * (conv_elems_ + ssm_elems_)) * sizeof(float); }
+size_t RecurrentState::total_bytes() const {
+    return (size_t) (n_layer() * (conv_elems_ + ssm_elems_) + carry_elems_) * sizeof(float);
+}
 
 void RecurrentState::place(int64_t start, int64_t n) {
     if (start != n_tokens_ || n < 0) {
@@ -178,16 +186,23 @@ void RecurrentState::save_state(ByteWriter & w, int64_t n_tokens) const {
     w.put<int64_t>(n_layer());
     w.put<int64_t>(conv_elems_);
     w.put<int64_t>(ssm_elems_);
+    w.put<int64_t>(carry_elems_);
     w.put<int64_t>(n_tokens_);
     const Copy c = copy();
     w.raw(c.bytes.data(), c.bytes.size());
 }
 
 RecurrentState::Copy RecurrentState::state_from(ByteReader & r, uint32_t version, int64_t n_tokens) const {
-    if (version != k_state_version) {
-        r.fail("version " + std::to_string(version) + " is not supported (this build reads " + std::to_string(k_state_version) + ")");
+    if (version != 1 && version != k_state_version) {   // version 1: no carry (before the MTP head)
+        r.fail("version " + std::to_string(version) + " is not supported (this build reads 1 and " +
+               std::to_string(k_state_version) + ")");
     }
     const int64_t L = r.get<int64_t>("n_layer"), conv = r.get<int64_t>("conv_elems"), ssm = r.get<int64_t>("ssm_elems");
+    const int64_t carry = version >= 2 ? r.get<int64_t>("carry_elems") : 0;
+    if (carry != carry_elems_) {
+        r.fail(carry_elems_ > 0 ? "saved by a session without the multi-token-prediction head; this one drafts with it"
+                                : "saved by a session with the multi-token-prediction head; this one has none");
+    }
     if (L != n_layer() || conv != conv_elems_ || ssm != ssm_elems_) {
         r.fail("saved for " + std::to_string(L) + " layers of " + std::to_string(conv) + " + " + std::to_string(ssm) +
                " state values, this model has " + std::to_string(n_layer()) + " of " + std::to_string(conv_elems_) + " + " +

@@ -12,6 +12,10 @@
 // k_max_checkpoints are kept. Any other truncate is refused; callers go back to rewind_point(n), the
 // latest position <= n they can reach exactly, and recompute from there.
 //
+// The multi-token-prediction head's carry (model/mtp.h: the trunk's last output-normed hidden state) is state of the
+// same kind, exact only for everything consumed: when a session runs the head, it is one more tensor here, so
+// checkpoints, the stash, truncation and snapshots carry it with the layers' state.
+//
 // Invariants: the state holds exactly the first n_tokens() positions of its session; every checkpoint
 // holds the state after its first n positions of the same tokens (n <= n_tokens()), sorted by n.
 #pragma once
@@ -29,14 +33,16 @@ class ByteWriter;
 
 class RecurrentState {
 public:
-    // n_layer recurrent layers, each an F32 conv state of conv_elems and an F32 recurrent state of ssm_elems.
-    RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems);
+    // n_layer recurrent layers, each an F32 conv state of conv_elems and an F32 recurrent state of ssm_elems;
+    // carry_elems > 0: the MTP head's carry too (F32, n_embd).
+    RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems, int64_t carry_elems = 0);
     ~RecurrentState();
     RecurrentState(const RecurrentState &) = delete;
     RecurrentState & operator=(const RecurrentState &) = delete;
 
     ggml_tensor * conv(int64_t l) const { return conv_[(size_t) l]; }   // F32 [conv_elems], layer l of its kind
     ggml_tensor * ssm(int64_t l) const { return ssm_[(size_t) l]; }     // F32 [ssm_elems]
+    ggml_tensor * mtp_carry() const { return carry_; }                  // F32 [carry_elems] (nullptr: none)
     int64_t n_layer() const { return (int64_t) conv_.size(); }
     int64_t n_tokens() const { return n_tokens_; }
     int64_t device_bytes() const;
@@ -57,7 +63,7 @@ public:
     int64_t rewind_point(int64_t n) const;   // the latest position <= n that truncate reaches
     int64_t checkpoint_bytes() const;        // host memory the checkpoints hold
 
-    // Every byte of the state (all layers, conv then recurrent) and its token count: a copy to go back to.
+    // Every byte of the state (all layers, conv then recurrent; the carry last) and its token count: a copy to go back to.
     struct Copy {
         int64_t n_tokens = 0;
         std::vector<uint8_t> bytes;
@@ -66,8 +72,8 @@ public:
     void restore(const Copy & c);   // another session's state (a snapshot): drops the checkpoints
     void rewind_to(const Copy & c);  // this state as copy() took it earlier: keeps the checkpoints up to it
 
-    // ---- state: n_layer, conv and recurrent sizes, n_tokens, then every byte ----
-    static constexpr uint32_t k_state_version = 1;
+    // ---- state: n_layer, conv and recurrent sizes, the carry's size (version 2), n_tokens, then every byte ----
+    static constexpr uint32_t k_state_version = 2;
     // Only the whole state exists: n_tokens must be n_tokens() (throws SnapshotError otherwise).
     void save_state(ByteWriter & w, int64_t n_tokens) const;
     // Checks the saved state fits this one and holds n_tokens. Changes nothing.
@@ -79,7 +85,8 @@ private:
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> conv_, ssm_;
-    int64_t conv_elems_, ssm_elems_;
+    ggml_tensor * carry_ = nullptr;
+    int64_t conv_elems_, ssm_elems_, carry_elems_;
     int64_t n_tokens_ = 0;
     std::vector<Copy> checkpoints_;
     // the stash: its own context and buffer, a twin of every state tensor; stash_n_ < 0: nothing stashed
@@ -89,7 +96,7 @@ private:
     int64_t stash_n_ = -1;
     ggml_backend_t backend_;
     void load(const Copy & c);
-    std::vector<ggml_tensor *> tensors() const;   // conv 0, ssm 0, conv 1, ssm 1, ...
+    std::vector<ggml_tensor *> tensors() const;   // conv 0, ssm 0, conv 1, ssm 1, ..., the carry
 };
 
 }  // namespace kvf

@@ -142,6 +142,11 @@ ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
         return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot_swa, hp.rope_type, (int) hp.n_ctx_train,
                              hp.rope_freq_base_swa, hp.rope_freq_scale_swa, 0.0f, 1.0f, 0.0f, 0.0f);
     }
+    return rope_global(g, m, x);
+}
+
+ggml_tensor * rope_global(GraphCtx & g, const Model & m, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
     return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_orig_yarn,
                          hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor, hp.rope_attn_factor,
                          hp.yarn_beta_fast, hp.yarn_beta_slow);
@@ -359,6 +364,15 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
     return attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale, lkv.pooled && g.n_attn_tokens > 0);
 }
 
+void pool_write(GraphCtx & g, int64_t kl, ggml_tensor * k, ggml_tensor * v) {
+    ggml_build_forward_expand(g.gf, cpy_k(g.ctx, *g.kv, g.in.kv, kl, k));
+    ggml_build_forward_expand(g.gf, cpy_v(g.ctx, *g.kv, g.in.kv, kl, v));
+}
+
+ggml_tensor * pool_attend(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    return attend(g, *g.kv, g.in.kv, kl, g.n_kv, q, k, v, kq_scale, false);
+}
+
 ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                            float kq_scale) {
     return ggml_mul_mat(g.ctx, m.layers[il].wo, kv_attend(g, m, il, q, k, v, kq_scale));
@@ -380,7 +394,7 @@ ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor *
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
     ggml_tensor * attn = attention(g, m, il, rms_norm(g, x, w.attn_norm, hp.rms_eps));
-    if (il == hp.n_layer - 1) {   // only the output rows go through the last FFN
+    if (il == hp.n_layer - 1 && !g.all_rows) {   // only the output rows go through the last FFN
         attn = select_outputs(g, attn);
         x = select_outputs(g, x);
     }

@@ -41,6 +41,10 @@ struct GraphCtx {
     // The linear-attention layers' conv and recurrent state (kv/recurrent_state.h), when the model has such
     // layers: a step reads layer l's and writes it back in place.
     const RecurrentState * recurrent = nullptr;
+    // The multi-token-prediction head (model/mtp.h), when the graph runs it: its layer in kv (-1: none), and the
+    // trunk's last layer keeping every row (the head pairs each token with the trunk's state at the one before).
+    int64_t mtp_kv_layer = -1;
+    bool all_rows = false;
     int64_t n_tokens = 0;
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
@@ -109,6 +113,13 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
                         float kq_scale);
 // RoPE of layer il (sliding-window layers have their own base and scale).
 ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
+// RoPE of the global layers (and of the MTP head, outside the stack).
+ggml_tensor * rope_global(GraphCtx & g, const Model & m, ggml_tensor * x);
+// A layer outside the family's stack (the MTP head) with its K/V in layer kl of the step's pool (GraphCtx::kv,
+// in.kv, n_kv): pool_write writes k and v of the step's tokens; pool_attend also attends the first n_kv slots under
+// the step's mask ([head_dim_v * n_head, n_tokens]). Nothing of it is kept for the scorers.
+void pool_write(GraphCtx & g, int64_t kl, ggml_tensor * k, ggml_tensor * v);
+ggml_tensor * pool_attend(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
 // x + bias when bias is present; reshape to [head_dim, n_heads, n_tokens].
 ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
                             int64_t n_heads);
@@ -136,7 +147,7 @@ bool read_sliding_window(const gguf_context * g, ModelHparams & hp, int64_t peri
 // The token embeddings of the step: [n_embd, n_tokens].
 ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
 // The pre-norm decoder layer shared by the llama-like families: x += attention(rms_norm(x));
-// x += layer_ffn(rms_norm(x)); on the last layer only the output rows go through the FFN.
+// x += layer_ffn(rms_norm(x)); on the last layer only the output rows go through the FFN (unless g.all_rows).
 // `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);

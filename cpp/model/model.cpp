@@ -96,13 +96,14 @@ Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) 
     ggml_context * meta = file->tensors;
 
     read_hparams(gctx);
+    check_mtp(opts.mtp);
 
     cpu_backend_ = cpu_backend_init();   // throws with the reason when no CPU variant loads
     try {
         set_n_threads(opts.n_threads);
         backend_ = pick_backend(opts.backend);
         if (!backend_) backend_ = cpu_backend_;
-        load_tensors(gctx, meta);
+        load_tensors(gctx, meta, opts.mtp);
     } catch (...) {
         if (buf_w_) ggml_backend_buffer_free(buf_w_);
         if (ctx_w_) ggml_free(ctx_w_);
@@ -117,6 +118,25 @@ Model::~Model() {
     if (ctx_w_) ggml_free(ctx_w_);
     if (backend_ && backend_ != cpu_backend_) ggml_backend_free(backend_);
     if (cpu_backend_) ggml_backend_free(cpu_backend_);
+}
+
+void Model::check_mtp(bool want) const {
+    const std::string what = "the " + hp_.arch + " family";
+    if (want && !arch_->mtp) {
+        throw std::invalid_argument("mtp: " + what + " runs no multi-token-prediction (nextn) head");
+    }
+    if (want && hp_.n_layer_nextn == 0) {
+        throw std::invalid_argument("mtp: this GGUF has no multi-token-prediction (nextn) layers (" + hp_.arch +
+                                    ".nextn_predict_layers); convert it without --no-mtp");
+    }
+    if (!want && hp_.n_layer_nextn > 0) {
+        ggml_log_callback cb = nullptr;
+        void * ud = nullptr;
+        ggml_log_get(&cb, &ud);
+        const std::string line = "kvflash: " + hp_.arch + ": " + std::to_string(hp_.n_layer_nextn) +
+                                 " multi-token-prediction (nextn) layer(s) not loaded (load with mtp to draft with them)\n";
+        if (cb) cb(GGML_LOG_LEVEL_WARN, line.c_str(), ud);
+    }
 }
 
 void Model::set_n_threads(int n) {
@@ -299,7 +319,7 @@ void Model::read_rope(gguf_context * g) {
     }
 }
 
-void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
+void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp) {
     GgufTensorSource src(meta);
     const auto & hp = hp_;
     // Resolve every tensor by name first (errors name what is missing), then copy data.
@@ -316,6 +336,8 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     }
     std::vector<LayerWeights> meta_layers(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) arch_->load_layer(meta_layers[il], src, hp, il);
+    MtpWeights meta_mtp;   // the first nextn layer follows the trunk's
+    if (with_mtp) arch_->mtp->load(meta_mtp, src, hp, (int) hp.n_layer);
 
     // The weights context mirrors the used meta tensors one to one.
     const int64_t n_meta = gguf_get_n_tensors(gctx);
@@ -340,6 +362,11 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta) {
     layers.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
         for (ggml_tensor * LayerWeights::* t : k_layer_tensors) layers[il].*t = mirror(meta_layers[il].*t);
+    }
+    for (ggml_tensor * LayerWeights::* t : k_layer_tensors) mtp.block.*t = mirror(meta_mtp.block.*t);
+    for (ggml_tensor * MtpWeights::* t : {&MtpWeights::eh_proj, &MtpWeights::enorm, &MtpWeights::hnorm,
+                                          &MtpWeights::embed_tokens, &MtpWeights::head_norm, &MtpWeights::head}) {
+        mtp.*t = mirror(meta_mtp.*t);
     }
     buf_w_ = ggml_backend_alloc_ctx_tensors(ctx_w_, backend_);
     if (!buf_w_) throw std::runtime_error("could not allocate the weights on " + std::string(ggml_backend_name(backend_)));
@@ -376,8 +403,8 @@ int64_t Model::weight_bytes() const { return buf_w_ ? (int64_t) ggml_backend_buf
 std::string Model::fingerprint() const {
     std::ostringstream s;
     s << hp_.arch << ":L" << hp_.n_layer << ":E" << hp_.n_embd << ":H" << hp_.n_head << "/" << hp_.n_head_kv
-      << ":D" << hp_.head_dim_k << "/" << hp_.head_dim_v << ":F" << hp_.n_ff << ":V" << hp_.n_vocab << ":W" << std::hex
-      << weights_hash_;
+      << ":D" << hp_.head_dim_k << "/" << hp_.head_dim_v << ":F" << hp_.n_ff << ":V" << hp_.n_vocab
+      << (has_mtp() ? ":MTP" : "") << ":W" << std::hex << weights_hash_;
     return s.str();
 }
 

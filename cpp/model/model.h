@@ -80,6 +80,10 @@ struct ModelHparams {
     // Multi-section RoPE (qwen35's IMROPE): dimensions per section. A text token has the same position in
     // every section, so the rotation equals NeoX RoPE over n_rot dimensions; read and checked, not needed.
     int rope_sections[4] = {0, 0, 0, 0};
+    // Multi-token-prediction (nextn) layers the file has after the trunk (qwen35): block_count counts them, n_layer
+    // does not; libllama never runs them in its main pass, and neither do we. The first one is the MTP drafter's
+    // head when the model is loaded with ModelOptions::mtp (Model::mtp).
+    int64_t n_layer_nextn = 0;
 
     // Mixture of experts (qwen3moe, qwen35moe, laguna): n_expert routed experts of n_ff_exp, n_expert_used per
     // token, chosen by the router's softmax or sigmoid (plus a per-expert selection bias where the layer has
@@ -193,6 +197,19 @@ inline constexpr ggml_tensor * LayerWeights::* k_layer_tensors[] = {
     &LayerWeights::ffn_post_norm_2, &LayerWeights::ffn_gate_exps_s, &LayerWeights::ffn_up_exps_s,
     &LayerWeights::ffn_down_exps_s, &LayerWeights::ple_inp_gate, &LayerWeights::ple_proj, &LayerWeights::ple_post_norm};
 
+// The multi-token-prediction (nextn) head: a full-attention decoder block of the family whose input at position p
+// is eh_proj([enorm(embedding of token p); hnorm(the trunk's output-normed hidden state at p - 1)]); its output,
+// normed by head_norm, predicts token p + 2 through head and is the hidden state of the next draft's input.
+struct MtpWeights {
+    LayerWeights block;                   // attention (gated, q/k norms), the FFN's norm (ffn_norm) and the FFN
+    ggml_tensor * eh_proj = nullptr;      // [2 * n_embd, n_embd]
+    ggml_tensor * enorm = nullptr;        // [n_embd]
+    ggml_tensor * hnorm = nullptr;        // [n_embd]
+    ggml_tensor * embed_tokens = nullptr; // [n_embd, n_vocab]  (nullptr: the trunk's tok_embd)
+    ggml_tensor * head_norm = nullptr;    // [n_embd]           shared_head_norm (nullptr: the trunk's output_norm)
+    ggml_tensor * head = nullptr;         // [n_embd, n_vocab]  shared_head_head (nullptr: the trunk's output)
+};
+
 class Model;
 struct GraphCtx;
 
@@ -204,6 +221,15 @@ public:
     virtual ggml_tensor * optional(const std::string & name, std::vector<int64_t> shape) = 0;
     // The tensor's metadata as stored (nullptr: absent), for a family whose layout follows a tensor's shape.
     virtual const ggml_tensor * stored(const std::string & name) = 0;
+};
+
+// A family's multi-token-prediction head (model/mtp.h runs it): its tensors (layer il: the first nextn layer), the
+// K and V its block writes for the step's tokens from the block's input x ([n_embd, n_tokens]), and the whole block
+// over x (writing the same K/V and attending them: GraphCtx::mtp_kv_layer), its output before head_norm.
+struct MtpArch {
+    void (*load)(MtpWeights & w, TensorSource & src, const ModelHparams & hp, int il);
+    void (*write_kv)(GraphCtx & g, const Model & m, ggml_tensor * x);
+    ggml_tensor * (*block)(GraphCtx & g, const Model & m, ggml_tensor * x);
 };
 
 // One model family: how its layers are named and how its graph is built, one layer at a time, so a
@@ -219,6 +245,7 @@ struct ArchSpec {
     // Layer il: hidden state in ([n_embd, n_tokens]), hidden state out; the last layer keeps only the
     // output rows ([n_embd, n_outputs]).
     ggml_tensor * (*layer)(GraphCtx & g, const Model & model, int il, ggml_tensor * x);
+    const MtpArch * mtp = nullptr;   // nullptr: the family runs no multi-token-prediction head
 };
 
 const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupported
@@ -227,6 +254,9 @@ std::string supported_archs();                          // "llama, qwen2, qwen3,
 struct ModelOptions {
     std::string backend = "auto";   // "auto" | "cpu" | "cuda"
     int n_threads = 0;               // 0 = all physical cores
+    // Load the first multi-token-prediction (nextn) layer (the MTP drafter's head; a file or family without one
+    // is an error). Off, its weights are skipped: they take device memory only where a session drafts with them.
+    bool mtp = false;
 };
 
 class Model {
@@ -263,13 +293,16 @@ public:
     ggml_tensor * per_layer_model_proj = nullptr;   // [n_embd, n_embd_per_layer * n_layer]
     ggml_tensor * per_layer_proj_norm = nullptr;    // [n_embd_per_layer]
     std::vector<LayerWeights> layers;
+    MtpWeights mtp;   // loaded with ModelOptions::mtp, else empty
+    bool has_mtp() const { return mtp.eh_proj != nullptr; }
 
 private:
     void read_hparams(gguf_context * gctx);
     void read_head_counts(gguf_context * gctx);
     void check_pooled_head_counts() const;
     void read_rope(gguf_context * gctx);
-    void load_tensors(gguf_context * gctx, ggml_context * meta);
+    void check_mtp(bool want) const;   // the head can be loaded (want), or a warning that it is not
+    void load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp);
 
     std::string path_;
     ModelHparams hp_;

@@ -11,7 +11,9 @@
 // Linear attention: q, k, v from one projection through a causal depthwise conv (kernel d_conv, its last
 // d_conv - 1 inputs kept in the conv state), L2-normed q and k, the gated delta rule over the recurrent
 // state (ggml_gated_delta_net: decay exp(softplus(alpha + dt) * a), write strength sigmoid(beta)), an
-// RMS norm gated by silu(z), then ssm_out. Multi-token-prediction (nextn) layers are skipped.
+// RMS norm gated by silu(z), then ssm_out.
+// Multi-token prediction (MtpArch, run by model/mtp.cpp): the first nextn layer after the trunk is a full-attention
+// block like the trunk's (its FFN the family's: dense or experts), loaded only for a session that drafts with it.
 #include "model/graph.h"
 #include "model/gguf_meta.h"
 
@@ -22,24 +24,12 @@
 namespace kvf {
 namespace {
 
-void log_warning(const std::string & line) {
-    ggml_log_callback cb = nullptr;
-    void * ud = nullptr;
-    ggml_log_get(&cb, &ud);
-    if (cb) cb(GGML_LOG_LEVEL_WARN, (line + "\n").c_str(), ud);
-}
-
 void read_hybrid(const gguf_context * g, ModelHparams & hp) {
     const std::string a = hp.arch + ".";
     constexpr int64_t k_max = INT32_MAX;
     // libllama counts the nextn layers in block_count and never runs them in the main pass: neither do we.
-    int64_t n_nextn = 0;
-    meta_int(g, a + "nextn_predict_layers", 0, hp.n_layer - 1, n_nextn);
-    if (n_nextn > 0) {
-        hp.n_layer -= n_nextn;
-        log_warning("kvflash: " + hp.arch + ": skipping " + std::to_string(n_nextn) +
-                    " multi-token-prediction (nextn) layer(s); they are not run");
-    }
+    meta_int(g, a + "nextn_predict_layers", 0, hp.n_layer - 1, hp.n_layer_nextn);
+    hp.n_layer -= hp.n_layer_nextn;
     hp.ssm_d_conv = meta_require_int(g, a + "ssm.conv_kernel", 2, 64);
     hp.ssm_d_inner = meta_require_int(g, a + "ssm.inner_size", 1, k_max);
     hp.ssm_d_state = meta_require_int(g, a + "ssm.state_size", 1, 4096);
@@ -54,8 +44,17 @@ void read_hybrid(const gguf_context * g, ModelHparams & hp) {
         throw std::runtime_error("GGUF " + a + "ssm.time_step_rank=" + std::to_string(hp.ssm_dt_rank) +
                                  " (value heads) must be a multiple of ssm.group_count=" + std::to_string(hp.ssm_n_group) + " (key heads)");
     }
-    // Which layers are linear attention: one flag per layer, else every interval-th layer attends (default 4).
-    if (!meta_bool_array(g, a + "attention.recurrent_layers", hp.n_layer, hp.recurrent_layers)) {
+    // Which layers are linear attention: one flag per layer (the converter writes one per block, the nextn layers'
+    // false, as they attend), else every interval-th layer attends (default 4).
+    if (meta_bool_array(g, a + "attention.recurrent_layers", hp.n_layer + hp.n_layer_nextn, hp.recurrent_layers)) {
+        for (int64_t il = hp.n_layer; il < hp.n_layer + hp.n_layer_nextn; ++il) {
+            if (hp.recurrent_layers[(size_t) il]) {
+                throw std::runtime_error("GGUF " + a + "attention.recurrent_layers flags nextn layer " + std::to_string(il) +
+                                         " as linear attention; a multi-token-prediction layer attends");
+            }
+        }
+        hp.recurrent_layers.resize((size_t) hp.n_layer);
+    } else {
         int64_t interval = 4;
         meta_int(g, a + "full_attention_interval", 1, k_max, interval);
         hp.recurrent_layers.assign((size_t) hp.n_layer, 0);
@@ -81,6 +80,26 @@ void read_hybrid_moe(const gguf_context * g, ModelHparams & hp) {
     read_moe_hparams(g, hp, /*shared_expert =*/ true);
 }
 
+// A full-attention layer's tensors: attn_q yields each head's query and output gate side by side.
+void load_gated_attention(LayerWeights & w, TensorSource & src, const ModelHparams & hp, const std::string & p,
+                          int64_t n_head) {
+    const int64_t E = hp.n_embd, D = hp.head_dim_k;
+    w.wq = src.require(p + "attn_q.weight", {E, 2 * D * n_head});
+    w.wk = src.require(p + "attn_k.weight", {E, hp.n_embd_k()});
+    w.wv = src.require(p + "attn_v.weight", {E, hp.n_embd_v()});
+    w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * n_head, E});
+    w.q_norm = src.require(p + "attn_q_norm.weight", {D});
+    w.k_norm = src.require(p + "attn_k_norm.weight", {D});
+}
+
+void load_ffn(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    if (hp.n_expert > 0) {
+        load_moe_ffn(w, src, hp, il);
+    } else {
+        load_dense_ffn(w, src, hp, il);
+    }
+}
+
 void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
     const std::string p = "blk." + std::to_string(il) + ".";
     const int64_t E = hp.n_embd;
@@ -102,37 +121,50 @@ void load_layer(LayerWeights & w, TensorSource & src, const ModelHparams & hp, i
         w.ssm_norm = src.require(p + "ssm_norm.weight", {hp.ssm_head_v()});
         w.ssm_out = src.require(p + "ssm_out.weight", {value_dim, E});
     } else {
-        const int64_t D = hp.head_dim_k;
-        w.wq = src.require(p + "attn_q.weight", {E, 2 * D * hp.n_head_of(il)});   // queries and their output gates
-        w.wk = src.require(p + "attn_k.weight", {E, hp.n_embd_k()});
-        w.wv = src.require(p + "attn_v.weight", {E, hp.n_embd_v()});
-        w.wo = src.require(p + "attn_output.weight", {hp.head_dim_v * hp.n_head_of(il), E});
-        w.q_norm = src.require(p + "attn_q_norm.weight", {D});
-        w.k_norm = src.require(p + "attn_k_norm.weight", {D});
+        load_gated_attention(w, src, hp, p, hp.n_head_of(il));
     }
-    if (hp.n_expert > 0) {
-        load_moe_ffn(w, src, hp, il);
-    } else {
-        load_dense_ffn(w, src, hp, il);
-    }
+    load_ffn(w, src, hp, il);
+}
+
+// Full attention's pieces, shared by the trunk's layers and the MTP block (w): K and V of the step's tokens
+// ([head_dim, n_head_kv, n_tokens], K normed and rotated), and the queries with their output gates.
+struct GatedQuery {
+    ggml_tensor * q;      // [head_dim, n_head, n_tokens], normed and rotated
+    ggml_tensor * gate;   // [head_dim * n_head, n_tokens]
+};
+
+void gated_kv(GraphCtx & g, const Model & m, const LayerWeights & w, ggml_tensor * x, ggml_tensor *& k, ggml_tensor *& v) {
+    const ModelHparams & hp = m.hparams();
+    k = rope_global(g, m, rms_norm(g, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv), w.k_norm, hp.rms_eps));
+    v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
+}
+
+GatedQuery gated_query(GraphCtx & g, const Model & m, const LayerWeights & w, int64_t n_head, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    ggml_context * ctx = g.ctx;
+    const int64_t D = hp.head_dim_k, n = g.n_tokens;
+    // Each head's 2*D outputs are its query, then its gate.
+    ggml_tensor * qg = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w.wq, x), 2 * D, n_head, n);
+    ggml_tensor * q = ggml_view_3d(ctx, qg, D, n_head, n, qg->nb[1], qg->nb[2], 0);
+    ggml_tensor * gate = ggml_view_3d(ctx, qg, D, n_head, n, qg->nb[1], qg->nb[2], D * ggml_element_size(qg));
+    return {rope_global(g, m, rms_norm(g, q, w.q_norm, hp.rms_eps)), ggml_cont_2d(ctx, gate, D * n_head, n)};
+}
+
+float attention_scale(const ModelHparams & hp) {
+    return hp.attn_scale > 0.0f ? hp.attn_scale : 1.0f / std::sqrt((float) hp.head_dim_k);
+}
+
+// The attention output ([head_dim_v * n_head, n_tokens]) gated and projected back.
+ggml_tensor * gated_output(GraphCtx & g, const LayerWeights & w, ggml_tensor * attn, ggml_tensor * gate) {
+    return ggml_mul_mat(g.ctx, w.wo, ggml_mul(g.ctx, attn, ggml_sigmoid(g.ctx, gate)));
 }
 
 ggml_tensor * full_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
-    const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
-    ggml_context * ctx = g.ctx;
-    const int64_t D = hp.head_dim_k, H = hp.n_head_of(il), n = g.n_tokens;
-    // Each head's 2*D outputs are its query, then its gate.
-    ggml_tensor * qg = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w.wq, x), 2 * D, H, n);
-    ggml_tensor * q = ggml_view_3d(ctx, qg, D, H, n, qg->nb[1], qg->nb[2], 0);
-    ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, n, qg->nb[1], qg->nb[2], D * ggml_element_size(qg));
-    gate = ggml_cont_2d(ctx, gate, D * H, n);
-    q = rope(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps));
-    ggml_tensor * k = rope(g, m, il, rms_norm(g, project_heads(g, w.wk, nullptr, x, D, hp.n_head_kv), w.k_norm, hp.rms_eps));
-    ggml_tensor * v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
-    const float scale = hp.attn_scale > 0.0f ? hp.attn_scale : 1.0f / std::sqrt((float) D);
-    ggml_tensor * out = ggml_mul(ctx, kv_attend(g, m, il, q, k, v, scale), ggml_sigmoid(ctx, gate));
-    return ggml_mul_mat(ctx, w.wo, out);
+    const GatedQuery qg = gated_query(g, m, w, m.hparams().n_head_of(il), x);
+    ggml_tensor * k, * v;
+    gated_kv(g, m, w, x, k, v);
+    return gated_output(g, w, kv_attend(g, m, il, qg.q, k, v, attention_scale(m.hparams())), qg.gate);
 }
 
 // L2 norm over each head (ne0), as libllama writes it: rms_norm with eps / n, scaled by 1 / sqrt(n).
@@ -189,10 +221,51 @@ ggml_tensor * mixer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
 
 ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) { return decoder_layer(g, m, il, x, mixer); }
 
+// ---- multi-token prediction: the nextn layer, as libllama's qwen35 / qwen35moe load_block_mtp and graph_mtp ----
+
+void load_mtp(MtpWeights & w, TensorSource & src, const ModelHparams & hp, int il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const int64_t E = hp.n_embd;
+    w.block.attn_norm = src.require(p + "attn_norm.weight", {E});
+    w.block.ffn_norm = src.require(p + "post_attention_norm.weight", {E});
+    load_gated_attention(w.block, src, hp, p, hp.n_head);
+    load_ffn(w.block, src, hp, il);
+    w.eh_proj = src.require(p + "nextn.eh_proj.weight", {2 * E, E});
+    w.enorm = src.require(p + "nextn.enorm.weight", {E});
+    w.hnorm = src.require(p + "nextn.hnorm.weight", {E});
+    // Qwen3.5's converter writes none of these three: the trunk's embeddings, output norm and head serve.
+    w.embed_tokens = src.optional(p + "nextn.embed_tokens.weight", {E, hp.n_vocab});
+    w.head_norm = src.optional(p + "nextn.shared_head_norm.weight", {E});
+    w.head = src.optional(p + "nextn.shared_head_head.weight", {E, hp.n_vocab});
+}
+
+// Only K and V of the block: what the trunk's steps write for the head's later drafts (no query, no attention).
+void mtp_write_kv(GraphCtx & g, const Model & m, ggml_tensor * x) {
+    const LayerWeights & w = m.mtp.block;
+    ggml_tensor * k, * v;
+    gated_kv(g, m, w, rms_norm(g, x, w.attn_norm, m.hparams().rms_eps), k, v);
+    pool_write(g, g.mtp_kv_layer, k, v);
+}
+
+ggml_tensor * mtp_block(GraphCtx & g, const Model & m, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    const LayerWeights & w = m.mtp.block;
+    ggml_tensor * xn = rms_norm(g, x, w.attn_norm, hp.rms_eps);
+    const GatedQuery qg = gated_query(g, m, w, hp.n_head, xn);
+    ggml_tensor * k, * v;
+    gated_kv(g, m, w, xn, k, v);
+    ggml_tensor * attn = pool_attend(g, g.mtp_kv_layer, qg.q, k, v, attention_scale(hp));
+    x = ggml_add(g.ctx, x, gated_output(g, w, attn, qg.gate));
+    return ggml_add(g.ctx, x, layer_ffn(g, hp, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+}
+
+const MtpArch mtp_qwen35 = {load_mtp, mtp_write_kv, mtp_block};
+
 }  // namespace
 
 extern const ArchSpec arch_qwen35, arch_qwen35moe;   // registered in registry.cpp
-const ArchSpec arch_qwen35 = {"qwen35", GGML_ROPE_TYPE_NEOX, read_hybrid, load_layer, embed_tokens, layer};
-const ArchSpec arch_qwen35moe = {"qwen35moe", GGML_ROPE_TYPE_NEOX, read_hybrid_moe, load_layer, embed_tokens, layer};
+const ArchSpec arch_qwen35 = {"qwen35", GGML_ROPE_TYPE_NEOX, read_hybrid, load_layer, embed_tokens, layer, &mtp_qwen35};
+const ArchSpec arch_qwen35moe = {"qwen35moe", GGML_ROPE_TYPE_NEOX, read_hybrid_moe, load_layer, embed_tokens, layer,
+                                 &mtp_qwen35};
 
 }  // namespace kvf

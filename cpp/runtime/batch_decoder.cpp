@@ -36,6 +36,7 @@ BatchDecoder::~BatchDecoder() {
 
 std::string BatchDecoder::ineligible(const Session & s) const {
     if (&s.model() != model_.get()) return "it runs another Model object";
+    if (s.mtp()) return "it runs the multi-token-prediction head (a drafting session steps alone)";
     if (s.recurrent()) return "its model has linear-attention layers (their state is not batched yet)";
     if (s.config().track_summaries) return "it tracks chunk summaries (the qk / quest scorers read one session's step)";
     if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";

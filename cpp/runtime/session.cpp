@@ -1,5 +1,7 @@
 #include "runtime/session.h"
 
+#include "model/mtp.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -77,8 +79,10 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
     pc.pool_tokens = full_cache_ ? std::max(round_up(cfg_.max_tokens, k_kv_pad), pc.min_pool_tokens())
                                  : cfg_.pool_tokens;
 
+    if (cfg_.mtp) check_mtp(*model_);
     KvLayout layout;
-    layout.n_layer = hp.n_pooled_layers();   // sliding-window layers keep their own ring, linear-attention ones a state
+    // Sliding-window layers keep their own ring, linear-attention ones a state; the MTP head's K/V come last.
+    layout.n_layer = hp.n_pooled_layers() + (cfg_.mtp ? 1 : 0);
     layout.n_embd_k = hp.n_embd_k();
     layout.n_embd_v = hp.n_embd_v();
     layout.chunk_tokens = cfg_.chunk_tokens;
@@ -106,8 +110,9 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
     }
     if (hp.n_recurrent_layers() > 0) {
         recurrent_ = std::make_unique<RecurrentState>(model_->backend(), hp.n_recurrent_layers(), hp.ssm_conv_state(),
-                                                      hp.ssm_recurrent_state());
+                                                      hp.ssm_recurrent_state(), cfg_.mtp ? hp.n_embd : 0);
     }
+    if (cfg_.mtp) mtp_ = new_mtp_drafts();
     pc.chunk_bytes = kv_->chunk_bytes();
     pager_ = std::make_unique<KvPager>(pc);
     if (cfg_.track_summaries) {
@@ -271,7 +276,13 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     }
 
     const Model & m = *model_;
-    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n_outputs]
+    if (cfg_.mtp) {   // the head reads the trunk's every row and writes the last pooled layer
+        g.all_rows = true;
+        g.mtp_kv_layer = kv_->layout().n_layer - 1;
+    }
+    ggml_tensor * h = build_stack(g, m);
+    if (cfg_.mtp) h = build_mtp_follow(g, m, h);
+    logits_ = build_logits(g, m, h);   // [n_vocab, n_outputs]
     greedy_ = {};
     if (n_outputs == 1) build_greedy(g);   // prefill graphs with every row's logits skip it
 

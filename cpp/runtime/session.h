@@ -61,6 +61,10 @@ struct SessionConfig {
     // Keep the attention probabilities of the last (up to 8) tokens of every step, max over heads, for
     // attention_capture() (the drafter scorer). Needs the mul_mat attention path: "auto" picks it.
     bool capture_attention = false;
+    // Run the model's multi-token-prediction head (model/mtp.h; the model loaded with ModelOptions::mtp): every step
+    // also writes the head's K/V, one more pooled layer after the trunk's (paged, truncated and saved with them), and
+    // moves its carry on (RecurrentState); mtp_draft drafts with it. Only hybrid families have a head.
+    bool mtp = false;
 };
 
 // Attention of the last n_q tokens of the latest step to every position held, max over heads and layers.
@@ -171,6 +175,17 @@ public:
     // pool has no room for another token.
     int64_t step_tokens(int64_t n_remaining) const;
 
+    // ---- the multi-token-prediction head (session_mtp.cpp; cfg.mtp) ----
+    // Draft step `step` after the held tokens: the head's logits ([n_vocab]) for the token after `token`, which is
+    // at position n_tokens() + step: step 0's token is the one to be fed next (the head pairs it with the carry),
+    // step i's the draft chosen from step i-1's logits (paired with that step's output). Steps follow one another
+    // with nothing else run on the session between; each writes its K/V into a free slot of the pool (no position
+    // is placed: the pager never sees them, and the verify step that follows writes the real ones).
+    std::vector<float> mtp_draft(int32_t token, int64_t step);
+    // How many draft steps can follow the held tokens now: the pool's free slots (a pool that is full at a chunk
+    // boundary has none) and the context left.
+    int64_t mtp_room() const;
+
     // Post-RoPE queries of the last (up to 8) tokens of the latest step, per layer.
     StepQueries queries() const;
     // Per-chunk relevance for the latest step's queries ("qk" or "quest"); NaN where no summary exists.
@@ -195,11 +210,12 @@ public:
     const PooledKV & kv() const { return *kv_; }
     const SlidingWindowKV * ring() const { return ring_.get(); }   // null: the model has no sliding-window layers
     const RecurrentState * recurrent() const { return recurrent_.get(); }   // null: no linear-attention layers
+    bool mtp() const { return cfg_.mtp; }
     SessionTimings timings() const;   // a copy: the live counters change under the lock
     SessionMemory memory() const;   // session_prefill.cpp
 
     // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
-    static constexpr uint32_t k_state_version = 1;
+    static constexpr uint32_t k_state_version = 2;   // 2: the mtp flag
     void save_state(ByteWriter & w, int64_t n_tokens) const;
     static SessionConfig config_from(ByteReader & r, uint32_t version, int64_t & n_tokens);
     // Commit a validated snapshot: `pager` from pager().state_from, one image per chunk of it (from
@@ -229,6 +245,12 @@ private:
                     const Plan & ring_alloc, const KvKeyOrder & ring_order);
     void keep_capture_order(const KvKeyOrder & order);   // session_capture.cpp
     // ---- outputs (session_outputs.cpp) ----
+    // ---- multi-token prediction (session_mtp.cpp) ----
+    struct MtpDrafts;                  // the draft graph, its scheduler and the draft's hidden state
+    static void check_mtp(const Model & model);   // the model can run the head (throws std::invalid_argument)
+    std::unique_ptr<MtpDrafts, void (*)(MtpDrafts *)> new_mtp_drafts() const;
+    void build_mtp_graph(int64_t n_kv);
+    int64_t mtp_compute_bytes() const;   // the draft graph's compute buffer and hidden state
     void read_logits(float * out);     // the logits_ rows, through pinned staging on a GPU
     void build_greedy(GraphCtx & g);   // the argmax of the logits, in two parallel stages
     int32_t read_greedy();
@@ -244,6 +266,7 @@ private:
     std::unique_ptr<SlidingWindowKV> ring_;       // null unless the model has sliding-window layers
     std::unique_ptr<RecurrentState> recurrent_;   // null unless the model has linear-attention layers
     std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
+    std::unique_ptr<MtpDrafts, void (*)(MtpDrafts *)> mtp_{nullptr, nullptr};   // null unless cfg.mtp
     ggml_backend_sched_t sched_ = nullptr;
 
     // The current graph and its shape; rebuilt only when the shape changes.

@@ -7,10 +7,14 @@
 // same kernels), before layer l+1 starts. Layer l then needs only its own K/V of every position, in a
 // one-layer staging pool; the hidden states wait in host memory between layers. Weights are still read
 // once per step per layer, as in any prefill. A layer that attends an earlier layer's K/V (gemma4's shared
-// K/V) needs none of its own and runs the prompt's last step only (check_shared_kv says why).
+// K/V) needs none of its own and runs the prompt's last step only (check_shared_kv says why). The MTP head (cfg.mtp,
+// model/mtp.h) runs as one more pooled layer after the trunk: its steps read the trunk's final hidden states (which
+// the trunk's last layer then leaves for every position, not only the last token's logits) and write its K/V and
+// carry, attending nothing; the last of them computes the logits.
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
+#include "model/mtp.h"
 
 #include <algorithm>
 #include <chrono>
@@ -243,8 +247,18 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     const ModelHparams & hp = m.hparams();
     ggml_backend_t backend = m.backend();
     check_shared_kv(hp);
+    // The layers run, the MTP head's last: layer n_layer, pooled (its K/V are the pool's last layer), attending nothing.
+    const int n_stack = (int) hp.n_layer + (cfg_.mtp ? 1 : 0);
+    struct LayerKind {
+        bool mtp, swa, recurrent, has_kv, pooled;
+        int64_t pl;   // the layer's row in the pool (or its ring, or its state)
+    };
+    const auto kind = [&](int il) -> LayerKind {
+        if (il == hp.n_layer) return {true, false, false, true, true, kv_->layout().n_layer - 1};
+        return {false, hp.is_swa(il), hp.is_recurrent(il), hp.has_kv(il), hp.is_pooled(il), hp.kv_index(il)};
+    };
     // A global layer attends the staging pool: its own K/V, or (shared K/V) its source's, staged last.
-    const auto attends_staging = [&hp](int il) { return !hp.is_swa(il) && !hp.is_recurrent(il); };
+    const auto attends_staging = [&kind](int il) { const LayerKind k = kind(il); return k.mtp || (!k.swa && !k.recurrent); };
 
     // ---- the workspace, allocated before any state changes ----
     PagerConfig spc = pager_->config();   // staging: identity mapping over positions [0, end)
@@ -263,12 +277,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     std::vector<HiddenStates::Step> steps;
     const int64_t ring_step = ring_ ? std::min(n_batch, ring_->max_step()) : n_batch;
     const int64_t last_p0 = start + (n - 1) / ring_step * ring_step;
-    for (int il = 0; il < hp.n_layer; ++il) {
-        if (!hp.has_kv(il)) {
+    for (int il = 0; il < n_stack; ++il) {
+        if (!kind(il).has_kv) {
             steps.push_back({il, last_p0, end - last_p0});
             continue;
         }
-        const int64_t layer_step = hp.is_swa(il) ? ring_step : n_batch;
+        const int64_t layer_step = kind(il).swa ? ring_step : n_batch;
         for (int64_t p0 = start; p0 < end; p0 += layer_step) steps.push_back({il, p0, std::min(layer_step, end - p0)});
     }
     HiddenStates hidden(backend, n_embd, start, n, steps, pin);
@@ -315,8 +329,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
         const auto build_graph = [&](size_t k, int64_t n_kv, bool measure) {
             const int il = steps[k].layer;
             const int64_t p0 = steps[k].p0, mt = steps[k].n;
-            const bool last_layer = il == hp.n_layer - 1, final_step = p0 + mt == end;
-            const bool swa = hp.is_swa(il), staged = attends_staging(il), pooled = hp.is_pooled(il);
+            const bool last_layer = il == n_stack - 1, final_step = p0 + mt == end;
+            const LayerKind lk = kind(il);
+            const bool swa = lk.swa, staged = attends_staging(il), pooled = lk.pooled;
             StepGraph sg;
             sg.ctx.reset(new_graph_ctx());
             GraphCtx & g = sg.g;
@@ -329,13 +344,15 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             g.n_outputs = last_layer ? 1 : mt;
             g.flash_attn = flash_attn_;
             g.attention_block_bytes = attention_block_bytes;
-            // Only pooled layers are scored: they alone keep the last tokens' attention and queries.
-            g.n_attn_tokens = final_step && pooled ? std::min(mt, k_capture_tokens) : 0;
-            g.n_query_tokens = final_step && pooled && summaries_ ? std::min(mt, k_capture_tokens) : 0;
-            // Per-layer embeddings (gemma4) read the tokens in every layer.
-            g.in.tokens = il == 0 || hp.n_embd_per_layer > 0 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
+            // Only the trunk's pooled layers are scored: they alone keep the last tokens' attention and queries.
+            const bool scored = final_step && pooled && !lk.mtp;
+            g.n_attn_tokens = scored ? std::min(mt, k_capture_tokens) : 0;
+            g.n_query_tokens = scored && summaries_ ? std::min(mt, k_capture_tokens) : 0;
+            g.mtp_kv_layer = lk.mtp ? 0 : -1;   // the head's K/V go to the one-layer staging pool
+            // Per-layer embeddings (gemma4) read the tokens in every layer, the MTP head its own embeddings.
+            g.in.tokens = il == 0 || hp.n_embd_per_layer > 0 || lk.mtp ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
             // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
-            g.in.positions = hp.is_recurrent(il) ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
+            g.in.positions = lk.recurrent ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
             g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
             ggml_tensor * h_in = hidden.input(g.ctx, k, measure);
             for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
@@ -349,8 +366,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.n_kv = n_kv;
                 g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, &band, p0);
             }
-            if (!hp.has_kv(il)) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
-            sg.y = m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
+            if (!lk.has_kv) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
+            sg.y = lk.mtp ? build_mtp_follow(g, m, h_in) : m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
             if (last_layer) {
                 sg.y = build_logits(g, m, sg.y);   // [n_vocab, 1]: the step's last token
             } else {
@@ -359,12 +376,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             return sg;
         };
 
-        for (int il = 0; il < hp.n_layer; ++il) {
-            const bool last_layer = il == hp.n_layer - 1, swa = hp.is_swa(il), staged = attends_staging(il),
-                       pooled = hp.is_pooled(il);
-            const int64_t pl = hp.kv_index(il);   // the layer's row in the pool (or its ring, or its state)
+        for (int il = 0; il < n_stack; ++il) {
+            const LayerKind lk = kind(il);
+            const bool last_layer = il == n_stack - 1, swa = lk.swa, staged = attends_staging(il), pooled = lk.pooled;
+            const int64_t pl = lk.pl;
             auto t_io = std::chrono::steady_clock::now();
-            if (!hp.has_kv(il)) {
+            if (!lk.has_kv) {
                 // It reads the ring or the staging pool as its source left them, at the prompt's end.
             } else if (swa) {
                 // A sliding-window layer runs the prompt through its own ring, from where the ring stood
@@ -406,7 +423,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 const bool final_step = p0 + mt == end;
                 Plan plan;
                 KvKeyOrder order;
-                if (!hp.has_kv(il)) {   // reads only: the keys every position of the prompt left
+                if (!lk.has_kv) {   // reads only: the keys every position of the prompt left
                     plan.span_start = p0;
                     plan.span_n = mt;
                     order = swa ? ring_->key_order() : kv_key_order(stage_pager, sl, false, kv_pad_);
@@ -454,7 +471,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 if (final_step || !hidden.overlaps()) ggml_backend_sched_synchronize(sched.get());
                 hidden.queued(k, last_layer ? nullptr : y);
                 if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
-                if (final_step && pooled) {
+                if (final_step && pooled && !lk.mtp) {
                     // The last tokens' attention, staging slot j = position j: max over queries and layers.
                     const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
                     std::vector<float> rows((size_t) ggml_nelements(a));
@@ -497,7 +514,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 for (int64_t c = c_new; c < c_end; ++c) {
                     const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl);
                     if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], pl, layer);
-                    if (summaries_ && (c + 1) * C <= end) summaries_->seal_layer(c, pl, kv_->layout(), layer);   // K first
+                    if (summaries_ && !lk.mtp && (c + 1) * C <= end) summaries_->seal_layer(c, pl, kv_->layout(), layer);   // K first
                 }
                 timings_.t_prefill_io_ms += ms_since(t_io);
             }
@@ -532,7 +549,7 @@ SessionMemory Session::memory() const {
     mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
     mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
     mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
-    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
+    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()) + mtp_compute_bytes();
     mem.prefill_peak_bytes = prefill_peak_bytes_;
     mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;

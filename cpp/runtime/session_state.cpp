@@ -2,7 +2,7 @@
 //
 // Layout, version 1: max_tokens, pool_tokens, n_batch, chunk_tokens, sink_chunks, tail_chunks (i64),
 // kv_type, attention (u32 length + bytes), allow_beyond_train_ctx, ordered_attention, track_summaries (u8),
-// n_tokens (i64).
+// n_tokens (i64). Version 2 adds mtp (u8) after track_summaries; version 1 reads as mtp off.
 #include "runtime/session.h"
 #include "common/byte_io.h"
 
@@ -22,12 +22,13 @@ void Session::save_state(ByteWriter & w, int64_t n_tokens) const {
     w.put<uint8_t>(cfg_.allow_beyond_train_ctx);
     w.put<uint8_t>(cfg_.ordered_attention > 0);   // the effective flag (auto = -1 = off)
     w.put<uint8_t>(cfg_.track_summaries);
+    w.put<uint8_t>(cfg_.mtp);
     w.put<int64_t>(n_tokens);
 }
 
 SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n_tokens) {
-    if (version != k_state_version) {
-        r.fail("version " + std::to_string(version) + " is not supported (this build reads " +
+    if (version != 1 && version != k_state_version) {
+        r.fail("version " + std::to_string(version) + " is not supported (this build reads 1 and " +
                std::to_string(k_state_version) + ")");
     }
     // Ranges wide enough for any real session, narrow enough that no product of them overflows before
@@ -45,6 +46,7 @@ SessionConfig Session::config_from(ByteReader & r, uint32_t version, int64_t & n
     c.allow_beyond_train_ctx = r.get<uint8_t>("allow_beyond_train_ctx") != 0;
     c.ordered_attention = r.get<uint8_t>("ordered_attention") != 0;
     c.track_summaries = r.get<uint8_t>("track_summaries") != 0;
+    c.mtp = version >= 2 && r.get<uint8_t>("mtp") != 0;
     n_tokens = r.i64_in("n_tokens", 0, c.max_tokens);
     return c;
 }

@@ -9,7 +9,9 @@ namespace kvf {
 
 void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
     const KvLayout & L = kv.layout();
-    if (L.n_layer != shape_.n_layer) throw std::logic_error("ChunkSummaries: shape does not match the pool");
+    // The pool may hold the MTP head's K/V after the trunk's layers (the last one): never summarised, as the scorers
+    // score with the trunk's queries.
+    if (L.n_layer < shape_.n_layer) throw std::logic_error("ChunkSummaries: shape does not match the pool");
     std::vector<uint8_t> raw;
     for (int64_t il = 0; il < shape_.n_layer; ++il) {
         ggml_tensor * k = kv.k(il);

@@ -153,6 +153,10 @@ void load_parsed(Session & s, const Parsed & p) {
         throw SnapshotError("the snapshot was saved with kv_type=" + p.config.kv_type + " but this session uses kv_type=" +
                             c.kv_type);
     }
+    if (p.config.mtp != c.mtp) {   // the head's K/V are a layer of the pool and its carry part of the state
+        throw SnapshotError(std::string("the snapshot was saved by a session ") + (p.config.mtp ? "with" : "without") +
+                            " the multi-token-prediction head, and this session runs " + (c.mtp ? "it" : "none"));
+    }
     if (p.config.chunk_tokens != c.chunk_tokens) {
         throw SnapshotError("the snapshot was saved with chunk_tokens=" + std::to_string(p.config.chunk_tokens) +
                             " but this session uses chunk_tokens=" + std::to_string(c.chunk_tokens));

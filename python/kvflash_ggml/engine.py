@@ -27,6 +27,7 @@ from . import _core
 from .companion import Companion, same_vocabulary
 from .drafter import DrafterPolicy, prompt_attention_scores
 from .known_models import resolve_model_path
+from .mtp import MtpDraft, check_mtp, wants_mtp
 from .options import SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
 from .sampling import Sampler, TokenLogprobs, token_logprobs
@@ -58,14 +59,16 @@ class GenerationRecord:
 
 
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False,
-                 n_batch: Optional[int] = None, arena: Optional[_core.PoolArena] = None) -> _core.Session:
+                 n_batch: Optional[int] = None, arena: Optional[_core.PoolArena] = None,
+                 mtp: bool = False) -> _core.Session:
     """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch). arena: keep the
-    pool in a lane of it (a server's slots: their batched decode steps then attend all pools at once)."""
+    pool in a lane of it (a server's slots: their batched decode steps then attend all pools at once). mtp: run
+    the model's multi-token-prediction head too (its K/V in the pool; the drafter of draft="mtp")."""
     config = _core.SessionConfig(
         max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
         attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
-        track_summaries=track_summaries)
+        track_summaries=track_summaries, mtp=mtp)
     return _core.Session(model, config, arena=arena)
 
 
@@ -131,12 +134,15 @@ def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> Resid
 
 
 def make_speculator(config: SpeculativeConfig, model: _core.Model, tokenizer: Tokenizer,
-                    pool: PoolConfig) -> Speculator:
+                    pool: PoolConfig, session: Optional[_core.Session] = None) -> Speculator:
     """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built);
-    a draft model of another vocabulary is mapped through text."""
-    if config.draft == "mtp":
-        raise ValueError(f"speculative draft 'mtp' needs the GGUF's multi-token-prediction (nextn) layers; "
-                         f"{model.hparams.arch} models are run without them here (they are skipped on load)")
+    a draft model of another vocabulary is mapped through text. "mtp" drafts with the head of `session`, the
+    session that verifies (made with mtp=True)."""
+    if wants_mtp(config):
+        check_mtp(model)
+        if session is None:
+            raise ValueError("speculative draft 'mtp' drafts in the verifying session: pass session=")
+        return Speculator(config, MtpDraft(session))
     if config.draft == "prompt_lookup":
         return Speculator(config, PromptLookup(config.ngram))
     draft_model = load_like(config.draft, model)
@@ -188,8 +194,11 @@ class Engine:
         self.chat_template = chat_template
         self.companion = make_companion(model, tokenizer, pool, residency)
         self.policy = make_policy(residency.policy, companion=self.companion)
-        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries, arena=arena)
-        self.speculator = make_speculator(speculative, model, tokenizer, pool) if speculative else None
+        if wants_mtp(speculative):
+            check_mtp(model)   # before any session: its pool would hold the head's K/V
+        self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries, arena=arena,
+                                    mtp=wants_mtp(speculative))
+        self.speculator = make_speculator(speculative, model, tokenizer, pool, self.session) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.store_each_turn = store_each_turn

@@ -7,6 +7,8 @@ flash attention the attention matrix), and smaller pools take smaller steps (Poo
 probing at the largest step bounds every pool's buffer from above.
 A speculative draft model gives every session a second pooled session of the same pool size (its own
 costs, measured the same way); its weights are loaded before the fit, so the free memory excludes them.
+Drafting with the model's own multi-token-prediction head (mtp) puts one more layer in every pool: the probes
+run the head too.
 On the CPU backend the pool is the engine's own 'auto' (min(n_ctx, 4096)): host RAM is not the limit a pool
 is for."""
 from __future__ import annotations
@@ -34,10 +36,10 @@ class Fit:
     reason: str
 
 
-def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int) -> dict:
+def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
     n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
     session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, n)),
-                           n_batch=pool.n_batch)
+                           n_batch=pool.n_batch, mtp=mtp)
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
     mem = session.memory()
@@ -61,10 +63,10 @@ class SlotCosts:
     n_batch: int              # the probes' step
 
 
-def measure(model: _core.Model, pool: PoolConfig) -> SlotCosts:
+def measure(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> SlotCosts:
     C = _core.CHUNK_TOKENS
     lo = max(pool._pager_config(0).min_pool_tokens(), -(-2 * pool.n_batch // C) * C)
-    small, large = _probe(model, pool, lo), _probe(model, pool, 2 * lo)
+    small, large = _probe(model, pool, lo, mtp), _probe(model, pool, 2 * lo, mtp)
     per_token = max(0.0, (large["compute"] - small["compute"]) / lo)
     return SlotCosts(kv_per_token=small["kv_per_token"], compute_per_token=per_token,
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), state=small["state"],
@@ -116,14 +118,15 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
 
 
 def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int, *,
-                    draft_model: Optional[_core.Model] = None) -> Fit:
+                    draft_model: Optional[_core.Model] = None, mtp: bool = False) -> Fit:
     """Pool tokens per session for n_slots sessions of `pool` (whose pool_tokens is 'auto'), each with a session
-    of draft_model beside it if one is given (loaded already, so the free memory excludes its weights)."""
+    of draft_model beside it if one is given (loaded already, so the free memory excludes its weights); mtp: the
+    sessions run the model's multi-token-prediction head (loaded already)."""
     auto = pool.resolved_pool_tokens()
     devices = _core.gpu_devices()
     if not model.on_gpu or not devices:
         return Fit(auto, f"CPU backend: the engine's auto pool, min(n_ctx, {auto}) tokens")
-    costs = measure(model, pool)
+    costs = measure(model, pool, mtp)
     draft = measure(draft_model, pool) if draft_model is not None else None
     device = _core.gpu_devices()[0]   # after the probes are freed
     return solve(costs, free=device["memory_free"], total=device["memory_total"], n_slots=n_slots, n_ctx=pool.n_ctx,

@@ -16,6 +16,7 @@ from . import _core
 from .engine import CLOSED, Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
 from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
+from .mtp import wants_mtp
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
@@ -64,10 +65,13 @@ class Model:
         # speculative: "prompt_lookup", "mtp", a draft GGUF, or a SpeculativeConfig (checked before loading).
         self.speculative = speculative if isinstance(speculative, SpeculativeConfig) or speculative is None else \
             SpeculativeConfig(draft=speculative, max_draft=draft_max)
-        self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads))
+        # speculative="mtp": the weights of the GGUF's multi-token-prediction head too (else they are not loaded)
+        self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
+                                       mtp=wants_mtp(self.speculative))
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
         if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
-            fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative))
+            fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
+                                  mtp=wants_mtp(self.speculative))
             log.info("pool_tokens='auto': %s", fit.reason)
             self.pool = dataclasses.replace(self.pool, pool_tokens=fit.pool_tokens)
         self.tokenizer = Tokenizer(self.model_path)

@@ -38,13 +38,16 @@ def snapshot_info(path: Union[str, os.PathLike]) -> dict:
 
 def session_key(session: _core.Session, model: _core.Model) -> str:
     """What a cached snapshot must share with a session to load into it: the model, the geometry that
-    the KV bytes and the ledger depend on (max_tokens may differ), whether it carries summaries, and the
-    size of a sliding-window model's rings (window + n_batch: snapshots load only into the same)."""
+    the KV bytes and the ledger depend on (max_tokens may differ), whether it carries summaries, the
+    size of a sliding-window model's rings (window + n_batch: snapshots load only into the same), and whether
+    it runs the multi-token-prediction head (its K/V and carry are in the snapshot)."""
     c, pc = session.config, session.pager.config()
     text = (f"{model.fingerprint}|{c.kv_type}|{pc.chunk_tokens}|{pc.pool_tokens}|{pc.sink_chunks}|{pc.tail_chunks}|"
             f"{c.track_summaries}")
     if session.ring_tokens:   # only then, so that dense models keep the keys their caches were stored under
         text += f"|ring{session.ring_tokens}"
+    if session.mtp:   # likewise
+        text += "|mtp"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -18,8 +18,8 @@ again (Generation._verify_drafts).
 
 Drafters: PromptLookup (n-gram lookup in the history: no second model), DraftModel (a smaller GGUF of the
 same vocabulary, its own pooled session that follows the history) and TextMappedDraft (a DraftModel of another
-vocabulary, mapped through text). Speculator holds the drafter, the adaptive draft length and the counters
-stats() reports.
+vocabulary, mapped through text); MtpDraft (mtp.py) drafts with the model's own multi-token-prediction head.
+Speculator holds the drafter, the adaptive draft length and the counters stats() reports.
 """
 from __future__ import annotations
 
@@ -282,7 +282,9 @@ class Speculator:
         self.k = min(self.config.max_draft, self.k + 2) if n_kept == n_drafted else max(1, n_kept + 1)
 
     def stats(self) -> dict:
-        return {"spec_mode": "prompt_lookup" if isinstance(self.drafter, PromptLookup) else "draft_model",
+        mode = getattr(self.drafter, "mode", None) or \
+            ("prompt_lookup" if isinstance(self.drafter, PromptLookup) else "draft_model")
+        return {"spec_mode": mode,
                 "spec_vocab": "mapped through text" if isinstance(self.drafter, TextMappedDraft) else "shared",
                 "spec_drafted": self.drafted, "spec_accepted": self.accepted, "spec_steps": self.steps,
                 "spec_acceptance": self.accepted / self.drafted if self.drafted else 0.0}

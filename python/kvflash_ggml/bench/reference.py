@@ -95,11 +95,12 @@ def reference_binary(args: argparse.Namespace, prog: str) -> Optional[str]:
     return binary
 
 
-def open_model(args: argparse.Namespace, prog: str) -> tuple[str, _core.Model, Tokenizer]:
-    """The model flags' GGUF path, model and tokenizer; a file that cannot be loaded ends the command."""
+def open_model(args: argparse.Namespace, prog: str, *, mtp: bool = False) -> tuple[str, _core.Model, Tokenizer]:
+    """The model flags' GGUF path, model and tokenizer (mtp: with its multi-token-prediction head); a file that
+    cannot be loaded ends the command."""
     try:
         path = resolve_model_path(args.model)
-        return path, _core.Model(path, backend=args.backend, n_threads=args.threads), Tokenizer(path)
+        return path, _core.Model(path, backend=args.backend, n_threads=args.threads, mtp=mtp), Tokenizer(path)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2)

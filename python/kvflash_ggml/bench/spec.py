@@ -1,6 +1,6 @@
 """kvflash bench spec: plain vs speculative decode on the same model and pool, in one run.
 
-For each --draft (prompt_lookup, or a draft GGUF), the same prompt runs through a plain Engine and a speculative
+For each --draft (prompt_lookup, mtp, or a draft GGUF), the same prompt runs through a plain Engine and a speculative
 one (the same pool); after the prompt (untimed) --n-gen greedy tokens are timed, --reps times (each rep rewinds to
 the prompt), and the median tok/s of each is printed with the ratio, the acceptance (drafts kept / drafted), and
 whether the speculative tokens equal plain decoding's (they do up to the float summation order of a batched step;
@@ -9,7 +9,8 @@ with bit-identical kernels, e.g. the CPU's flash attention on one thread, always
 Tasks: `copy` (default): a prose document of --context tokens, then the request to write it again and its first
 words, as a plain completion: the model copies, which is what prompt lookup is for (editing, rewriting a file).
 `random`: --context random tokens (random-weight models: the measure of the machinery, with the model itself
-as the draft for acceptance 1.0, or a small random draft for acceptance near 0)."""
+as the draft for acceptance 1.0, or a small random draft for acceptance near 0; mtp on a random model's own head:
+near 0, or 1.0 with random_gguf's --echo --mtp)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..engine import Engine, with_loaded_draft
+from ..mtp import wants_mtp
 from ..options import SpeculativeConfig
 from ..testing.prose import prose
 from ..tokenizer import Tokenizer
@@ -69,7 +71,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_pool_flags(ap, pool="512", n_ctx=None)
     add_residency_flags(ap)
     ap.add_argument("--draft", default="prompt_lookup",
-                    help="comma-separated drafters, each a column: prompt_lookup, or a draft GGUF (path or short name)")
+                    help="comma-separated drafters, each a column: prompt_lookup, mtp (the model's own multi-token-"
+                         "prediction head), or a draft GGUF (path or short name)")
     ap.add_argument("--draft-max", type=int, default=SpeculativeConfig.max_draft, help="most tokens drafted per step")
     ap.add_argument("--ngram", type=int, default=SpeculativeConfig.ngram, help="prompt lookup: longest n-gram matched")
     ap.add_argument("--task", default="copy", choices=["copy", "random"])
@@ -88,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.n_gen <= 0 or args.reps <= 0 or not contexts or min(contexts) <= 0:
         ap.error("--n-gen, --reps and every context must be positive")
-    path, model, tokenizer = open_model(args, "kvflash bench spec")
+    path, model, tokenizer = open_model(args, "kvflash bench spec", mtp=any(wants_mtp(c) for c in configs))
     configs = [with_loaded_draft(c, model) for c in configs]
 
     rows = []

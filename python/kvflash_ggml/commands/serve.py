@@ -15,6 +15,7 @@ from ..server.scheduler import slot_engines
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
 from ..model import cpu_threads
+from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
 from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, pool_config,
@@ -57,13 +58,15 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     path = resolve_model_path(args.model)
     pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
-    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads))
+    speculative = speculative_config(args)
+    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative))
     tokenizer = Tokenizer(path)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
-    speculative = with_loaded_draft(speculative_config(args), model)   # one draft model for all slots
+    speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
     if pool.pool_tokens == "auto":
-        fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative))
+        fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative),
+                              mtp=wants_mtp(speculative))
         pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
     template = Path(args.chat_template).read_text() if args.chat_template else None
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache

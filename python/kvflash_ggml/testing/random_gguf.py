@@ -36,7 +36,12 @@ The newer families:
              routed experts (fused gate_up, per-expert down scales, a router input scale) beside its dense FFN;
              a layer_output_scale per layer. Its norms and scales are random around 1 (not ones), so a norm
              applied in the wrong place shows.
-No MTP (nextn) layers are written.
+mtp=True (qwen35 / qwen35moe): one multi-token-prediction (nextn) layer after the trunk, as the converter writes
+Qwen3.5's (block_count counts it, {arch}.nextn_predict_layers = 1, attention.recurrent_layers has one flag per
+block, False for it): blk.N.* a full-attention block of the family (gated attention, q/k norms, the family's FFN)
+and blk.N.nextn.{eh_proj, enorm, hnorm, shared_head_norm}; no nextn.embed_tokens / shared_head_head (the trunk's
+are shared). Its norms are random around 1, so swapping enorm and hnorm shows; with echo they are ones and
+eh_proj passes the normed embedding through, so the head, like the trunk, predicts the token it was given.
 
 Weights: norms are 1, everything else ~N(0, weight_std), but for the delta-net's own parameters, which
 get what an untrained real model has so the recurrence is stable and not trivial: ssm_a = -A with
@@ -312,7 +317,8 @@ class TensorSpec:
     ne: tuple[int, ...]        # ggml order: ne[0] is the row length
     # "weight" (weight_type, or F32 where the converter keeps F32), "norm" (F32 ones), "bias" (F32 random), "scale"
     # (F32 in [0.5, 1.5): gemma4's norms and scales), "rope_freqs" (F32 proportional-RoPE factors), and the
-    # delta-net's own F32 parameters: "conv" (ssm_conv1d), "decay" (ssm_a, negative), "dt_bias" (ssm_dt.bias)
+    # delta-net's own F32 parameters: "conv" (ssm_conv1d), "decay" (ssm_a, negative), "dt_bias" (ssm_dt.bias); "eh_proj"
+    # (a nextn layer's projection: a weight), "eh_echo" (the same of an echo model: F32 [I, 0])
     kind: str
     qtype: QT
 
@@ -356,7 +362,7 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                  ssm_n_group: int = 0, ssm_dt_rank: int = 0, full_attention_interval: int = 4,
                  swa_layers: Sequence[bool] = (), n_head_swa: int = 0, n_layer_dense_lead: int = 0,
                  gate_per_element: Sequence[bool] = (), head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (),
-                 n_embd_per_layer: int = 0, split_experts: bool = False) -> list[TensorSpec]:
+                 n_embd_per_layer: int = 0, split_experts: bool = False, n_nextn: int = 0) -> list[TensorSpec]:
     """Every tensor of the model, in file order, with llama.cpp's names and shapes.
 
     n_expert / n_ff_exp: routed experts and their width (qwen3moe, qwen35moe, laguna); n_ff_shexp: the shared
@@ -367,6 +373,7 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
     gemma4: head_dim_swa (the sliding-window layers' head size), n_ff_layers (FFN width per layer),
     n_embd_per_layer (per-layer embeddings; 0: none), n_expert (routed experts on every layer; 0: none),
     split_experts (separate gate and up expert tensors, each with per-expert scales, instead of fused gate_up).
+    n_nextn: multi-token-prediction layers after the n_layer of the trunk (qwen35*; see mtp in the module doc).
     """
     wt = WEIGHT_TYPES[weight_type]
     d = _Dims(n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_ff_exp, n_ff_shexp, ssm_d_conv, ssm_d_state,
@@ -388,6 +395,8 @@ def tensor_specs(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                                    gate_per_element=bool(gate_per_element and gate_per_element[il]))
         else:
             specs += _transformer_layer(arch, il, d, wt)
+    for il in range(n_layer, n_layer + n_nextn):
+        specs += _hybrid_layer(arch, il, d, wt, attends=True) + _nextn(il, d, wt)
     specs.append(TensorSpec(_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm", QT.F32))
     if not tied_embeddings:
         specs.append(TensorSpec(_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "weight", wt))
@@ -515,6 +524,16 @@ def _gated_attention(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
             TensorSpec(_name(T.ATTN_Q_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
             TensorSpec(_name(T.ATTN_K_NORM, "weight", il), (d.head_dim,), "norm", QT.F32),
             TensorSpec(_name(T.ATTN_OUT, "weight", il), (n_q, d.n_embd), "weight", wt)]
+
+
+def _nextn(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
+    """A multi-token-prediction layer's own tensors: the projection of [enorm(embedding), hnorm(hidden)] into the
+    block's input, those norms, and the norm before the (shared) head."""
+    e = d.n_embd
+    return [TensorSpec(_name(T.NEXTN_EH_PROJ, "weight", il), (2 * e, e), "eh_proj", wt),
+            TensorSpec(_name(T.NEXTN_ENORM, "weight", il), (e,), "scale", QT.F32),
+            TensorSpec(_name(T.NEXTN_HNORM, "weight", il), (e,), "scale", QT.F32),
+            TensorSpec(_name(T.NEXTN_SHARED_HEAD_NORM, "weight", il), (e,), "scale", QT.F32)]
 
 
 def _delta_net(il: int, d: _Dims, wt: QT) -> list[TensorSpec]:
@@ -647,6 +666,12 @@ def _pieces(spec: TensorSpec, rnd: _Random) -> Iterator[np.ndarray]:
         f[n // 2:] = rnd.rng.uniform(1.0, 8.0, n - n // 2)
         f[3 * n // 4:] = 1e30
         yield f.view(np.uint8)
+        return
+    if spec.kind == "eh_echo":   # [I, 0]: the MTP block's input is its normed token embedding (F32 rows of 2 * n_embd)
+        e = spec.ne[1]
+        w = np.zeros((e, 2 * e), dtype=np.float32)
+        w[:, :e] = np.eye(e, dtype=np.float32)
+        yield w.reshape(-1).view(np.uint8)
         return
     scale = ECHO_SCALE if spec.kind == "echo" else 1.0
     for p0 in range(0, n, _PIECE):
@@ -857,7 +882,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                       n_rot_swa: int | None = None, n_layer_dense_lead: int = 0,
                       expert_weights_scale: float | None = None, gate_per_element: Sequence[bool] = (),
                       head_dim_swa: int = 0, n_ff_layers: Sequence[int] = (), n_embd_per_layer: int = 0,
-                      n_shared_kv: int = 0, split_experts: bool = False) -> Path:
+                      n_shared_kv: int = 0, split_experts: bool = False, mtp: bool = False) -> Path:
     """Write a random-weights GGUF of family `arch` to `path`; returns the path.
 
     gemma3 and laguna: n_swa (sliding window; 0 = every layer global), swa_pattern (a period: one global layer
@@ -887,7 +912,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     routers and ssm_conv1d; those, norms, biases and the other 1-D tensors are F32, as the converter writes them.
     tied_embeddings: no output.weight (the model reuses token_embd.weight, like small Qwen models).
     echo: a model that predicts the token it was given, with certainty (see ECHO_SCALE; implies tied
-    embeddings): speculative decoding with the model as its own draft then keeps every draft.
+    embeddings): speculative decoding with the model as its own draft then keeps every draft (and, with mtp,
+    with its multi-token-prediction layer as the draft).
+    mtp: one multi-token-prediction (nextn) layer after the trunk (qwen35 / qwen35moe; see the module doc).
     omit_tensors: tensor names to leave out (tests of the loader's error for a missing tensor).
     """
     _check_shape(arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train,
@@ -905,6 +932,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                   split_experts)
     heads = _laguna_heads(arch, n_layer, n_head, n_head_kv, n_head_swa, swa_layers, n_rot_swa, head_dim,
                           n_layer_dense_lead, expert_weights_scale, gate_per_element)
+    if mtp and arch not in HYBRID_ARCHS:
+        raise ValueError(f"mtp (a multi-token-prediction layer) is a {' / '.join(HYBRID_ARCHS)} option, not {arch}'s")
+    n_nextn = 1 if mtp else 0
     if rope_scaling_type not in ("linear", "yarn"):
         raise ValueError(f"rope_scaling_type must be 'linear' or 'yarn', got {rope_scaling_type!r}")
     if full_attention_interval is None:
@@ -919,7 +949,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
                          ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval,
                          swa_layers=swa_layers, n_head_swa=n_head_swa or n_head, n_layer_dense_lead=n_layer_dense_lead,
                          gate_per_element=gate_per_element, head_dim_swa=head_dim_swa, n_ff_layers=n_ff_layers,
-                         n_embd_per_layer=n_embd_per_layer, split_experts=split_experts)
+                         n_embd_per_layer=n_embd_per_layer, split_experts=split_experts, n_nextn=n_nextn)
     omit = set(omit_tensors)
     unknown = omit - {s.name for s in specs}
     if unknown:
@@ -928,6 +958,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     if echo:
         specs = [TensorSpec(s.name, s.ne, "echo", s.qtype) if any(r in s.name for r in _RESIDUAL_WRITERS) else s
                  for s in specs]
+        specs = [_echo_nextn(s) if ".nextn." in s.name else s for s in specs]
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name or f"random-{arch}-{n_layer}L-{n_embd}E-{weight_type}")
@@ -936,7 +967,7 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
+    w.add_block_count(n_layer + n_nextn)
     if n_ff_layers:
         w.add_feed_forward_length([int(f) for f in n_ff_layers])
     elif n_ff:
@@ -985,6 +1016,10 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     if arch in HYBRID_ARCHS:
         _add_delta_net_keys(w, ssm_d_conv, ssm_d_state, ssm_n_group, ssm_dt_rank, full_attention_interval,
                             rope_sections)
+    if n_nextn:   # as the converter's Qwen3.5 classes (config.json has layer_types): a flag for every block
+        w.add_nextn_predict_layers(n_nextn)
+        w.add_array(f"{arch}.attention.recurrent_layers",
+                    [(il + 1) % full_attention_interval != 0 for il in range(n_layer)] + [False] * n_nextn)
 
     _add_tokenizer(w, tok)
     for s in specs:
@@ -996,6 +1031,13 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     _write_tensor_data(w, specs, _Random(seed, weight_std))
     w.close()
     return path
+
+
+def _echo_nextn(spec: TensorSpec) -> TensorSpec:
+    """An echo model's nextn tensors: norms of ones, and an eh_proj that passes the normed embedding through (F32)."""
+    if spec.kind == "eh_proj":
+        return TensorSpec(spec.name, spec.ne, "eh_echo", QT.F32)
+    return TensorSpec(spec.name, spec.ne, "norm", QT.F32) if spec.kind == "scale" else spec
 
 
 def _add_moe_keys(w: gguf.GGUFWriter, n_expert: int, n_expert_used: int, n_ff_exp: int, n_ff_shexp: int) -> None:
@@ -1071,8 +1113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-layer", type=int, default=None,
                     help="override the shape's layer count (hybrid shapes keep their full-attention interval)")
     ap.add_argument("--n-ctx-train", type=int, default=None, help="override the shape's trained context")
+    ap.add_argument("--mtp", action="store_true",
+                    help="add a multi-token-prediction (nextn) layer after the trunk (qwen35 / qwen35moe shapes)")
     args = ap.parse_args(argv)
     overrides = dict(weight_type=args.weight_type, seed=args.seed, tied_embeddings=args.tied_embeddings, echo=args.echo)
+    if args.mtp:
+        overrides["mtp"] = True
     if args.n_layer is not None:
         overrides["n_layer"] = args.n_layer
     if args.n_ctx_train is not None:

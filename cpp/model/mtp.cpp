@@ -1,0 +1,46 @@
+#include "model/mtp.h"
+
+namespace kvf {
+
+namespace {
+
+// The block's input: eh_proj([enorm(embedding of the step's tokens); hnorm(h)]), h [n_embd, n_tokens].
+ggml_tensor * mtp_input(GraphCtx & g, const Model & m, ggml_tensor * h) {
+    const MtpWeights & w = m.mtp;
+    const float eps = m.hparams().rms_eps;
+    ggml_tensor * e = ggml_get_rows(g.ctx, w.embed_tokens ? w.embed_tokens : m.tok_embd, g.in.tokens);
+    ggml_tensor * eh = ggml_concat(g.ctx, rms_norm(g, e, w.enorm, eps), rms_norm(g, h, w.hnorm, eps), 0);
+    return ggml_mul_mat(g.ctx, w.eh_proj, eh);
+}
+
+}  // namespace
+
+ggml_tensor * build_mtp_follow(GraphCtx & g, const Model & m, ggml_tensor * h) {
+    ggml_context * ctx = g.ctx;
+    const int64_t E = h->ne[0], n = g.n_tokens;
+    ggml_tensor * hn = rms_norm(g, h, m.output_norm, m.hparams().rms_eps);   // [E, n]: what the logits see
+    ggml_tensor * carry = g.recurrent->mtp_carry();
+    ggml_tensor * prev = ggml_reshape_2d(ctx, carry, E, 1);
+    ggml_tensor * shifted = n == 1 ? prev : ggml_concat(ctx, prev, ggml_view_2d(ctx, hn, E, n - 1, hn->nb[1], 0), 1);
+    m.arch().mtp->write_kv(g, m, mtp_input(g, m, shifted));
+    // The carry moves on to the step's last state. The writes above read the old carry, and the graph runs its nodes
+    // in the order they were added (as the linear-attention layers' conv state relies on too).
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_2d(ctx, hn, E, 1, hn->nb[1], (n - 1) * hn->nb[1]), prev));
+    return select_outputs(g, h);
+}
+
+ggml_tensor * build_mtp_draft(GraphCtx & g, const Model & m, ggml_tensor * h) {
+    ggml_context * ctx = g.ctx;
+    const MtpWeights & w = m.mtp;
+    ggml_tensor * h2 = ggml_reshape_2d(ctx, h, h->ne[0], 1);
+    ggml_tensor * y = m.arch().mtp->block(g, m, mtp_input(g, m, h2));
+    y = rms_norm(g, y, w.head_norm ? w.head_norm : m.output_norm, m.hparams().rms_eps);   // libllama's h_nextn
+    ggml_tensor * logits = ggml_mul_mat(ctx, w.head ? w.head : m.output, y);   // no softcap: libllama's graph_mtp has none
+    ggml_set_name(logits, "mtp_logits");
+    ggml_set_output(logits);
+    ggml_build_forward_expand(g.gf, logits);
+    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, y, h2));   // y depends on h: the copy comes after every read of it
+    return logits;
+}
+
+}  // namespace kvf
