@@ -466,3 +466,48 @@ def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
     report(f"CUDA-BATCH {variant} arena={arena}: greedy alone {greedy_a} batched {greedy_b}, "
            f"{decoder.attention_calls} attention calls per layer")
     assert decoder.attention_calls == (1 if arena else 3)
+
+
+# The MTP head (qwen35's nextn layer) on the GPU: head 64 for the attention (flash on CUDA), delta-net head 32.
+MTP_SHAPE = dict(n_embd=128, head_dim=64, n_ff=256, mtp=True)
+
+
+@pytest.mark.parametrize("attention", ["flash", "matmul"])
+def test_mtp_drafts_on_cuda_equal_libllamas_mtp_context(tmp_path, attention):
+    """Four chained drafts of the head after a prompt, ours on CUDA against libllama's MTP context on CUDA on the
+    same file (the same kernels: TOL_FLOAT admits reassociation), and the same greedy drafts."""
+    path = str(rg.write_preset(tmp_path / "mtp.gguf", "tiny-qwen35", weight_type="f32", **MTP_SHAPE))
+    ref = _core.testing.LlamaReference(path, n_ctx=1024, n_threads=4, flash_attn=attention == "flash",
+                                       n_gpu_layers=999, mtp=True)
+    gpu = _core.Model(path, backend="cuda", mtp=True)
+    s = _core.Session(gpu, _core.SessionConfig(max_tokens=1024, attention=attention, mtp=True))
+    prompt = prompt_for(gpu.hparams.n_vocab, n=300)
+    logits = s.forward(prompt, 0)
+    trunk = float(np.abs(logits - ref.decode(prompt.tolist())).max())   # libllama's context takes the prompt too
+    token, drafts, rows = int(logits.argmax()), [], []
+    for i in range(4):
+        rows.append(s.mtp_draft(token if i == 0 else drafts[-1], i))
+        drafts.append(int(rows[-1].argmax()))
+    theirs = ref.mtp_draft([token, *drafts[:-1]])
+    diff = float(np.abs(np.stack(rows) - theirs).max())
+    report(f"CUDA-MTP {attention}: drafts {drafts}, max |logit diff| vs libllama: trunk {trunk:.2e}, "
+           f"MTP context {diff:.2e}")
+    assert np.isfinite(theirs).all() and trunk <= TOL_FLOAT and diff <= TOL_FLOAT
+    assert drafts == [int(r.argmax()) for r in theirs]
+
+
+def test_mtp_speculation_on_cuda_equals_plain_greedy(tmp_path):
+    """The echo model's head and trunk repeat the token: every draft is kept, whatever the kernels' summation
+    order, so greedy speculation on a paging pool must give plain greedy's tokens exactly."""
+    from kvflash_ggml import Model
+
+    path = str(rg.write_preset(tmp_path / "echo.gguf", "tiny-qwen35", weight_type="q8_0", echo=True, **MTP_SHAPE))
+    prompt = prompt_for(1000, n=900).tolist()
+    kw = dict(n_ctx=2048, backend="cuda", policy="lru", pool_tokens=448)
+    with Model(path, **kw) as plain, Model(path, **kw, speculative="mtp") as spec:
+        want = [r.token for r in plain.engine.generate(prompt, max_tokens=64, temperature=0.0) if r.token is not None]
+        got = [r.token for r in spec.engine.generate(prompt, max_tokens=64, temperature=0.0) if r.token is not None]
+        st = spec.stats()
+    report(f"CUDA-MTP-SPEC: acceptance {st['spec_acceptance']:.2f}, drafted {st['spec_drafted']}, same tokens {got == want}")
+    assert got == want and len(want) == 64
+    assert st["spec_mode"] == "mtp" and st["spec_acceptance"] == 1.0 and st["page_outs"] > 0
