@@ -28,11 +28,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--arena", action="store_true")
     ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--pools", default="448,0,640", help="the three sessions' pools (without --arena)")
     args = ap.parse_args()
     shape, kw = SHAPES[args.variant]
     path = rg.write_preset(Path(tempfile.mkdtemp()) / "m.gguf", shape, **kw)
     model = _core.Model(str(path), backend=args.backend)
-    pools, lengths = ([448] * 3 if args.arena else [448, 0, 640]), [400, 90, 700]
+    pools, lengths = ([448] * 3 if args.arena else [int(x) for x in args.pools.split(",")]), [400, 90, 700]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.hparams.n_vocab, n).astype(np.int32) for n in lengths]
 
