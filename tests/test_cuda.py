@@ -65,16 +65,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cuda-gguf")
-    paths: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in paths:
-            shape, kw, _ = VARIANTS[variant]
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", shape, **kw))
-        return paths[variant]
-
-    return get
+    return rg.preset_files(tmp_path_factory.mktemp("cuda-gguf"), VARIANTS)
 
 
 def prompt_for(n_vocab: int, n: int = N_PROMPT, seed: int = 1) -> np.ndarray:

@@ -60,16 +60,7 @@ EXACT_VARIANTS = ["llama-f32", "qwen2-f32", "qwen3-f32", "llama-f16", "llama-q8_
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     """variant -> path of its GGUF, each written once per module."""
-    root = tmp_path_factory.mktemp("random-gguf")
-    paths: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in paths:
-            shape, kw = VARIANTS[variant]
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", shape, **kw))
-        return paths[variant]
-
-    return get
+    return rg.preset_files(tmp_path_factory.mktemp("random-gguf"), VARIANTS)
 
 
 def random_prompt(n_vocab: int, seed: int = 1) -> np.ndarray:

@@ -42,16 +42,8 @@ POOL = 448   # the smallest pool (7 blocks): contexts of 900 tokens page
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    paths: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in paths:
-            shape, wt = VARIANTS[variant]
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", shape, weight_type=wt))
-        return paths[variant]
-
-    return get
+    return rg.preset_files(tmp_path_factory.mktemp("hybrid"),
+                           {name: (shape, dict(weight_type=wt)) for name, (shape, wt) in VARIANTS.items()})
 
 
 def session(model, pool: int = 0, **kw) -> _core.Session:

@@ -40,16 +40,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp")
-    paths: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in paths:
-            shape, kw = VARIANTS[variant]
-            paths[variant] = str(rg.write_preset(root / f"{variant}.gguf", shape, **kw))
-        return paths[variant]
-
-    return get
+    return rg.preset_files(tmp_path_factory.mktemp("mtp"), VARIANTS)
 
 
 def head_model(path: str) -> _core.Model:

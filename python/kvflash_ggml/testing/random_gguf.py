@@ -64,7 +64,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import gguf
 import numpy as np
@@ -1097,6 +1097,20 @@ def write_preset(path: str | Path, shape: str, **overrides) -> Path:
         raise ValueError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     kw = {**SHAPES[shape], **overrides}
     return write_random_gguf(path, kw.pop("arch"), **kw)
+
+
+def preset_files(root: str | Path, variants: dict) -> Callable[[str], str]:
+    """variant -> the path of its GGUF under root, written on first use: variants maps a name to (shape,
+    overrides, ...) (tests keep a tolerance or more after them)."""
+    paths: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in paths:
+            shape, overrides = variants[variant][:2]
+            paths[variant] = str(write_preset(Path(root) / f"{variant}.gguf", shape, **overrides))
+        return paths[variant]
+
+    return get
 
 
 def main(argv: list[str] | None = None) -> int:
