@@ -1,6 +1,7 @@
 #include "bindings/bindings.h"
 
 #include "model/model.h"
+#include "model/rpc.h"
 #include "model/vocab.h"
 #include "reference/llama_reference.h"
 
@@ -134,17 +135,27 @@ void register_model(py::module_ & m, py::module_ & testing) {
                       "multi-token-prediction (nextn) layers in the file, after the trunk's n_layer");
 
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
-        .def(py::init([](const std::string & path, const std::string & backend, int n_threads, bool mtp) {
+        .def(py::init([](const std::string & path, const std::string & backend, int n_threads, bool mtp,
+                         const std::vector<std::string> & rpc) {
                  py::gil_scoped_release nogil;
-                 return std::make_shared<Model>(path, ModelOptions{backend, n_threads, mtp});
+                 ModelOptions o;
+                 o.backend = backend;
+                 o.n_threads = n_threads;
+                 o.mtp = mtp;
+                 o.rpc = rpc;
+                 return std::make_shared<Model>(path, o);
              }),
              py::arg("path"), py::kw_only(), py::arg("backend") = "auto", py::arg("n_threads") = 0, py::arg("mtp") = false,
+             py::arg("rpc") = std::vector<std::string>{},
              "mtp: also load the first multi-token-prediction (nextn) layer, the head Session(mtp=True) drafts with "
-             "(ValueError for a file or family without one)")
+             "(ValueError for a file or family without one). rpc: ['host:port'] of one ggml-rpc-server, whose first "
+             "device holds the weights and the pool (backend 'rpc'; 'auto' with rpc means 'rpc'); each endpoint is "
+             "checked first: ValueError for a bad spelling, ConnectionError when it does not answer within 5 s")
         .def_property_readonly("has_mtp", &Model::has_mtp, "the multi-token-prediction head is loaded")
         .def_property_readonly("hparams", &Model::hparams)
         .def_property_readonly("path", &Model::path)
-        .def_property_readonly("on_gpu", &Model::on_gpu)
+        .def_property_readonly("on_gpu", &Model::on_gpu, "weights on a device other than the local CPU (GPU or RPC)")
+        .def_property_readonly("on_rpc", &Model::on_rpc, "weights and pool on an RPC device")
         .def_property_readonly("backend_name", [](const Model & mo) { return std::string(ggml_backend_name(mo.backend())); })
         .def_property("n_threads", &Model::n_threads,
                       py::cpp_function(&Model::set_n_threads, py::call_guard<py::gil_scoped_release>()))
@@ -168,6 +179,25 @@ void register_model(py::module_ & m, py::module_ & testing) {
         }
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
+    // RPC endpoints: checked before ggml-rpc sees them (it aborts the process on a failed connect).
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const RpcUnreachable & e) {
+            PyErr_SetString(PyExc_ConnectionError, e.what());
+        }
+    });
+    m.def("rpc_available", &rpc_available, "ggml's RPC backend is in this build (KVFLASH_RPC=ON)");
+    m.def("parse_rpc_endpoint", [](const std::string & e) {
+        const RpcEndpoint ep = parse_rpc_endpoint(e);
+        return py::make_tuple(ep.host, ep.port);
+    }, py::arg("endpoint"), "'host:port' -> (host, port); ValueError for anything else");
+    m.def("check_rpc_endpoint", [](const std::string & e, double timeout_s) {
+        const RpcEndpoint ep = parse_rpc_endpoint(e);
+        py::gil_scoped_release nogil;
+        check_rpc_endpoint(ep, timeout_s);
+    }, py::arg("endpoint"), py::arg("timeout_s") = 5.0,
+       "connect and run ggml-rpc's handshake; ConnectionError naming the endpoint if it does not answer in time");
     bind_vocab(m);
     bind_reference(testing);
 }

@@ -41,6 +41,9 @@ void touch_pages(uint8_t * p, size_t bytes) {
 bool can_pin_for(ggml_backend_t backend) {
 #ifdef KVFLASH_CUDA
     ggml_backend_dev_t dev = backend ? ggml_backend_get_device(backend) : nullptr;
+    // ggml-rpc's devices call themselves GPUs too: their copies go through a socket, not a local DMA
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (reg && std::string(ggml_backend_reg_name(reg)) == "RPC") return false;
     return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU;
 #else
     (void) backend;

@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include "model/backends.h"
+#include "model/rpc.h"
 #include "model/gguf_meta.h"
 
 #include "gguf.h"
@@ -60,11 +61,19 @@ private:
     ggml_context * meta_;
 };
 
-ggml_backend_t pick_backend(const std::string & want) {
-    if (want == "cpu") return nullptr;
-    if (want != "auto" && want != "cuda") {
-        throw std::invalid_argument("unknown backend '" + want + "' (expected auto, cpu or cuda)");
+ggml_backend_t pick_backend(const std::string & want, const std::vector<std::string> & rpc, std::shared_ptr<void> & hold) {
+    if (want != "auto" && want != "cpu" && want != "cuda" && want != "rpc") {
+        throw std::invalid_argument("unknown backend '" + want + "' (expected auto, cpu, cuda or rpc)");
     }
+    if (!rpc.empty() && want != "auto" && want != "rpc") {
+        throw std::invalid_argument("rpc endpoints given with backend '" + want + "' (use backend 'rpc' or 'auto')");
+    }
+    if (want == "rpc" || !rpc.empty()) {   // checks each endpoint first
+        RpcDevice d = rpc_backend_init(rpc);
+        hold = std::move(d.hold);
+        return d.backend;
+    }
+    if (want == "cpu") return nullptr;
     ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
     if (!dev) {
         if (want == "cuda") throw std::runtime_error("backend 'cuda' requested, but no GPU backend is available "
@@ -101,7 +110,8 @@ Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) 
     cpu_backend_ = cpu_backend_init();   // throws with the reason when no CPU variant loads
     try {
         set_n_threads(opts.n_threads);
-        backend_ = pick_backend(opts.backend);
+        backend_ = pick_backend(opts.backend, opts.rpc, rpc_hold_);
+        on_rpc_ = opts.backend == "rpc" || !opts.rpc.empty();
         if (!backend_) backend_ = cpu_backend_;
         load_tensors(gctx, meta, opts.mtp);
     } catch (...) {

@@ -252,7 +252,10 @@ const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupporte
 std::string supported_archs();                          // "llama, qwen2, qwen3, ..."
 
 struct ModelOptions {
-    std::string backend = "auto";   // "auto" | "cpu" | "cuda"
+    std::string backend = "auto";   // "auto" | "cpu" | "cuda" | "rpc"
+    // backend "rpc": the ggml-rpc-server endpoints ("host:port"); one for now, whose first device holds the
+    // weights and the pool (cpp/model/rpc.h). Given with backend "auto", it means "rpc".
+    std::vector<std::string> rpc;
     int n_threads = 0;               // 0 = all physical cores
     // Load the first multi-token-prediction (nextn) layer (the MTP drafter's head; a file or family without one
     // is an error). Off, its weights are skipped: they take device memory only where a session drafts with them.
@@ -271,7 +274,10 @@ public:
     const std::string & path() const { return path_; }
     ggml_backend_t backend() const { return backend_; }         // where weights and the pool live
     ggml_backend_t cpu_backend() const { return cpu_backend_; } // always present (scheduler fallback)
+    // Weights and pool on a device other than the local CPU (a GPU, or an RPC device): the scheduler keeps the
+    // CPU backend as fallback and the step inputs on the host.
     bool on_gpu() const { return backend_ != cpu_backend_; }
+    bool on_rpc() const { return on_rpc_; }
     int n_threads() const { return n_threads_; }
     void set_n_threads(int n);   // waits for a compute in progress
     int64_t weight_bytes() const;
@@ -309,6 +315,8 @@ private:
     const ArchSpec * arch_ = nullptr;
     ggml_backend_t backend_ = nullptr;
     ggml_backend_t cpu_backend_ = nullptr;
+    bool on_rpc_ = false;
+    std::shared_ptr<void> rpc_hold_;   // this process's connection to the RPC endpoint is in use (model/rpc.h)
     std::atomic<int> n_threads_{1};   // read without the compute mutex, set under it
     ggml_context * ctx_w_ = nullptr;
     ggml_backend_buffer_t buf_w_ = nullptr;

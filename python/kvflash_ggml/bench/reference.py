@@ -100,7 +100,8 @@ def open_model(args: argparse.Namespace, prog: str, *, mtp: bool = False) -> tup
     cannot be loaded ends the command."""
     try:
         path = resolve_model_path(args.model)
-        return path, _core.Model(path, backend=args.backend, n_threads=args.threads, mtp=mtp), Tokenizer(path)
+        return path, _core.Model(path, backend=args.backend, n_threads=args.threads, mtp=mtp,
+                                  rpc=getattr(args, "rpc", None) or []), Tokenizer(path)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2)

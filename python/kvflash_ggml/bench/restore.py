@@ -110,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         path = resolve_model_path(args.model)
-        model = _core.Model(path, backend=args.backend, n_threads=args.threads)
+        model = _core.Model(path, backend=args.backend, n_threads=args.threads, rpc=getattr(args, "rpc", None) or [])
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench restore: {e}", file=sys.stderr)
         return 2

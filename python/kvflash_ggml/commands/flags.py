@@ -28,9 +28,25 @@ def parse_pool(value: str) -> Union[None, int, str]:
     return n
 
 
+def parse_rpc(value: str) -> list[str]:
+    """--rpc host:port[,host:port...]: each spelling checked here (reachability when the model loads)."""
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    if not endpoints:
+        raise argparse.ArgumentTypeError("expected host:port[,host:port...]")
+    for e in endpoints:
+        try:
+            _core.parse_rpc_endpoint(e)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return endpoints
+
+
 def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = None) -> None:
     ap.add_argument("--model", default="smollm2", help="GGUF path or a known short name (default: smollm2)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rpc"])
+    ap.add_argument("--rpc", type=parse_rpc, default=None, metavar="HOST:PORT[,...]",
+                    help="weights and pool on the first device of this ggml-rpc-server (implies --backend rpc; "
+                         "one server for now). No authentication: trusted networks only (see README)")
     ap.add_argument("--threads", type=int, default=threads,
                     help=f"CPU threads (default: {threads or 'all cores'})")
 
@@ -136,7 +152,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def model_keywords(args: argparse.Namespace) -> dict:
     """Model(...) keywords for the parsed model, pool and residency flags (Model builds the dataclasses)."""
     return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, backend=args.backend,
-                      n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
+                      rpc=getattr(args, "rpc", None), n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
                       refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),
                 pool_tokens=args.kvflash, speculative=speculative_config(args))

@@ -59,7 +59,8 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     path = resolve_model_path(args.model)
     pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
     speculative = speculative_config(args)
-    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative))
+    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative),
+                        rpc=args.rpc or [])
     tokenizer = Tokenizer(path)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
