@@ -123,12 +123,21 @@ def tiny(tmp_path_factory):
     return lambda arch: str(rg.write_preset(root / f"{arch}.gguf", f"tiny-{arch}", weight_type="q8_0"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "laguna",
-                                  "gemma4"])
-def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch):
+def _by_length(view):
+    """A policy that reselects: random scores seeded by the tokens held, so a reselect after another token than
+    plain decoding's would keep other chunks."""
+    return np.random.default_rng(len(view.tokens)).random(view.n_chunks)
+
+
+@pytest.mark.parametrize("arch,policy", [(a, "lru") for a in ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35",
+                                                                "qwen35moe", "laguna", "gemma4"]] +
+                         [("llama", _by_length)])
+def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch, policy):
     # q8_0 weights on the mul_mat path: a row of a verify step is bit-identical to the same token alone. The
-    # hybrids go back to the state stashed before each verify step and run the kept tokens again.
-    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul", policy="lru", tau=16)
+    # hybrids go back to the state stashed before each verify step and run the kept tokens again. A policy that
+    # reselects (every 16 tokens) ends a verify step where a reselect falls due, so it runs after the same
+    # token as in plain decoding; lru never reselects, and its steps do not stop there.
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul", policy=policy, tau=16)
     rng = np.random.default_rng(2)
     motif = rng.integers(0, 1000, 37).tolist()
     prompt = (motif * 30)[:1000]   # repeats: prompt lookup has something to find
@@ -138,6 +147,8 @@ def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch):
         st = spec.stats()
     assert got == want
     assert st["spec_steps"] > 0 and st["spec_drafted"] > 0
+    if policy is _by_length:
+        assert st["reselects"] > 0
 
 
 class _CountingSession:
