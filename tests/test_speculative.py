@@ -74,6 +74,27 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_match():
     assert lookup.propose([5, 6], 3, greedy) == ([], None)           # a new history: indexed afresh, no match
 
 
+def test_prompt_lookup_follows_a_history_that_goes_back():
+    # One index through extensions, rewinds to a shared prefix and new prompts (each followed first, as a
+    # generation does) proposes what a lookup that indexed each history afresh proposes.
+    rng = np.random.default_rng(0)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    lookup, h = PromptLookup(ngram=3), rng.integers(0, 6, 40).tolist()
+    lookup.follow(h)
+    for step in range(300):
+        r = rng.random()
+        if r < 0.6:
+            h = h + rng.integers(0, 6, int(rng.integers(1, 4))).tolist()   # tokens picked
+        elif r < 0.9:
+            h = h[:int(rng.integers(1, len(h) + 1))] + rng.integers(0, 6, int(rng.integers(0, 3))).tolist()   # back
+            lookup.follow(h)
+        else:
+            h = rng.integers(0, 6, int(rng.integers(2, 30))).tolist()   # another prompt
+            lookup.follow(h)
+        k = int(rng.integers(1, 6))
+        assert lookup.propose(h, k, greedy) == PromptLookup(ngram=3).propose(h, k, greedy), step
+
+
 @pytest.mark.parametrize("target,own", [("smollm2", "gemma3-270m"), ("gemma3-270m", "smollm2")])
 def test_text_mapping_grows_as_a_whole_mapping_would(target, own):
     # The draft of another vocabulary maps the history incrementally (only the text near the old end is
