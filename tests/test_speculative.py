@@ -74,6 +74,27 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_match():
     assert lookup.propose([5, 6], 3, greedy) == ([], None)           # a new history: indexed afresh, no match
 
 
+def test_prompt_lookup_follows_a_history_that_goes_back():
+    # One index through extensions, rewinds to a shared prefix and new prompts (each followed first, as a
+    # generation does) proposes what a lookup that indexed each history afresh proposes.
+    rng = np.random.default_rng(0)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    lookup, h = PromptLookup(ngram=3), rng.integers(0, 6, 40).tolist()
+    lookup.follow(h)
+    for step in range(300):
+        r = rng.random()
+        if r < 0.6:
+            h = h + rng.integers(0, 6, int(rng.integers(1, 4))).tolist()   # tokens picked
+        elif r < 0.9:
+            h = h[:int(rng.integers(1, len(h) + 1))] + rng.integers(0, 6, int(rng.integers(0, 3))).tolist()   # back
+            lookup.follow(h)
+        else:
+            h = rng.integers(0, 6, int(rng.integers(2, 30))).tolist()   # another prompt
+            lookup.follow(h)
+        k = int(rng.integers(1, 6))
+        assert lookup.propose(h, k, greedy) == PromptLookup(ngram=3).propose(h, k, greedy), step
+
+
 @pytest.mark.parametrize("target,own", [("smollm2", "gemma3-270m"), ("gemma3-270m", "smollm2")])
 def test_text_mapping_grows_as_a_whole_mapping_would(target, own):
     # The draft of another vocabulary maps the history incrementally (only the text near the old end is
@@ -123,12 +144,21 @@ def tiny(tmp_path_factory):
     return lambda arch: str(rg.write_preset(root / f"{arch}.gguf", f"tiny-{arch}", weight_type="q8_0"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "laguna",
-                                  "gemma4"])
-def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch):
+def _by_length(view):
+    """A policy that reselects: random scores seeded by the tokens held, so a reselect after another token than
+    plain decoding's would keep other chunks."""
+    return np.random.default_rng(len(view.tokens)).random(view.n_chunks)
+
+
+@pytest.mark.parametrize("arch,policy", [(a, "lru") for a in ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35",
+                                                                "qwen35moe", "laguna", "gemma4"]] +
+                         [("llama", _by_length)])
+def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch, policy):
     # q8_0 weights on the mul_mat path: a row of a verify step is bit-identical to the same token alone. The
-    # hybrids go back to the state stashed before each verify step and run the kept tokens again.
-    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul", policy="lru", tau=16)
+    # hybrids go back to the state stashed before each verify step and run the kept tokens again. A policy that
+    # reselects (every 16 tokens) ends a verify step where a reselect falls due, so it runs after the same
+    # token as in plain decoding; lru never reselects, and its steps do not stop there.
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul", policy=policy, tau=16)
     rng = np.random.default_rng(2)
     motif = rng.integers(0, 1000, 37).tolist()
     prompt = (motif * 30)[:1000]   # repeats: prompt lookup has something to find
@@ -138,6 +168,8 @@ def test_greedy_speculation_equals_plain_on_tiny_models(tiny, arch):
         st = spec.stats()
     assert got == want
     assert st["spec_steps"] > 0 and st["spec_drafted"] > 0
+    if policy is _by_length:
+        assert st["reselects"] > 0
 
 
 class _CountingSession:

@@ -1,5 +1,6 @@
 #include "bindings/bindings.h"
 
+#include "model/quant_matmul.h"
 #include "model/model.h"
 #include "model/rpc.h"
 #include "model/vocab.h"
@@ -8,7 +9,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <mutex>
+#include <optional>
 
 namespace kvf::bind {
 
@@ -200,6 +203,16 @@ void register_model(py::module_ & m, py::module_ & testing) {
        "connect and run ggml-rpc's handshake; ConnectionError naming the endpoint if it does not answer in time");
     bind_vocab(m);
     bind_reference(testing);
+    testing.def("quant_mul_mat", [](std::optional<bool> enabled) {
+            if (enabled) set_quant_mul_mat_mode(*enabled ? -1 : 0);
+            return without_gil([] {
+                return std::map<std::string, bool>{{"q4_1", quant_mul_mat_usable(GGML_TYPE_Q4_1)},
+                                                   {"q8_0", quant_mul_mat_usable(GGML_TYPE_Q8_0)}};
+            });
+        }, py::arg("enabled") = py::none(),
+        "per weight type, whether graphs built from now on run it times several tokens through our kernels (ggml's "
+        "sums, several tokens per pass: model/quant_matmul.h); enabled=False: ggml_mul_mat everywhere, True: back "
+        "to automatic (where the check against ggml passed)");
 }
 
 }  // namespace kvf::bind

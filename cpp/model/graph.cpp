@@ -2,6 +2,7 @@
 
 #include "kv/kv_graph.h"
 #include "model/gguf_meta.h"
+#include "model/quant_matmul.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,10 +15,22 @@ ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, floa
     return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, eps), weight);
 }
 
+ggml_tensor * mul_mat_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x) {
+    if ((w->type != GGML_TYPE_Q4_1 && w->type != GGML_TYPE_Q8_0) || x->type != GGML_TYPE_F32 || x->ne[1] < 2 ||
+        x->ne[2] != 1 || x->ne[3] != 1 || x->nb[0] != sizeof(float) || w->ne[2] != 1 || w->ne[3] != 1 ||
+        !w->buffer || !ggml_backend_buffer_is_host(w->buffer) || w->extra || !quant_mul_mat_usable(w->type)) {
+        return ggml_mul_mat(g.ctx, w, x);
+    }
+    const ggml_type type = quant_mul_mat_input_type(w->type);
+    ggml_tensor *& xq = g.quantized_inputs[{x, type}];
+    if (!xq) xq = ggml_cpy(g.ctx, x, ggml_new_tensor_2d(g.ctx, type, x->ne[0], x->ne[1]));
+    return quant_mul_mat(g.ctx, w, xq);
+}
+
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) {
-    ggml_tensor * gate = ggml_mul_mat(g.ctx, w.ffn_gate, x);
-    ggml_tensor * up = ggml_mul_mat(g.ctx, w.ffn_up, x);
-    return ggml_mul_mat(g.ctx, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
+    ggml_tensor * gate = mul_mat_weights(g, w.ffn_gate, x);
+    ggml_tensor * up = mul_mat_weights(g, w.ffn_up, x);
+    return mul_mat_weights(g, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
 }
 
 ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
@@ -131,7 +144,7 @@ void read_moe_hparams(const gguf_context * g, ModelHparams & hp, bool shared_exp
 
 ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, int64_t head_dim,
                             int64_t n_heads) {
-    ggml_tensor * y = ggml_mul_mat(g.ctx, w, x);
+    ggml_tensor * y = mul_mat_weights(g, w, x);
     if (b) y = ggml_add(g.ctx, y, b);
     return ggml_reshape_3d(g.ctx, y, head_dim, n_heads, g.n_tokens);
 }
@@ -375,7 +388,7 @@ ggml_tensor * pool_attend(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor
 
 ggml_tensor * kv_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                            float kq_scale) {
-    return ggml_mul_mat(g.ctx, m.layers[il].wo, kv_attend(g, m, il, q, k, v, kq_scale));
+    return mul_mat_weights(g, m.layers[il].wo, kv_attend(g, m, il, q, k, v, kq_scale));
 }
 
 ggml_tensor * select_outputs(GraphCtx & g, ggml_tensor * x) {
@@ -414,7 +427,7 @@ ggml_tensor * build_stack(GraphCtx & g, const Model & m) {
 
 ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h) {
     const ModelHparams & hp = m.hparams();
-    ggml_tensor * logits = ggml_mul_mat(g.ctx, m.output, rms_norm(g, h, m.output_norm, hp.rms_eps));
+    ggml_tensor * logits = mul_mat_weights(g, m.output, rms_norm(g, h, m.output_norm, hp.rms_eps));
     if (hp.logit_softcap > 0.0f) {   // c * tanh(logits / c), as libllama computes it
         logits = ggml_scale(g.ctx, ggml_tanh(g.ctx, ggml_scale(g.ctx, logits, 1.0f / hp.logit_softcap)), hp.logit_softcap);
     }

@@ -9,6 +9,9 @@
 #include "kv/recurrent_state.h"
 #include "model/model.h"
 
+#include <map>
+#include <utility>
+
 namespace kvf {
 
 // A layer-major prefill's attention calls each hold at most this much mask (and attention matrix): its steps
@@ -90,6 +93,9 @@ struct GraphCtx {
         int64_t n_kv;    // slots attended
         bool pooled;
     };
+    // Activations quantized for quant_mul_mat, by the F32 tensor and the type (one cpy per input: q, k and v
+    // read the same one).
+    std::map<std::pair<const ggml_tensor *, ggml_type>, ggml_tensor *> quantized_inputs;
     LayerKv layer_kv(const ModelHparams & hp, int il) const {
         if (hp.is_swa(il)) return {ring, &ring_in, hp.kv_index(il), n_ring_kv, false};
         return {kv, &in.kv, one_layer_kv ? 0 : hp.kv_index(il), n_kv, hp.is_pooled(il)};
@@ -97,6 +103,10 @@ struct GraphCtx {
 };
 
 ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, float eps);
+// A weight matrix times activations [K, n]: ggml_mul_mat, except Q4_1 and Q8_0 weights in host memory times
+// several tokens, which go through quant_mul_mat (model/quant_matmul.h: ggml's sums, several tokens per pass)
+// where it is usable.
+ggml_tensor * mul_mat_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x);
 // SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
 // Mixture-of-experts feed-forward (qwen3moe, qwen35moe): the top n_expert_used SwiGLU experts by softmax

@@ -645,10 +645,12 @@ class Generation:
         if not s.full_cache:
             # Plain decoding pages once per token; a verify step places all its tokens first. So that every
             # kept token sees the pool it would have seen, a step ends before a chunk boundary (a new chunk
-            # may evict one) and where a reselect falls due (it then runs after the same token).
+            # may evict one) and, with a policy that reselects, where a reselect falls due (it then runs after
+            # the same token; lru never reselects).
             C = _core.CHUNK_TOKENS
-            room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1,
-                       e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
+            room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1)
+            if e.policy.reselects:
+                room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
         drafts, q = e.speculator.propose(self._history, room, self.sampler)
         if not drafts:
             return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
