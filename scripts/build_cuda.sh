@@ -16,7 +16,8 @@
 # Incremental: the build folder (build/<wheel tag>) is kept, so a second run recompiles only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -f third_party/llama.cpp/.kvflash-source ] || [ ! -d third_party/llama.cpp/tools/server ]; then
+if [ ! -f third_party/llama.cpp/.kvflash-source ] || [ ! -d third_party/llama.cpp/tools/server ] ||
+   [ ! -d third_party/llama.cpp/ggml/src/ggml-rpc ]; then
     if [ $# -ge 1 ]; then
         rm -rf third_party/llama.cpp && mkdir -p third_party && tar xJf "$1" -C third_party
     fi

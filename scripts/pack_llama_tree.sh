@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pack third_party/llama.cpp for a machine without network access (the lent GPU machine): CMake files,
-# ggml with only the CPU, BLAS and CUDA backends, libllama, common/, vendor/ and tools/ (llama-bench,
+# ggml with only the CPU, BLAS, CUDA and RPC backends, libllama, common/, vendor/ and tools/ (llama-bench,
 # llama-server with mtmd and an empty web UI), with the .kvflash-source stamp, so scripts/build_cuda.sh there
 # does not fetch. About 3 MB.
 # Usage: scripts/pack_llama_tree.sh OUT.tar.xz
@@ -28,7 +28,7 @@ keep_only() {   # keep_only DIR FILE...: exclude every other entry of DIR
 # not the Svelte sources (npm is never run: CMakeLists.txt sets LLAMA_BUILD_UI off).
 keep_only scripts ui-assets.cmake
 keep_only tools/ui CMakeLists.txt ui.h.in ui.cpp.in
-for b in cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan webgpu zdnn zendnn; do
+for b in cann et hexagon hip metal musa opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn; do
     excl+=(--exclude="llama.cpp/ggml/src/ggml-$b")
 done
 tar "${excl[@]}" -cJf "$out" llama.cpp
