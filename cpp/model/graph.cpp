@@ -204,6 +204,12 @@ void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor
     const int64_t n_q = g.n_attn_tokens, off = qp->ne[1] - n_q, n_kv = kp->ne[1];
     ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
     ggml_tensor * mask_last = ggml_view_2d(ctx, mask, n_kv, n_q, mask->nb[1], off * mask->nb[1]);
+    if (keys_per_block >= n_kv) {
+        ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f)));
+        return;
+    }
     const auto scores = [&](int64_t k0, int64_t nk) {   // F32 [nk, n_q, n_head]: scaled, masked
         ggml_tensor * kb = ggml_view_3d(ctx, kp, kp->ne[0], nk, kp->ne[2], kp->nb[1], kp->nb[2], k0 * kp->nb[1]);
         ggml_tensor * kq = ggml_mul_mat(ctx, kb, q_last);
@@ -221,12 +227,6 @@ void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor
         ggml_tensor * m = row_max(x);
         return ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, x, m)))), m);
     };
-    if (keys_per_block >= n_kv) {
-        ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f)));
-        return;
-    }
     ggml_tensor * lse = nullptr;   // [n_blocks, n_q, n_head], then [1, n_q, n_head]
     for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
         ggml_tensor * l = log_sum_exp(scores(k0, std::min(keys_per_block, n_kv - k0)));
@@ -255,9 +255,9 @@ std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t
                                      int64_t block_bytes) {
     if (!in.band) return {{0, n}};
     const int64_t per_block = std::max(k_min_query_block, block_bytes / (n_kv * bytes_per_key));
-    std::vector<QueryBlock> blocks;
-    for (int64_t end = n; end > 0; end -= per_block) blocks.insert(blocks.begin(), {std::max<int64_t>(0, end - per_block), 0});
-    for (size_t b = 0; b < blocks.size(); ++b) blocks[b].n = (b + 1 < blocks.size() ? blocks[b + 1].row0 : n) - blocks[b].row0;
+    const int64_t first = n - (n - 1) / per_block * per_block;   // the short block goes first
+    std::vector<QueryBlock> blocks = {{0, first}};
+    for (int64_t row0 = first; row0 < n; row0 += per_block) blocks.push_back({row0, per_block});
     return blocks;
 }
 

@@ -29,6 +29,7 @@ def find_rpc_server() -> Optional[str]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for a server started next: rpc-server, kvflash serve, llama-server)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
