@@ -24,6 +24,9 @@
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
 #                  random prompts of SPEC_CONTEXTS, pool POOL
+#     split        issue 24: the layer split of one GPU + a ggml-rpc-server on this host's CPU (-d CPU): kvflash bench
+#                  decode on the 8B shape with --rpc and --tensor-split SPLIT_TS (default 1,1), beside llama-bench with
+#                  the same --rpc and -ts (SPLIT_DEPTHS, default 0,4096; SPLIT_REPS, N_GEN)
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -104,6 +107,17 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
             --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} \
             --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+    split)
+        need_model
+        server=$(python3 -c 'from kvflash_ggml.rpc import find_rpc_server; print(find_rpc_server() or "")')
+        port=$(python3 -c 'from kvflash_ggml.rpc import free_port; print(free_port())')
+        "$server" -H 127.0.0.1 -p "$port" -d CPU > "$OUT/rpc-server.log" 2>&1 &
+        rpc_pid=$!
+        sleep 3
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --rpc "127.0.0.1:$port" --tensor-split "${SPLIT_TS:-1,1}" \
+            --depths "${SPLIT_DEPTHS:-0,4096}" --kvflash "$POOL" --n-gen "${N_GEN:-32}" --reps "${SPLIT_REPS:-3}" \
+            --json "$OUT/split.json" --plot "" 2>&1 | tee -a "$OUT/split.log"
+        kill "$rpc_pid" ;;
     prefill)
         need_model
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${PREFILL_LENGTHS:-4096,32768,131072}" \

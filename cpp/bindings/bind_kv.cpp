@@ -77,7 +77,7 @@ void bind_testing_kv(py::module_ & testing) {
                  L.chunk_tokens = chunk_tokens;
                  L.type_k = L.type_v = kv_type_from_name(kv_type);
                  L.v_trans = v_trans;
-                 w->kv = std::make_unique<PooledKV>(w->backend.get(), L);
+                 w->kv = std::make_unique<PooledKV>(LayerBackends{w->backend.get()}, L);
                  return w;
              }),
              py::kw_only(), py::arg("n_layer"), py::arg("n_embd_k"), py::arg("n_embd_v"), py::arg("pool_tokens"),

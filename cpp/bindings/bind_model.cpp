@@ -139,21 +139,28 @@ void register_model(py::module_ & m, py::module_ & testing) {
 
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init([](const std::string & path, const std::string & backend, int n_threads, bool mtp,
-                         const std::vector<std::string> & rpc) {
+                         const std::vector<std::string> & rpc, const std::vector<std::string> & devices,
+                         const std::vector<double> & tensor_split) {
                  py::gil_scoped_release nogil;
                  ModelOptions o;
                  o.backend = backend;
                  o.n_threads = n_threads;
                  o.mtp = mtp;
                  o.rpc = rpc;
+                 o.devices = devices;
+                 o.tensor_split = tensor_split;
                  return std::make_shared<Model>(path, o);
              }),
              py::arg("path"), py::kw_only(), py::arg("backend") = "auto", py::arg("n_threads") = 0, py::arg("mtp") = false,
-             py::arg("rpc") = std::vector<std::string>{},
+             py::arg("rpc") = std::vector<std::string>{}, py::arg("devices") = std::vector<std::string>{},
+             py::arg("tensor_split") = std::vector<double>{},
              "mtp: also load the first multi-token-prediction (nextn) layer, the head Session(mtp=True) drafts with "
-             "(ValueError for a file or family without one). rpc: ['host:port'] of one ggml-rpc-server, whose first "
-             "device holds the weights and the pool (backend 'rpc'; 'auto' with rpc means 'rpc'); each endpoint is "
-             "checked first: ValueError for a bad spelling, ConnectionError when it does not answer within 5 s")
+             "(ValueError for a file or family without one). The layers are split across devices as llama.cpp splits "
+             "them: rpc: ['host:port', ...] of ggml-rpc-servers (the first device of each), then this host's GPU "
+             "(backend 'auto' if there is one, 'cuda' required; 'rpc': the servers alone); or devices: the list in "
+             "layer order ('cpu', 'cudaN', 'rpc:HOST:PORT'). tensor_split: each device's share of the layers "
+             "(default: by free memory). Each endpoint is checked first: ValueError for a bad spelling, "
+             "ConnectionError when it does not answer within 5 s")
         .def_property_readonly("has_mtp", &Model::has_mtp, "the multi-token-prediction head is loaded")
         .def_property_readonly("hparams", &Model::hparams)
         .def_property_readonly("path", &Model::path)
@@ -163,6 +170,21 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_property("n_threads", &Model::n_threads,
                       py::cpp_function(&Model::set_n_threads, py::call_guard<py::gil_scoped_release>()))
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
+        .def_property_readonly("devices", [](const Model & mo) {
+                 py::list out;
+                 const int64_t n_layer = mo.hparams().n_layer;
+                 for (int d = 0; d < mo.n_devices(); ++d) {
+                     py::list held;
+                     for (int64_t il = 0; il <= n_layer; ++il) if (mo.device_of(il) == d) held.append(il);
+                     py::dict e;
+                     e["name"] = std::string(ggml_backend_name(mo.device_backend(d)));
+                     e["layers"] = held;
+                     e["weight_bytes"] = mo.device_weight_bytes(d);
+                     out.append(e);
+                 }
+                 return out;
+             }, "the split: per device (in layer order) its name, the layers it holds (n_layer: the output layer) and "
+                "its weight bytes")
         .def_property_readonly("fingerprint", &Model::fingerprint);
     m.def("supported_archs", &supported_archs);
     m.def("gpu_devices", [] {

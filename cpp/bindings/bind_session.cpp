@@ -184,9 +184,22 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
                  d["prefill_staging_bytes"] = m.prefill_staging_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;
+                 py::list devices;
+                 for (const DeviceMemory & dm : m.devices) {
+                     py::dict e;
+                     e["name"] = dm.name;
+                     e["weight_bytes"] = dm.weight_bytes;
+                     e["pool_bytes"] = dm.pool_bytes;
+                     e["ring_bytes"] = dm.ring_bytes;
+                     e["recurrent_bytes"] = dm.recurrent_bytes;
+                     e["compute_bytes"] = dm.compute_bytes;
+                     devices.append(e);
+                 }
+                 d["devices"] = devices;
                  return d;
              }, "device bytes besides the weights: the pool, the sliding-window rings, the step graphs' compute buffer, the largest layer-major "
-                "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers")
+                "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers; devices: "
+                "per device of the model's split, its weights and the session's pool, rings, state and compute buffers")
         .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
                  if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
                  const std::vector<float> v(scores.data(), scores.data() + scores.size());

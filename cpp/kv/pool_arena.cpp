@@ -31,41 +31,33 @@ PoolArena::PoolArena(int64_t n_lanes) : n_lanes_(n_lanes), taken_((size_t) std::
     if (n_lanes <= 0) throw std::invalid_argument("a pool arena needs at least one lane, got " + std::to_string(n_lanes));
 }
 
-PoolArena::~PoolArena() {
-    if (buf_) ggml_backend_buffer_free(buf_);
-    if (ctx_) ggml_free(ctx_);
-}
+PoolArena::~PoolArena() = default;
 
-void PoolArena::allocate(ggml_backend_t backend, const KvLayout & L) {
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
-    ctx_ = ggml_init(params);
+void PoolArena::allocate(const LayerBackends & backends, const KvLayout & L) {
+    auto bufs = std::make_unique<BackendBuffers>((size_t) (2 * L.n_layer));
+    std::vector<ggml_tensor *> k, v;
     const int64_t rows = L.pool_tokens * n_lanes_;
     for (int64_t il = 0; il < L.n_layer; ++il) {
-        k_.push_back(ggml_new_tensor_2d(ctx_, L.type_k, L.n_embd_k, rows));
-        v_.push_back(L.v_trans ? ggml_new_tensor_2d(ctx_, L.type_v, L.pool_tokens, L.n_embd_v * n_lanes_)
-                               : ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, rows));
-        ggml_format_name(k_.back(), "arena_k_%d", (int) il);
-        ggml_format_name(v_.back(), "arena_v_%d", (int) il);
+        ggml_context * c = bufs->ctx(backends[(size_t) il]);
+        k.push_back(ggml_new_tensor_2d(c, L.type_k, L.n_embd_k, rows));
+        v.push_back(L.v_trans ? ggml_new_tensor_2d(c, L.type_v, L.pool_tokens, L.n_embd_v * n_lanes_)
+                              : ggml_new_tensor_2d(c, L.type_v, L.n_embd_v, rows));
+        ggml_format_name(k.back(), "arena_k_%d", (int) il);
+        ggml_format_name(v.back(), "arena_v_%d", (int) il);
     }
-    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
-    if (!buf_) {
-        ggml_free(ctx_);
-        ctx_ = nullptr;
-        k_.clear();
-        v_.clear();
-        throw std::runtime_error("PoolArena: could not allocate " + std::to_string(device_bytes()) + " bytes for " +
-                                 std::to_string(n_lanes_) + " pools on " + ggml_backend_name(backend));
-    }
-    ggml_backend_buffer_clear(buf_, 0);
+    bufs->allocate("the pools of " + std::to_string(n_lanes_) + " sessions");   // throws: nothing is kept
+    bufs_ = std::move(bufs);
+    k_ = std::move(k);
+    v_ = std::move(v);
     layout_ = L;
-    backend_ = backend;
+    backends_ = backends;
 }
 
-int64_t PoolArena::acquire(ggml_backend_t backend, const KvLayout & layout) {
+int64_t PoolArena::acquire(const LayerBackends & backends, const KvLayout & layout) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!buf_) {
-        allocate(backend, layout);
-    } else if (backend != backend_ || !same_layout(layout, layout_)) {
+    if (!bufs_) {
+        allocate(backends, layout);
+    } else if (backends != backends_ || !same_layout(layout, layout_)) {
         throw std::invalid_argument("a session joining a pool arena must have the pool of the sessions already in it (" +
                                     describe(layout_) + "), got " + describe(layout));
     }

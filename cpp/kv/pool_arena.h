@@ -20,6 +20,7 @@
 #include "ggml-backend.h"
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -32,10 +33,10 @@ public:
     PoolArena(const PoolArena &) = delete;
     PoolArena & operator=(const PoolArena &) = delete;
 
-    // A free lane for a pool of `layout` on `backend` (the arena is allocated on the first call). Throws
-    // std::invalid_argument when the layout or the backend differs from the first session's, and when
-    // every lane is taken.
-    int64_t acquire(ggml_backend_t backend, const KvLayout & layout);
+    // A free lane for a pool of `layout` whose layer il lives on backends[il] (the arena is allocated on the first
+    // call, each layer on its backend). Throws std::invalid_argument when the layout or the backends differ from
+    // the first session's, and when every lane is taken.
+    int64_t acquire(const LayerBackends & backends, const KvLayout & layout);
     void release(int64_t lane);
 
     int64_t n_lanes() const { return n_lanes_; }
@@ -51,15 +52,14 @@ public:
     ggml_tensor * lane_v(ggml_context * ctx, int64_t il, int64_t lane) const;
 
 private:
-    void allocate(ggml_backend_t backend, const KvLayout & layout);
+    void allocate(const LayerBackends & backends, const KvLayout & layout);
 
     const int64_t n_lanes_;
     mutable std::mutex mutex_;
     std::vector<bool> taken_;
     KvLayout layout_;
-    ggml_backend_t backend_ = nullptr;
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    LayerBackends backends_;
+    std::unique_ptr<BackendBuffers> bufs_;
     std::vector<ggml_tensor *> k_, v_;
 };
 

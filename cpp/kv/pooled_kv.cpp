@@ -74,35 +74,40 @@ void PooledKV::check_layout(const KvLayout & L) {
     }
 }
 
-PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout) : layout_(layout), backend_(backend) {
+namespace {
+
+bool any_can_pin(const std::vector<ggml_backend_t> & backends) {
+    return std::any_of(backends.begin(), backends.end(), [](ggml_backend_t b) { return can_pin_for(b); });
+}
+
+}  // namespace
+
+PooledKV::PooledKV(const LayerBackends & backends, const KvLayout & layout) : layout_(layout) {
     const auto & L = layout_;
     check_layout(L);
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
-    ctx_ = ggml_init(params);
+    backends_ = per_layer(backends, L.n_layer);
+    distinct_ = distinct(backends_);
+    own_ = std::make_unique<BackendBuffers>((size_t) (2 * L.n_layer));
     for (int64_t il = 0; il < L.n_layer; ++il) {
-        k_.push_back(ggml_new_tensor_2d(ctx_, L.type_k, L.n_embd_k, L.pool_tokens));
-        v_.push_back(L.v_trans ? ggml_new_tensor_2d(ctx_, L.type_v, L.pool_tokens, L.n_embd_v)
-                               : ggml_new_tensor_2d(ctx_, L.type_v, L.n_embd_v, L.pool_tokens));
+        ggml_context * c = own_->ctx(backends_[il]);
+        k_.push_back(ggml_new_tensor_2d(c, L.type_k, L.n_embd_k, L.pool_tokens));
+        v_.push_back(L.v_trans ? ggml_new_tensor_2d(c, L.type_v, L.pool_tokens, L.n_embd_v)
+                               : ggml_new_tensor_2d(c, L.type_v, L.n_embd_v, L.pool_tokens));
         ggml_format_name(k_.back(), "pool_k_%d", (int) il);
         ggml_format_name(v_.back(), "pool_v_%d", (int) il);
     }
-    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
-    if (!buf_) {
-        ggml_free(ctx_);
-        throw std::runtime_error("PooledKV: could not allocate " + std::to_string(device_bytes()) +
-                                 " bytes for the KV pool on " + ggml_backend_name(backend));
-    }
-    // Empty slots are masked, but -inf * garbage could still poison a sum: start from zeros.
-    ggml_backend_buffer_clear(buf_, 0);
-    can_pin_ = can_pin_for(backend);
+    own_->allocate("the KV pool");   // zeroed: empty slots are masked, but -inf * garbage could poison a sum
+    can_pin_ = any_can_pin(distinct_);
 }
 
-PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout, std::shared_ptr<PoolArena> arena)
-    : layout_(layout), backend_(backend), arena_(std::move(arena)) {
+PooledKV::PooledKV(const LayerBackends & backends, const KvLayout & layout, std::shared_ptr<PoolArena> arena)
+    : layout_(layout), arena_(std::move(arena)) {
     const auto & L = layout_;
     check_layout(L);
     if (!arena_) throw std::invalid_argument("PooledKV: no pool arena given");
-    lane_ = arena_->acquire(backend, L);
+    backends_ = per_layer(backends, L.n_layer);
+    distinct_ = distinct(backends_);
+    lane_ = arena_->acquire(backends_, L);
     ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * L.n_layer + 1), nullptr, true};
     ctx_ = ggml_init(params);
     for (int64_t il = 0; il < L.n_layer; ++il) {
@@ -111,13 +116,13 @@ PooledKV::PooledKV(ggml_backend_t backend, const KvLayout & layout, std::shared_
         // A lane an earlier session held keeps its bytes: start from zeros, as a pool of its own does.
         for (ggml_tensor * t : {k_.back(), v_.back()}) ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
     }
-    can_pin_ = can_pin_for(backend);
+    can_pin_ = any_can_pin(distinct_);
 }
 
 PooledKV::~PooledKV() {
     synchronize();   // no copy may still be writing into a slab or reading a block that goes away
     slabs_.clear();
-    if (buf_) ggml_backend_buffer_free(buf_);
+    own_.reset();
     if (ctx_) ggml_free(ctx_);
     if (arena_) arena_->release(lane_);
 }
@@ -129,10 +134,15 @@ int64_t PooledKV::chunk_bytes() const {
 
 int64_t PooledKV::device_bytes() const { return chunk_bytes() * (layout_.pool_tokens / layout_.chunk_tokens); }
 
+int64_t PooledKV::device_bytes_on(ggml_backend_t backend) const {
+    const int64_t n = std::count(backends_.begin(), backends_.end(), backend);
+    return device_bytes() / layout_.n_layer * n;   // every layer's share is the same
+}
+
 int64_t PooledKV::host_bytes() const { return (int64_t) host_.size() * chunk_bytes(); }
 
 void PooledKV::synchronize() const {
-    if (backend_) ggml_backend_synchronize(backend_);
+    for (ggml_backend_t b : distinct_) ggml_backend_synchronize(b);
 }
 
 uint8_t * PooledKV::image_for(int64_t chunk) {
@@ -201,7 +211,7 @@ template <typename Fn> void PooledKV::for_each_region(int64_t block, Fn && fn, i
             const bool runs = t == v_[il] && layout_.v_trans;
             const size_t size = runs ? ggml_type_size(t->type) * C : t->nb[1] * C;
             const size_t n = runs ? (size_t) t->ne[1] : 1;
-            fn(t, (size_t) block * size, size, n, runs ? t->nb[1] : size, image_off);
+            fn(il, t, (size_t) block * size, size, n, runs ? t->nb[1] : size, image_off);
             image_off += n * size;
         }
     }
@@ -230,8 +240,8 @@ void PooledKV::execute(const Plan & plan, int64_t uncomputed_from) {
             continue;
         }
         uint8_t * image = image_for(m.chunk);
-        for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-            ggml_backend_tensor_get_2d_async(backend_, t, image + img_off, off, size, n, stride, size);
+        for_each_region(m.block, [&](int64_t il, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+            ggml_backend_tensor_get_2d_async(backends_[il], t, image + img_off, off, size, n, stride, size);
         });
     }
     for (const ChunkMove & m : plan.page_ins) {
@@ -239,8 +249,8 @@ void PooledKV::execute(const Plan & plan, int64_t uncomputed_from) {
         if (it == host_.end()) {
             throw std::logic_error("PooledKV: page-in of chunk " + std::to_string(m.chunk) + " with no host image");
         }
-        for_each_region(m.block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-            ggml_backend_tensor_set_2d_async(backend_, t, it->second + img_off, off, size, n, stride, size);
+        for_each_region(m.block, [&](int64_t il, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+            ggml_backend_tensor_set_2d_async(backends_[il], t, it->second + img_off, off, size, n, stride, size);
         });
     }
     for (int64_t c : plan.dropped) release_image(c);
@@ -250,15 +260,15 @@ void PooledKV::execute(const Plan & plan, int64_t uncomputed_from) {
 
 void PooledKV::get_layer_async(int64_t block, int64_t il, uint8_t * out) const {
     if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-        ggml_backend_tensor_get_2d_async(backend_, t, out + img_off, off, size, n, stride, size);
+    for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+        ggml_backend_tensor_get_2d_async(backends_[il], t, out + img_off, off, size, n, stride, size);
     }, il);
 }
 
 void PooledKV::set_layer_async(int64_t block, int64_t il, const uint8_t * in) {
     if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-        ggml_backend_tensor_set_2d_async(backend_, t, in + img_off, off, size, n, stride, size);
+    for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+        ggml_backend_tensor_set_2d_async(backends_[il], t, in + img_off, off, size, n, stride, size);
     }, il);
 }
 
@@ -268,13 +278,13 @@ uint8_t * PooledKV::image_layer(int64_t chunk, int64_t il) {
 }
 
 void PooledKV::get_block(int64_t block, uint8_t * out) const {
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+    for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
         ggml_backend_tensor_get_2d(t, out + img_off, off, size, n, stride, size);
     });
 }
 
 void PooledKV::set_block(int64_t block, const uint8_t * in) {
-    for_each_region(block, [&](ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
+    for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
         ggml_backend_tensor_set_2d(t, in + img_off, off, size, n, stride, size);
     });
 }

@@ -21,6 +21,7 @@
 // backend images are plain heap memory and copies are memcpy.
 #pragma once
 
+#include "common/backend_buffers.h"
 #include "common/host_memory.h"
 #include "pager/kv_pager.h"
 
@@ -58,9 +59,10 @@ inline bool v_trans_for(bool flash_attn, bool ordered_attention) { return !flash
 
 class PooledKV {
 public:
-    PooledKV(ggml_backend_t backend, const KvLayout & layout);
+    // backends: each layer's K and V (common/backend_buffers.h), or one for all.
+    PooledKV(const LayerBackends & backends, const KvLayout & layout);
     // A pool that is one lane of `arena` (kv/pool_arena.h): the same behaviour, in the arena's memory.
-    PooledKV(ggml_backend_t backend, const KvLayout & layout, std::shared_ptr<PoolArena> arena);
+    PooledKV(const LayerBackends & backends, const KvLayout & layout, std::shared_ptr<PoolArena> arena);
     ~PooledKV();
     PooledKV(const PooledKV &) = delete;
     PooledKV & operator=(const PooledKV &) = delete;
@@ -73,6 +75,8 @@ public:
 
     int64_t chunk_bytes() const;        // one chunk, all layers, K and V
     int64_t device_bytes() const;       // the whole pool
+    int64_t device_bytes_on(ggml_backend_t backend) const;   // its layers on that backend
+    ggml_backend_t backend_of(int64_t il) const { return backends_[(size_t) il]; }
     int64_t host_bytes() const;         // images held in the host store
 
     // Carry out a pager plan on the tensors: page-outs (block -> host image) first, then page-ins
@@ -126,7 +130,7 @@ public:
 
 private:
     static void check_layout(const KvLayout & layout);
-    // Visit every region of one block, as ggml's 2D copies take them: fn(tensor, byte offset, run size, runs,
+    // Visit every region of one block, as ggml's 2D copies take them: fn(layer, tensor, byte offset, run size, runs,
     // run stride in the tensor, offset in image); in the image the runs lie back to back.
     // only_layer >= 0: that layer's regions alone, image offsets counted from the layer's start.
     template <typename Fn> void for_each_region(int64_t block, Fn && fn, int64_t only_layer = -1) const;
@@ -140,11 +144,12 @@ private:
     void image_from_rows(const uint8_t * rows, uint8_t * native) const;
 
     KvLayout layout_;
-    ggml_backend_t backend_ = nullptr;
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    LayerBackends backends_;            // per layer
+    std::vector<ggml_backend_t> distinct_;   // each backend once (what synchronize() waits for)
+    std::unique_ptr<BackendBuffers> own_;    // the pool's memory, unless it is an arena's lane
+    ggml_context * ctx_ = nullptr;           // the lane views
     std::vector<ggml_tensor *> k_, v_;
-    std::shared_ptr<PoolArena> arena_;   // set: k_ and v_ view lane_ of it (buf_ stays null)
+    std::shared_ptr<PoolArena> arena_;   // set: k_ and v_ view lane_ of it
     int64_t lane_ = -1;
 
     // Host store: fixed-size image slots carved out of slabs; chunk -> slot.

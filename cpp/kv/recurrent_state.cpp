@@ -8,43 +8,38 @@
 
 namespace kvf {
 
-RecurrentState::RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
-                               int64_t carry_elems)
-    : conv_elems_(conv_elems), ssm_elems_(ssm_elems), carry_elems_(carry_elems), backend_(backend) {
+RecurrentState::RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
+                               int64_t carry_elems, ggml_backend_t carry_backend)
+    : bufs_((size_t) (2 * n_layer + 1)), conv_elems_(conv_elems), ssm_elems_(ssm_elems), carry_elems_(carry_elems) {
     if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0 || carry_elems < 0) {
         throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
     }
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 2), nullptr, true};
-    ctx_ = ggml_init(params);
-    if (!ctx_) throw std::runtime_error("could not create the recurrent state's context");
+    const LayerBackends on = per_layer(backends, n_layer);
     for (int64_t l = 0; l < n_layer; ++l) {
-        conv_.push_back(ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, conv_elems));
-        ssm_.push_back(ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, ssm_elems));
+        ggml_context * c = bufs_.ctx(on[(size_t) l]);
+        conv_.push_back(ggml_new_tensor_1d(c, GGML_TYPE_F32, conv_elems));
+        ssm_.push_back(ggml_new_tensor_1d(c, GGML_TYPE_F32, ssm_elems));
         ggml_format_name(conv_.back(), "conv_state.%d", (int) l);
         ggml_format_name(ssm_.back(), "ssm_state.%d", (int) l);
+        backend_of_.insert(backend_of_.end(), 2, on[(size_t) l]);
     }
     if (carry_elems > 0) {
-        carry_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_F32, carry_elems);
+        if (!carry_backend) carry_backend = on.back();
+        carry_ = ggml_new_tensor_1d(bufs_.ctx(carry_backend), GGML_TYPE_F32, carry_elems);
         ggml_set_name(carry_, "mtp_carry");
+        backend_of_.push_back(carry_backend);
     }
-    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
-    if (!buf_) {
-        ggml_free(ctx_);
-        throw std::runtime_error("could not allocate the recurrent state (" + std::to_string(n_layer) + " layers of " +
-                                 std::to_string((conv_elems + ssm_elems) * 4) + " bytes) on " + ggml_backend_name(backend));
-    }
+    bufs_.allocate("the recurrent state (" + std::to_string(n_layer) + " layers of " +
+                   std::to_string((conv_elems + ssm_elems) * 4) + " bytes)");
     clear();
 }
 
-RecurrentState::~RecurrentState() {
-    if (stash_buf_) ggml_backend_buffer_free(stash_buf_);
-    if (stash_ctx_) ggml_free(stash_ctx_);
-    if (buf_) ggml_backend_buffer_free(buf_);
-    if (ctx_) ggml_free(ctx_);
-}
+RecurrentState::~RecurrentState() = default;
 
-int64_t RecurrentState::device_bytes() const {
-    return (int64_t) ggml_backend_buffer_get_size(buf_) + (stash_buf_ ? (int64_t) ggml_backend_buffer_get_size(stash_buf_) : 0);
+int64_t RecurrentState::device_bytes() const { return bufs_.bytes() + (stash_bufs_ ? stash_bufs_->bytes() : 0); }
+
+int64_t RecurrentState::device_bytes_on(ggml_backend_t backend) const {
+    return bufs_.bytes_on(backend) + (stash_bufs_ ? stash_bufs_->bytes_on(backend) : 0);
 }
 
 std::vector<ggml_tensor *> RecurrentState::tensors() const {
@@ -59,19 +54,13 @@ std::vector<ggml_tensor *> RecurrentState::tensors() const {
 
 void RecurrentState::stash() {
     const std::vector<ggml_tensor *> live = tensors();
-    if (!stash_buf_) {
-        ggml_init_params params = {ggml_tensor_overhead() * (live.size() + 1), nullptr, true};
-        stash_ctx_ = ggml_init(params);
-        if (!stash_ctx_) throw std::runtime_error("could not create the recurrent state's stash context");
-        for (ggml_tensor * t : live) stash_.push_back(ggml_dup_tensor(stash_ctx_, t));
-        stash_buf_ = ggml_backend_alloc_ctx_tensors(stash_ctx_, backend_);
-        if (!stash_buf_) {
-            ggml_free(stash_ctx_);
-            stash_ctx_ = nullptr;
-            stash_.clear();
-            throw std::runtime_error("could not allocate a second copy of the recurrent state on " +
-                                     std::string(ggml_backend_name(backend_)));
-        }
+    if (!stash_bufs_) {
+        auto bufs = std::make_unique<BackendBuffers>(live.size());
+        std::vector<ggml_tensor *> twins;
+        for (size_t i = 0; i < live.size(); ++i) twins.push_back(ggml_dup_tensor(bufs->ctx(backend_of_[i]), live[i]));
+        bufs->allocate("a second copy of the recurrent state");   // throws: nothing is kept
+        stash_bufs_ = std::move(bufs);
+        stash_ = std::move(twins);
     }
     for (size_t i = 0; i < live.size(); ++i) ggml_backend_tensor_copy(live[i], stash_[i]);
     stash_n_ = n_tokens_;
@@ -118,7 +107,7 @@ void RecurrentState::truncate(int64_t n) {
 }
 
 void RecurrentState::clear() {
-    ggml_backend_buffer_clear(buf_, 0);
+    bufs_.clear();
     n_tokens_ = 0;
     checkpoints_.clear();
     stash_n_ = -1;

@@ -22,8 +22,10 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "common/backend_buffers.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace kvf {
@@ -33,9 +35,11 @@ class ByteWriter;
 
 class RecurrentState {
 public:
-    // n_layer recurrent layers, each an F32 conv state of conv_elems and an F32 recurrent state of ssm_elems;
-    // carry_elems > 0: the MTP head's carry too (F32, n_embd).
-    RecurrentState(ggml_backend_t backend, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems, int64_t carry_elems = 0);
+    // n_layer recurrent layers, each an F32 conv state of conv_elems and an F32 recurrent state of ssm_elems, on
+    // its backend (backends: one per layer, or one for all); carry_elems > 0: the MTP head's carry too (F32,
+    // n_embd), on carry_backend (nullptr: the last layer's).
+    RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
+                   int64_t carry_elems = 0, ggml_backend_t carry_backend = nullptr);
     ~RecurrentState();
     RecurrentState(const RecurrentState &) = delete;
     RecurrentState & operator=(const RecurrentState &) = delete;
@@ -46,6 +50,7 @@ public:
     int64_t n_layer() const { return (int64_t) conv_.size(); }
     int64_t n_tokens() const { return n_tokens_; }
     int64_t device_bytes() const;
+    int64_t device_bytes_on(ggml_backend_t backend) const;
 
     // Positions [start, start+n) are consumed next (start == n_tokens()): the graph about to run writes them.
     void place(int64_t start, int64_t n);
@@ -82,19 +87,17 @@ public:
 private:
     size_t total_bytes() const;
 
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    BackendBuffers bufs_;
+    std::vector<ggml_backend_t> backend_of_;   // each tensor of tensors()'s
     std::vector<ggml_tensor *> conv_, ssm_;
     ggml_tensor * carry_ = nullptr;
     int64_t conv_elems_, ssm_elems_, carry_elems_;
     int64_t n_tokens_ = 0;
     std::vector<Copy> checkpoints_;
-    // the stash: its own context and buffer, a twin of every state tensor; stash_n_ < 0: nothing stashed
-    ggml_context * stash_ctx_ = nullptr;
-    ggml_backend_buffer_t stash_buf_ = nullptr;
+    // the stash: buffers of its own, a twin of every state tensor on the same backend; stash_n_ < 0: nothing stashed
+    std::unique_ptr<BackendBuffers> stash_bufs_;
     std::vector<ggml_tensor *> stash_;
     int64_t stash_n_ = -1;
-    ggml_backend_t backend_;
     void load(const Copy & c);
     std::vector<ggml_tensor *> tensors() const;   // conv 0, ssm 0, conv 1, ssm 1, ..., the carry
 };

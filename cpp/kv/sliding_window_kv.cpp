@@ -15,13 +15,13 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace
 
-SlidingWindowKV::SlidingWindowKV(ggml_backend_t backend, const KvLayout & layout, int64_t window, int64_t kv_pad)
+SlidingWindowKV::SlidingWindowKV(const LayerBackends & backends, const KvLayout & layout, int64_t window, int64_t kv_pad)
     : window_(window), kv_pad_(kv_pad) {
     if (window <= 0 || layout.pool_tokens <= window || layout.pool_tokens % layout.chunk_tokens != 0) {
         throw std::invalid_argument("a sliding-window ring of " + std::to_string(layout.pool_tokens) +
                                     " rows cannot hold a window of " + std::to_string(window) + " and a step");
     }
-    kv_ = std::make_unique<PooledKV>(backend, layout);
+    kv_ = std::make_unique<PooledKV>(backends, layout);
     slot_pos_.assign((size_t) layout.pool_tokens, -1);
 }
 

@@ -27,7 +27,7 @@ class SlidingWindowKV {
 public:
     // layout: the ring layers' row widths and types; its n_layer is the number of sliding-window layers
     // and its pool_tokens the ring size (ring_tokens_for). window: positions a query sees, itself included.
-    SlidingWindowKV(ggml_backend_t backend, const KvLayout & layout, int64_t window, int64_t kv_pad);
+    SlidingWindowKV(const LayerBackends & backends, const KvLayout & layout, int64_t window, int64_t kv_pad);
     // The ring size for steps of up to max_step tokens: window + max_step, rounded up to kv_pad and to chunks.
     static int64_t ring_tokens_for(int64_t window, int64_t max_step, int64_t kv_pad, int64_t chunk_tokens);
 

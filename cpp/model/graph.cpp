@@ -152,15 +152,15 @@ ggml_tensor * project_heads(GraphCtx & g, ggml_tensor * w, ggml_tensor * b, ggml
 ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     if (hp.is_swa(il)) {   // plain RoPE of its own (no YaRN on a window the model was trained at)
-        return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot_swa, hp.rope_type, (int) hp.n_ctx_train,
+        return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs_of(il), (int) hp.n_rot_swa, hp.rope_type, (int) hp.n_ctx_train,
                              hp.rope_freq_base_swa, hp.rope_freq_scale_swa, 0.0f, 1.0f, 0.0f, 0.0f);
     }
-    return rope_global(g, m, x);
+    return rope_global(g, m, il, x);
 }
 
-ggml_tensor * rope_global(GraphCtx & g, const Model & m, ggml_tensor * x) {
+ggml_tensor * rope_global(GraphCtx & g, const Model & m, int64_t il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
-    return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs, (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_orig_yarn,
+    return ggml_rope_ext(g.ctx, x, g.in.positions, m.rope_freqs_of(il), (int) hp.n_rot, hp.rope_type, (int) hp.n_ctx_orig_yarn,
                          hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor, hp.rope_attn_factor,
                          hp.yarn_beta_fast, hp.yarn_beta_slow);
 }

@@ -124,7 +124,7 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
 // RoPE of layer il (sliding-window layers have their own base and scale).
 ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 // RoPE of the global layers (and of the MTP head, outside the stack).
-ggml_tensor * rope_global(GraphCtx & g, const Model & m, ggml_tensor * x);
+ggml_tensor * rope_global(GraphCtx & g, const Model & m, int64_t il, ggml_tensor * x);   // il: whose RoPE factors
 // A layer outside the family's stack (the MTP head) with its K/V in layer kl of the step's pool (GraphCtx::kv,
 // in.kv, n_kv): pool_write writes k and v of the step's tokens; pool_attend also attends the first n_kv slots under
 // the step's mask ([head_dim_v * n_head, n_tokens]). Nothing of it is kept for the scorers.

@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include "model/backends.h"
+#include "model/device_split.h"
 #include "model/rpc.h"
 #include "model/gguf_meta.h"
 
@@ -61,28 +62,50 @@ private:
     ggml_context * meta_;
 };
 
-ggml_backend_t pick_backend(const std::string & want, const std::vector<std::string> & rpc, std::shared_ptr<void> & hold) {
+ggml_backend_t gpu_backend_init(int index) {
+    int seen = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU || seen++ != index) continue;
+        ggml_backend_t b = ggml_backend_dev_init(dev, nullptr);
+        if (!b) throw std::runtime_error(std::string("could not initialise GPU backend ") + ggml_backend_dev_name(dev));
+        return b;
+    }
+    throw std::runtime_error("GPU " + std::to_string(index) + " requested, but " +
+                             (seen ? "this host has only " + std::to_string(seen) : std::string("no GPU backend is available")) +
+                             " (build with KVFLASH_CUDA=ON on a machine with a GPU)");
+}
+
+// The devices asked for, in layer order (ModelOptions): `devices` as given, else llama.cpp's choice.
+std::vector<DeviceSpec> wanted_devices(const ModelOptions & o) {
+    const std::string & want = o.backend;
     if (want != "auto" && want != "cpu" && want != "cuda" && want != "rpc") {
         throw std::invalid_argument("unknown backend '" + want + "' (expected auto, cpu, cuda or rpc)");
     }
-    if (!rpc.empty() && want != "auto" && want != "rpc") {
-        throw std::invalid_argument("rpc endpoints given with backend '" + want + "' (use backend 'rpc' or 'auto')");
+    std::vector<DeviceSpec> specs;
+    if (!o.devices.empty()) {
+        if (!o.rpc.empty() || want != "auto") {
+            throw std::invalid_argument("devices names every device (rpc:HOST:PORT for an RPC server): give it without "
+                                        "rpc or backend");
+        }
+        for (const std::string & d : o.devices) specs.push_back(parse_device(d));
+        return specs;
     }
-    if (want == "rpc" || !rpc.empty()) {   // checks each endpoint first
-        RpcDevice d = rpc_backend_init(rpc);
-        hold = std::move(d.hold);
-        return d.backend;
+    if (!o.rpc.empty() && want == "cpu") {
+        throw std::invalid_argument("rpc endpoints given with backend 'cpu' (use devices=[..., 'cpu'] to split "
+                                    "across RPC servers and this CPU)");
     }
-    if (want == "cpu") return nullptr;
-    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-    if (!dev) {
-        if (want == "cuda") throw std::runtime_error("backend 'cuda' requested, but no GPU backend is available "
-                                                     "(build with KVFLASH_CUDA=ON on a machine with a GPU)");
-        return nullptr;
+    if (want == "rpc" && o.rpc.empty()) throw std::invalid_argument("backend 'rpc' needs an endpoint (rpc=['host:port'])");
+    for (const std::string & e : o.rpc) {
+        DeviceSpec d;
+        d.kind = DeviceSpec::Kind::rpc;
+        d.endpoint = e;
+        specs.push_back(d);
     }
-    ggml_backend_t b = ggml_backend_dev_init(dev, nullptr);
-    if (!b) throw std::runtime_error(std::string("could not initialise GPU backend ") + ggml_backend_dev_name(dev));
-    return b;
+    const bool has_gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr;
+    if (want == "cuda" || (want == "auto" && has_gpu)) specs.push_back({DeviceSpec::Kind::gpu, 0, ""});
+    if (specs.empty()) specs.push_back({});   // the CPU
+    return specs;
 }
 
 uint64_t hash_bytes(uint64_t h, const uint8_t * p, size_t n) {
@@ -110,24 +133,74 @@ Model::Model(const std::string & path, const ModelOptions & opts) : path_(path) 
     cpu_backend_ = cpu_backend_init();   // throws with the reason when no CPU variant loads
     try {
         set_n_threads(opts.n_threads);
-        backend_ = pick_backend(opts.backend, opts.rpc, rpc_hold_);
-        on_rpc_ = opts.backend == "rpc" || !opts.rpc.empty();
-        if (!backend_) backend_ = cpu_backend_;
+        open_devices(opts);
         load_tensors(gctx, meta, opts.mtp);
     } catch (...) {
-        if (buf_w_) ggml_backend_buffer_free(buf_w_);
-        if (ctx_w_) ggml_free(ctx_w_);
-        if (backend_ && backend_ != cpu_backend_) ggml_backend_free(backend_);
-        ggml_backend_free(cpu_backend_);
+        free_devices();
         throw;
     }
 }
 
-Model::~Model() {
-    if (buf_w_) ggml_backend_buffer_free(buf_w_);
-    if (ctx_w_) ggml_free(ctx_w_);
-    if (backend_ && backend_ != cpu_backend_) ggml_backend_free(backend_);
+Model::~Model() { free_devices(); }
+
+void Model::free_devices() {
+    for (ModelDevice & d : devices_) {
+        if (d.buf_w) ggml_backend_buffer_free(d.buf_w);
+        if (d.ctx_w) ggml_free(d.ctx_w);
+        if (d.backend && !d.is_cpu) ggml_backend_free(d.backend);
+    }
+    devices_.clear();
     if (cpu_backend_) ggml_backend_free(cpu_backend_);
+    cpu_backend_ = nullptr;
+}
+
+void Model::open_devices(const ModelOptions & opts) {
+    const std::vector<DeviceSpec> specs = wanted_devices(opts);
+    if (!opts.tensor_split.empty() && opts.tensor_split.size() != specs.size()) {
+        throw std::invalid_argument("tensor_split has " + std::to_string(opts.tensor_split.size()) + " shares for " +
+                                    std::to_string(specs.size()) + " devices");
+    }
+    std::vector<std::string> seen;
+    for (const DeviceSpec & s : specs) {
+        const std::string key = s.kind == DeviceSpec::Kind::cpu ? "cpu"
+                              : s.kind == DeviceSpec::Kind::gpu ? "cuda" + std::to_string(s.index)
+                              : parse_rpc_endpoint(s.endpoint).text();
+        if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+            throw std::invalid_argument("device " + key + " is named twice");
+        }
+        seen.push_back(key);
+        ModelDevice d;
+        if (s.kind == DeviceSpec::Kind::cpu) {
+            d.backend = cpu_backend_;
+            d.is_cpu = true;
+        } else if (s.kind == DeviceSpec::Kind::gpu) {
+            d.backend = gpu_backend_init(s.index);
+        } else {
+            RpcDevice r = rpc_device_init(s.endpoint);
+            d.backend = r.backend;
+            d.rpc_hold = std::move(r.hold);
+            d.is_rpc = true;
+        }
+        devices_.push_back(std::move(d));
+    }
+    std::vector<double> shares = opts.tensor_split;
+    if (shares.empty()) {   // by free memory, as llama.cpp splits by default
+        for (const ModelDevice & d : devices_) {
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(ggml_backend_get_device(d.backend), &free, &total);
+            shares.push_back((double) free);
+        }
+        if (std::all_of(shares.begin(), shares.end(), [](double v) { return v <= 0.0; })) shares.assign(shares.size(), 1.0);
+    }
+    layer_device_ = split_layers(hp_.n_layer, shares);
+}
+
+bool Model::on_gpu() const {
+    return std::any_of(devices_.begin(), devices_.end(), [](const ModelDevice & d) { return !d.is_cpu; });
+}
+
+bool Model::on_rpc() const {
+    return std::any_of(devices_.begin(), devices_.end(), [](const ModelDevice & d) { return d.is_rpc; });
 }
 
 void Model::check_mtp(bool want) const {
@@ -349,38 +422,49 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
     MtpWeights meta_mtp;   // the first nextn layer follows the trunk's
     if (with_mtp) arch_->mtp->load(meta_mtp, src, hp, (int) hp.n_layer);
 
-    // The weights context mirrors the used meta tensors one to one.
+    // Each device's weights context mirrors the meta tensors of the layers it holds. The inputs (token and per-layer
+    // embeddings) go with layer 0, the output layer (final norm, logits, the MTP head) with slot n_layer; a
+    // tensor used on several devices (tied output, RoPE factors) gets a copy on each, as llama.cpp does.
     const int64_t n_meta = gguf_get_n_tensors(gctx);
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t) (n_meta + 1), nullptr, true};
-    ctx_w_ = ggml_init(params);
-    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> pairs;   // (meta, weight)
-    auto mirror = [&](ggml_tensor * m) -> ggml_tensor * {
+    for (ModelDevice & d : devices_) {
+        ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_meta + 1), nullptr, true};
+        d.ctx_w = ggml_init(params);
+    }
+    struct Mirror { ggml_tensor * meta, * w; int device; };
+    std::vector<Mirror> pairs;
+    auto mirror = [&](ggml_tensor * m, int dev) -> ggml_tensor * {
         if (!m) return nullptr;
-        for (auto & p : pairs) if (p.first == m) return p.second;
-        ggml_tensor * w = ggml_dup_tensor(ctx_w_, m);
+        for (auto & p : pairs) if (p.meta == m && p.device == dev) return p.w;
+        ggml_tensor * w = ggml_dup_tensor(devices_[(size_t) dev].ctx_w, m);
         ggml_set_name(w, ggml_get_name(m));
-        pairs.emplace_back(m, w);
+        pairs.push_back({m, w, dev});
         return w;
     };
-    tok_embd = mirror(m_tok);
-    output_norm = mirror(m_onorm);
-    output = m_out ? mirror(m_out) : tok_embd;
-    rope_freqs = mirror(m_freqs);
-    per_layer_tok_embd = mirror(m_ple_tok);
-    per_layer_model_proj = mirror(m_ple_proj);
-    per_layer_proj_norm = mirror(m_ple_norm);
+    const int d_in = device_of(0), d_out = device_of(hp.n_layer);
+    tok_embd = mirror(m_tok, d_in);
+    output_norm = mirror(m_onorm, d_out);
+    output = mirror(m_out ? m_out : m_tok, d_out);
+    for (int d = 0; d < n_devices(); ++d) {
+        if (m_freqs) rope_freqs_.push_back(mirror(m_freqs, d));
+    }
+    per_layer_tok_embd = mirror(m_ple_tok, d_in);
+    per_layer_model_proj = mirror(m_ple_proj, d_in);
+    per_layer_proj_norm = mirror(m_ple_norm, d_in);
     layers.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
-        for (ggml_tensor * LayerWeights::* t : k_layer_tensors) layers[il].*t = mirror(meta_layers[il].*t);
+        for (ggml_tensor * LayerWeights::* t : k_layer_tensors) layers[il].*t = mirror(meta_layers[il].*t, device_of(il));
     }
-    for (ggml_tensor * LayerWeights::* t : k_layer_tensors) mtp.block.*t = mirror(meta_mtp.block.*t);
+    for (ggml_tensor * LayerWeights::* t : k_layer_tensors) mtp.block.*t = mirror(meta_mtp.block.*t, d_out);
     for (ggml_tensor * MtpWeights::* t : {&MtpWeights::eh_proj, &MtpWeights::enorm, &MtpWeights::hnorm,
                                           &MtpWeights::embed_tokens, &MtpWeights::head_norm, &MtpWeights::head}) {
-        mtp.*t = mirror(meta_mtp.*t);
+        mtp.*t = mirror(meta_mtp.*t, d_out);
     }
-    buf_w_ = ggml_backend_alloc_ctx_tensors(ctx_w_, backend_);
-    if (!buf_w_) throw std::runtime_error("could not allocate the weights on " + std::string(ggml_backend_name(backend_)));
-    ggml_backend_buffer_set_usage(buf_w_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (ModelDevice & d : devices_) {
+        if (!ggml_get_first_tensor(d.ctx_w)) continue;   // a device the split left without a layer
+        d.buf_w = ggml_backend_alloc_ctx_tensors(d.ctx_w, d.backend);
+        if (!d.buf_w) throw std::runtime_error("could not allocate the weights on " + std::string(ggml_backend_name(d.backend)));
+        ggml_backend_buffer_set_usage(d.buf_w, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
 
     std::FILE * f = std::fopen(path_.c_str(), "rb");
     if (!f) throw std::runtime_error("cannot open model file '" + path_ + "'");
@@ -389,8 +473,9 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
     const int64_t file_size = ftello(f);
     const int64_t data_off = (int64_t) gguf_get_data_offset(gctx);
     std::vector<uint8_t> staging;
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (auto & [m, w] : pairs) {
+    uint64_t h = 0xcbf29ce484222325ULL;   // over each file tensor once, whatever the split
+    std::vector<const ggml_tensor *> hashed;
+    for (auto & [m, w, dev] : pairs) {
         const int64_t id = gguf_find_tensor(gctx, ggml_get_name(m));
         const int64_t off = data_off + (int64_t) gguf_get_tensor_offset(gctx, id);
         const size_t n = ggml_nbytes(m);
@@ -402,13 +487,25 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
         if (fseeko(f, off, SEEK_SET) != 0 || std::fread(staging.data(), 1, n, f) != n) {
             throw std::runtime_error("read error in '" + path_ + "' at tensor " + ggml_get_name(m));
         }
-        h = hash_bytes(h, staging.data(), n);
+        if (std::find(hashed.begin(), hashed.end(), m) == hashed.end()) {
+            h = hash_bytes(h, staging.data(), n);
+            hashed.push_back(m);
+        }
         ggml_backend_tensor_set(w, staging.data(), 0, n);
     }
     weights_hash_ = h;
 }
 
-int64_t Model::weight_bytes() const { return buf_w_ ? (int64_t) ggml_backend_buffer_get_size(buf_w_) : 0; }
+int64_t Model::device_weight_bytes(int d) const {
+    const ggml_backend_buffer_t b = devices_[(size_t) d].buf_w;
+    return b ? (int64_t) ggml_backend_buffer_get_size(b) : 0;
+}
+
+int64_t Model::weight_bytes() const {
+    int64_t n = 0;
+    for (int d = 0; d < n_devices(); ++d) n += device_weight_bytes(d);
+    return n;
+}
 
 std::string Model::fingerprint() const {
     std::ostringstream s;

@@ -252,14 +252,29 @@ const ArchSpec * find_arch(const std::string & name);   // nullptr if unsupporte
 std::string supported_archs();                          // "llama, qwen2, qwen3, ..."
 
 struct ModelOptions {
+    // Where the layers go (model/device_split.h), as llama.cpp picks its devices: the first device of each
+    // ggml-rpc-server in `rpc` ("host:port"), then this host's GPU ("auto": if there is one; "cuda": required);
+    // none of those: the CPU. "rpc": the servers alone; "cpu": the CPU alone.
     std::string backend = "auto";   // "auto" | "cpu" | "cuda" | "rpc"
-    // backend "rpc": the ggml-rpc-server endpoints ("host:port"); one for now, whose first device holds the
-    // weights and the pool (cpp/model/rpc.h). Given with backend "auto", it means "rpc".
     std::vector<std::string> rpc;
+    // The devices in layer order ("cpu", "cudaN", "rpc:HOST:PORT"), instead of backend and rpc.
+    std::vector<std::string> devices;
+    // Each device's share of the layers (llama.cpp's --tensor-split); empty: in proportion to free memory.
+    std::vector<double> tensor_split;
     int n_threads = 0;               // 0 = all physical cores
     // Load the first multi-token-prediction (nextn) layer (the MTP drafter's head; a file or family without one
     // is an error). Off, its weights are skipped: they take device memory only where a session drafts with them.
     bool mtp = false;
+};
+
+// One device of a model's split: its backend and the weights of the layers it holds.
+struct ModelDevice {
+    ggml_backend_t backend = nullptr;
+    bool is_cpu = false;   // this host's CPU backend (Model::cpu_backend())
+    bool is_rpc = false;
+    ggml_context * ctx_w = nullptr;
+    ggml_backend_buffer_t buf_w = nullptr;
+    std::shared_ptr<void> rpc_hold;   // this process's connection to its RPC endpoint is in use (model/rpc.h)
 };
 
 class Model {
@@ -272,15 +287,26 @@ public:
     const ModelHparams & hparams() const { return hp_; }
     const ArchSpec & arch() const { return *arch_; }
     const std::string & path() const { return path_; }
-    ggml_backend_t backend() const { return backend_; }         // where weights and the pool live
+    // The split (model/device_split.h): device d's backend, which device holds layer il (il == n_layer: the
+    // output layer: final norm, logits, the MTP head), and that device's backend.
+    int n_devices() const { return (int) devices_.size(); }
+    ggml_backend_t device_backend(int d) const { return devices_[(size_t) d].backend; }
+    int device_of(int64_t il) const { return layer_device_[(size_t) il]; }
+    ggml_backend_t layer_backend(int64_t il) const { return device_backend(device_of(il)); }
+    // The output layer's device: the logits, and the buffers of a session that belong to no layer.
+    ggml_backend_t backend() const { return layer_backend(hp_.n_layer); }
     ggml_backend_t cpu_backend() const { return cpu_backend_; } // always present (scheduler fallback)
-    // Weights and pool on a device other than the local CPU (a GPU, or an RPC device): the scheduler keeps the
+    // Some layer on a device other than the local CPU (a GPU, or an RPC device): the scheduler keeps the
     // CPU backend as fallback and the step inputs on the host.
-    bool on_gpu() const { return backend_ != cpu_backend_; }
-    bool on_rpc() const { return on_rpc_; }
+    bool on_gpu() const;
+    bool on_rpc() const;
     int n_threads() const { return n_threads_; }
     void set_n_threads(int n);   // waits for a compute in progress
-    int64_t weight_bytes() const;
+    int64_t weight_bytes() const;                 // every device's
+    int64_t device_weight_bytes(int d) const;
+    // Layer il's copy of the llama-3 RoPE frequency factors (one per device, as llama.cpp duplicates them, so no
+    // layer's RoPE reaches across devices); nullptr: the file has none.
+    ggml_tensor * rope_freqs_of(int64_t il) const { return rope_freqs_.empty() ? nullptr : rope_freqs_[(size_t) device_of(il)]; }
     std::string fingerprint() const;                             // changes when hparams or weights change
 
     // Held while anything runs on this model's backends: ggml's CPU backend keeps one work buffer per
@@ -291,8 +317,7 @@ public:
 
     ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
     ggml_tensor * output_norm = nullptr;  // [n_embd]
-    ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (tok_embd when tied)
-    ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] llama-3 frequency factors, optional
+    ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (tok_embd when tied; a copy of it on a split)
     // Per-layer embeddings (gemma4, when hp.n_embd_per_layer > 0): token rows of every layer's slice, the
     // projection of the token embeddings into them, and its norm.
     ggml_tensor * per_layer_tok_embd = nullptr;     // [n_embd_per_layer * n_layer, n_vocab]
@@ -308,18 +333,18 @@ private:
     void check_pooled_head_counts() const;
     void read_rope(gguf_context * gctx);
     void check_mtp(bool want) const;   // the head can be loaded (want), or a warning that it is not
+    void open_devices(const ModelOptions & opts);
     void load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp);
+    void free_devices();
 
     std::string path_;
     ModelHparams hp_;
     const ArchSpec * arch_ = nullptr;
-    ggml_backend_t backend_ = nullptr;
     ggml_backend_t cpu_backend_ = nullptr;
-    bool on_rpc_ = false;
-    std::shared_ptr<void> rpc_hold_;   // this process's connection to the RPC endpoint is in use (model/rpc.h)
+    std::vector<ModelDevice> devices_;
+    std::vector<int> layer_device_;            // [n_layer + 1]
+    std::vector<ggml_tensor *> rope_freqs_;    // one per device, or empty
     std::atomic<int> n_threads_{1};   // read without the compute mutex, set under it
-    ggml_context * ctx_w_ = nullptr;
-    ggml_backend_buffer_t buf_w_ = nullptr;
     uint64_t weights_hash_ = 0;
     mutable std::recursive_mutex compute_mutex_;
 };

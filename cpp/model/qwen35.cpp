@@ -133,13 +133,15 @@ struct GatedQuery {
     ggml_tensor * gate;   // [head_dim * n_head, n_tokens]
 };
 
-void gated_kv(GraphCtx & g, const Model & m, const LayerWeights & w, ggml_tensor * x, ggml_tensor *& k, ggml_tensor *& v) {
+// il: the layer (n_layer: the MTP block), for its device's copy of the RoPE factors.
+void gated_kv(GraphCtx & g, const Model & m, int64_t il, const LayerWeights & w, ggml_tensor * x, ggml_tensor *& k,
+              ggml_tensor *& v) {
     const ModelHparams & hp = m.hparams();
-    k = rope_global(g, m, rms_norm(g, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv), w.k_norm, hp.rms_eps));
+    k = rope_global(g, m, il, rms_norm(g, project_heads(g, w.wk, nullptr, x, hp.head_dim_k, hp.n_head_kv), w.k_norm, hp.rms_eps));
     v = project_heads(g, w.wv, nullptr, x, hp.head_dim_v, hp.n_head_kv);
 }
 
-GatedQuery gated_query(GraphCtx & g, const Model & m, const LayerWeights & w, int64_t n_head, ggml_tensor * x) {
+GatedQuery gated_query(GraphCtx & g, const Model & m, int64_t il, const LayerWeights & w, int64_t n_head, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     ggml_context * ctx = g.ctx;
     const int64_t D = hp.head_dim_k, n = g.n_tokens;
@@ -147,7 +149,7 @@ GatedQuery gated_query(GraphCtx & g, const Model & m, const LayerWeights & w, in
     ggml_tensor * qg = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w.wq, x), 2 * D, n_head, n);
     ggml_tensor * q = ggml_view_3d(ctx, qg, D, n_head, n, qg->nb[1], qg->nb[2], 0);
     ggml_tensor * gate = ggml_view_3d(ctx, qg, D, n_head, n, qg->nb[1], qg->nb[2], D * ggml_element_size(qg));
-    return {rope_global(g, m, rms_norm(g, q, w.q_norm, hp.rms_eps)), ggml_cont_2d(ctx, gate, D * n_head, n)};
+    return {rope_global(g, m, il, rms_norm(g, q, w.q_norm, hp.rms_eps)), ggml_cont_2d(ctx, gate, D * n_head, n)};
 }
 
 float attention_scale(const ModelHparams & hp) {
@@ -161,9 +163,9 @@ ggml_tensor * gated_output(GraphCtx & g, const LayerWeights & w, ggml_tensor * a
 
 ggml_tensor * full_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const LayerWeights & w = m.layers[il];
-    const GatedQuery qg = gated_query(g, m, w, m.hparams().n_head_of(il), x);
+    const GatedQuery qg = gated_query(g, m, il, w, m.hparams().n_head_of(il), x);
     ggml_tensor * k, * v;
-    gated_kv(g, m, w, x, k, v);
+    gated_kv(g, m, il, w, x, k, v);
     return gated_output(g, w, kv_attend(g, m, il, qg.q, k, v, attention_scale(m.hparams())), qg.gate);
 }
 
@@ -243,7 +245,7 @@ void load_mtp(MtpWeights & w, TensorSource & src, const ModelHparams & hp, int i
 void mtp_write_kv(GraphCtx & g, const Model & m, ggml_tensor * x) {
     const LayerWeights & w = m.mtp.block;
     ggml_tensor * k, * v;
-    gated_kv(g, m, w, rms_norm(g, x, w.attn_norm, m.hparams().rms_eps), k, v);
+    gated_kv(g, m, m.hparams().n_layer, w, rms_norm(g, x, w.attn_norm, m.hparams().rms_eps), k, v);
     pool_write(g, g.mtp_kv_layer, k, v);
 }
 
@@ -251,9 +253,9 @@ ggml_tensor * mtp_block(GraphCtx & g, const Model & m, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.mtp.block;
     ggml_tensor * xn = rms_norm(g, x, w.attn_norm, hp.rms_eps);
-    const GatedQuery qg = gated_query(g, m, w, hp.n_head, xn);
+    const GatedQuery qg = gated_query(g, m, hp.n_layer, w, hp.n_head, xn);
     ggml_tensor * k, * v;
-    gated_kv(g, m, w, xn, k, v);
+    gated_kv(g, m, hp.n_layer, w, xn, k, v);
     ggml_tensor * attn = pool_attend(g, g.mtp_kv_layer, qg.q, k, v, attention_scale(hp));
     x = ggml_add(g.ctx, x, gated_output(g, w, attn, qg.gate));
     return ggml_add(g.ctx, x, layer_ffn(g, hp, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));

@@ -167,23 +167,17 @@ bool rpc_available() {
     return ggml_backend_reg_by_name("RPC") != nullptr;
 }
 
-RpcDevice rpc_backend_init(const std::vector<std::string> & endpoints, double timeout_s) {
-    if (endpoints.empty()) throw std::invalid_argument("backend 'rpc' needs an endpoint (rpc=['host:port'])");
-    std::vector<RpcEndpoint> eps;
-    for (const std::string & e : endpoints) eps.push_back(parse_rpc_endpoint(e));
-    if (eps.size() > 1) {
-        throw std::invalid_argument("more than one RPC endpoint: the layer split across devices is not built yet "
-                                    "(issue 24); give one");
-    }
+RpcDevice rpc_device_init(const std::string & endpoint, double timeout_s) {
+    const RpcEndpoint ep = parse_rpc_endpoint(endpoint);
     load_backends();
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     auto add_server = reg ? (ggml_backend_reg_t (*)(const char *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server")
                           : nullptr;
     if (!add_server) {
-        throw std::runtime_error("backend 'rpc' requested, but this build has no ggml RPC backend (build with KVFLASH_RPC=ON)");
+        throw std::runtime_error("an RPC device was asked for, but this build has no ggml RPC backend (build with KVFLASH_RPC=ON)");
     }
-    const std::string text = eps[0].text();
-    if (!held(text)) check_rpc_endpoint(eps[0], timeout_s);
+    const std::string text = ep.text();
+    if (!held(text)) check_rpc_endpoint(ep, timeout_s);
     // Not ggml_backend_register()ed: ggml-rpc's devices say they are GPUs, and backend="auto" must not pick one.
     ggml_backend_reg_t server = add_server(text.c_str());
     if (!server || ggml_backend_reg_dev_count(server) == 0) {

@@ -41,10 +41,9 @@ struct RpcDevice {
     std::shared_ptr<void> hold;
 };
 
-// The first device of the one server in `endpoints` (each is parsed and checked first). More than one
-// endpoint is std::invalid_argument: the layer split across devices is not built yet (issue 24).
-// std::runtime_error when this build has no RPC backend (KVFLASH_RPC=OFF).
-RpcDevice rpc_backend_init(const std::vector<std::string> & endpoints, double timeout_s = 5.0);
+// The first device of the server at `endpoint` ("host:port", parsed and checked first). std::runtime_error when
+// this build has no RPC backend (KVFLASH_RPC=OFF).
+RpcDevice rpc_device_init(const std::string & endpoint, double timeout_s = 5.0);
 
 bool rpc_available();   // the RPC backend is compiled in (or loaded as a module)
 

@@ -56,7 +56,7 @@ const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sess
 
 int64_t BatchDecoder::compute_bytes() const {
     if (!sched_) return 0;
-    return (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend());
+    return sched_device_bytes(*model_, sched_);
 }
 
 void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,

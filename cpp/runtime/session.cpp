@@ -98,19 +98,27 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
     layout.v_trans = v_trans_for(flash_attn_, ordered_);
 
     pc.validate();
-    kv_ = arena ? std::make_unique<PooledKV>(model_->backend(), layout, std::move(arena))
-                : std::make_unique<PooledKV>(model_->backend(), layout);
+    // Each layer's K/V or state on its layer's device (a split model's; Model::device_of), the MTP head's with the
+    // output layer's.
+    LayerBackends pooled_on, ring_on, recurrent_on;
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        if (!hp.has_kv(il)) continue;
+        (hp.is_pooled(il) ? pooled_on : hp.is_swa(il) ? ring_on : recurrent_on).push_back(model_->layer_backend(il));
+    }
+    if (cfg_.mtp) pooled_on.push_back(model_->backend());
+    kv_ = arena ? std::make_unique<PooledKV>(pooled_on, layout, std::move(arena))
+                : std::make_unique<PooledKV>(pooled_on, layout);
     if (hp.n_swa_layers() > 0) {
         KvLayout rl = layout;
         rl.n_layer = hp.n_swa_layers();
         rl.n_embd_k = hp.n_embd_k_swa();   // gemma4's local heads are narrower than its global ones
         rl.n_embd_v = hp.n_embd_v_swa();
         rl.pool_tokens = SlidingWindowKV::ring_tokens_for(hp.n_swa, cfg_.n_batch, kv_pad_, cfg_.chunk_tokens);
-        ring_ = std::make_unique<SlidingWindowKV>(model_->backend(), rl, hp.n_swa, kv_pad_);
+        ring_ = std::make_unique<SlidingWindowKV>(ring_on, rl, hp.n_swa, kv_pad_);
     }
     if (hp.n_recurrent_layers() > 0) {
-        recurrent_ = std::make_unique<RecurrentState>(model_->backend(), hp.n_recurrent_layers(), hp.ssm_conv_state(),
-                                                      hp.ssm_recurrent_state(), cfg_.mtp ? hp.n_embd : 0);
+        recurrent_ = std::make_unique<RecurrentState>(recurrent_on, hp.n_recurrent_layers(), hp.ssm_conv_state(),
+                                                      hp.ssm_recurrent_state(), cfg_.mtp ? hp.n_embd : 0, model_->backend());
     }
     if (cfg_.mtp) mtp_ = new_mtp_drafts();
     pc.chunk_bytes = kv_->chunk_bytes();
@@ -126,15 +134,21 @@ size_t Session::graph_size() const { return std::max<size_t>(4096, (size_t) mode
 
 ggml_backend_sched_t Session::new_sched(size_t n_nodes) const {
     if (n_nodes == 0) n_nodes = graph_size();
-    std::vector<ggml_backend_t> backends = {model_->backend()};
-    std::vector<ggml_backend_buffer_type_t> bufts = {ggml_backend_get_default_buffer_type(model_->backend())};
-    if (model_->on_gpu()) {
-        // The step inputs (tokens, positions, slots, mask) live in the CPU backend's buffer and are
-        // copied to the GPU every step: from pinned memory, as llama.cpp does, those copies are DMA.
-        ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(model_->backend()));
-        backends.push_back(model_->cpu_backend());
-        bufts.push_back(host ? host : ggml_backend_get_default_buffer_type(model_->cpu_backend()));
+    // Every device of the model's split, then the CPU (ggml's scheduler wants it last: its fallback). The step
+    // inputs (tokens, positions, slots, mask) live in the CPU backend's buffer and are copied to each device
+    // every step: from pinned memory where a GPU offers it, as llama.cpp does, those copies are DMA.
+    std::vector<ggml_backend_t> backends;
+    std::vector<ggml_backend_buffer_type_t> bufts;
+    ggml_backend_buffer_type_t host = nullptr;
+    for (int d = 0; d < model_->n_devices(); ++d) {
+        ggml_backend_t b = model_->device_backend(d);
+        if (b == model_->cpu_backend()) continue;
+        backends.push_back(b);
+        bufts.push_back(ggml_backend_get_default_buffer_type(b));
+        if (!host) host = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(b));
     }
+    backends.push_back(model_->cpu_backend());
+    bufts.push_back(host ? host : ggml_backend_get_default_buffer_type(model_->cpu_backend()));
     ggml_backend_sched_t sched =
         ggml_backend_sched_new(backends.data(), bufts.data(), (int) backends.size(), n_nodes, false, true);
     if (!sched) throw std::runtime_error("could not create the ggml scheduler");

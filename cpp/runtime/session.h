@@ -83,7 +83,14 @@ struct ExactPrefill {
 };
 
 // Device memory a session holds besides the weights (bytes). On the CPU backend "device" is host RAM.
+// One device of the model's split: what the session holds there (and the model's weights, for the whole picture).
+struct DeviceMemory {
+    std::string name;                  // ggml's backend name ("CPU", "CUDA0", "RPC0[127.0.0.1:50052]")
+    int64_t weight_bytes = 0, pool_bytes = 0, ring_bytes = 0, recurrent_bytes = 0, compute_bytes = 0;
+};
+
 struct SessionMemory {
+    std::vector<DeviceMemory> devices; // per device (the sums below add them up)
     int64_t pool_bytes = 0;            // the K/V pool (global layers)
     int64_t ring_bytes = 0;            // the sliding-window layers' rings (fixed size, never paged)
     int64_t recurrent_bytes = 0;       // the linear-attention layers' conv and recurrent state (fixed size)
@@ -94,6 +101,9 @@ struct SessionMemory {
     int64_t prefill_staging_bytes = 0; // ... of which the staging K/V (one layer's of the prompt)
     int64_t prefill_host_bytes = 0;    // ... and its host buffers (hidden states, bounce), largest so far
 };
+
+// A scheduler's compute buffers on the model's devices (device: that one; -1: all of them).
+int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device = -1);
 
 struct SessionTimings {
     double t_paging_ms  = 0;   // executing page-outs/page-ins

@@ -267,7 +267,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     KvLayout sl = kv_->layout();
     sl.n_layer = 1;
     sl.pool_tokens = spc.pool_tokens;
-    PooledKV stage(backend, sl);
+    PooledKV stage(LayerBackends{backend}, sl);   // on the output device, whatever the split (docs/DESIGN.md)
     spc.chunk_bytes = stage.chunk_bytes();
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
@@ -445,7 +445,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
                     throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
                 }
-                peak_compute = std::max(peak_compute, (int64_t) ggml_backend_sched_get_buffer_size(sched.get(), backend));
+                peak_compute = std::max(peak_compute, sched_device_bytes(m, sched.get()));
                 timings_.t_prefill_graph_ms += ms_since(t_graph);
                 t_io = std::chrono::steady_clock::now();
 
@@ -542,6 +542,14 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     return out;
 }
 
+int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device) {
+    int64_t n = 0;
+    for (int d = 0; d < m.n_devices(); ++d) {
+        if (device < 0 || d == device) n += (int64_t) ggml_backend_sched_get_buffer_size(sched, m.device_backend(d));
+    }
+    return n;
+}
+
 SessionMemory Session::memory() const {
     const SessionLock held = lock(false);
     SessionMemory mem;
@@ -549,10 +557,21 @@ SessionMemory Session::memory() const {
     mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
     mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
     mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
-    mem.compute_bytes = (int64_t) ggml_backend_sched_get_buffer_size(sched_, model_->backend()) + mtp_compute_bytes();
+    mem.compute_bytes = sched_device_bytes(*model_, sched_) + mtp_compute_bytes();
     mem.prefill_peak_bytes = prefill_peak_bytes_;
     mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;
+    for (int d = 0; d < model_->n_devices(); ++d) {
+        ggml_backend_t b = model_->device_backend(d);
+        DeviceMemory dm;
+        dm.name = ggml_backend_name(b);
+        dm.weight_bytes = model_->device_weight_bytes(d);
+        dm.pool_bytes = kv_->device_bytes_on(b);
+        dm.ring_bytes = ring_ ? ring_->kv().device_bytes_on(b) : 0;
+        dm.recurrent_bytes = recurrent_ ? recurrent_->device_bytes_on(b) : 0;
+        dm.compute_bytes = sched_device_bytes(*model_, sched_, d) + (b == model_->backend() ? mtp_compute_bytes() : 0);
+        mem.devices.push_back(dm);
+    }
     return mem;
 }
 

@@ -519,6 +519,9 @@ class Engine:
             "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["recurrent_bytes"] + mem["compute_bytes"] +
             mem["prefill_peak_bytes"] + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],
+            # per device of the model's split: its weights and this session's pool, rings, state and compute buffers
+            # (the exact prefill's workspace and a second model's bytes are in the sums above, not here)
+            "devices": mem["devices"],
         }
 
     def _stats(self) -> dict:

@@ -45,7 +45,9 @@ class Model:
                  pool_tokens: Union[None, int, str] = PoolConfig.pool_tokens,
                  policy: Union[str, Callable] = ResidencyConfig.policy, tau: int = ResidencyConfig.tau,
                  prefill_reselect: bool = ResidencyConfig.prefill_reselect, kv_type: str = PoolConfig.kv_type,
-                 backend: str = "auto", rpc: Optional[Sequence[str]] = None, n_threads: Optional[int] = None,
+                 backend: str = "auto", rpc: Optional[Sequence[str]] = None,
+                 devices: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None,
+                 n_threads: Optional[int] = None,
                  attention: str = PoolConfig.attention,
                  n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
@@ -67,14 +69,17 @@ class Model:
         self.speculative = speculative if isinstance(speculative, SpeculativeConfig) or speculative is None else \
             SpeculativeConfig(draft=speculative, max_draft=draft_max)
         # speculative="mtp": the weights of the GGUF's multi-token-prediction head too (else they are not loaded)
-        # rpc: ["host:port"] of one ggml-rpc-server (backend "rpc"): its first device holds the weights and the pool;
-        # each endpoint is checked first (ValueError: spelling, ConnectionError: no answer within 5 s).
+        # Where the layers go, as llama.cpp splits them (each layer's weights and K/V on its device): rpc:
+        # ["host:port", ...] of ggml-rpc-servers, then this host's GPU (backend "rpc": the servers alone); or devices:
+        # the list in layer order ("cpu", "cudaN", "rpc:HOST:PORT"); tensor_split: their shares (default: free
+        # memory). Each endpoint is checked first (ValueError: spelling, ConnectionError: no answer within 5 s).
         if isinstance(rpc, str):
             rpc = [e.strip() for e in rpc.split(",") if e.strip()]
-        if pool_tokens == "auto" and (rpc or backend == "rpc"):
-            raise ValueError("pool_tokens='auto' fits a local GPU's free memory; give an RPC device a number")
+        if pool_tokens == "auto" and (rpc or devices or backend == "rpc"):
+            raise ValueError("pool_tokens='auto' fits one local GPU's free memory; give a split model a number")
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
-                                       mtp=wants_mtp(self.speculative), rpc=list(rpc or []))
+                                       mtp=wants_mtp(self.speculative), rpc=list(rpc or []),
+                                       devices=list(devices or []), tensor_split=list(tensor_split or []))
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
         if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
             fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),

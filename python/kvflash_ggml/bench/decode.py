@@ -25,8 +25,8 @@ from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
 from ..engine import Engine
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
-from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, median_ts, open_model,
-                        reference_binary)
+from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
+                        median_ts, open_model, reference_binary)
 
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
@@ -78,10 +78,10 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
 
 
 def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
-                    on_gpu: bool, reps: int = REPS) -> dict:
-    """{(depth, fa): decode tok/s} from one llama-bench call."""
-    records = llama_bench_results(binary, model_path, ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))],
-                                  threads, on_gpu, reps)
+                    on_gpu: bool, reps: int = REPS, split: Sequence[str] = ()) -> dict:
+    """{(depth, fa): decode tok/s} from one llama-bench call (split: llama_bench_split's flags)."""
+    records = llama_bench_results(binary, model_path, ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths)),
+                                                       *split], threads, on_gpu, reps)
     return {(int(r["n_depth"]), bool(r["flash_attn"])): median_ts(r) for r in records}
 
 
@@ -109,6 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     binary = reference_binary(args, "kvflash bench decode")
     try:
         pooled, residency = pool_config(args), residency_config(args)
+        split = llama_bench_split(args) if binary else []
     except ValueError as e:
         print(f"kvflash bench decode: {e}", file=sys.stderr)
         return 2
@@ -129,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
     if binary:
-        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps)
+        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps, split)
         for row in rows:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))

@@ -26,8 +26,8 @@ from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, pool_config
 from ..engine import Engine
 from ..options import PoolConfig, ResidencyConfig
-from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, median_ts, open_model,
-                        reference_binary)
+from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
+                        median_ts, open_model, reference_binary)
 
 REPS = 3
 MODES = ("full", "exact", "pooled")
@@ -116,9 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     reference = []   # llama-bench first: a broken one fails in seconds, not after our whole run
     if binary:
         try:
-            reference = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0"],
-                                            args.threads, model.on_gpu, args.reps)
-        except RuntimeError as e:
+            reference = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0",
+                                                           *llama_bench_split(args)], args.threads, model.on_gpu, args.reps)
+        except (RuntimeError, ValueError) as e:
             print(f"kvflash bench prefill: {e}", file=sys.stderr)
             return 2
     time_prefill(model, tokenizer, 256, dataclasses.replace(pooled, pool_tokens=None), "exact", 1, seed=0)   # warm-up

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
+from ..commands.flags import device_keywords
 from ..known_models import resolve_model_path
 from ..tokenizer import Tokenizer
 
@@ -64,6 +65,18 @@ def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threa
     return json.loads(proc.stdout)
 
 
+def llama_bench_split(args: argparse.Namespace) -> list[str]:
+    """llama-bench's flags for the split the model flags name: --rpc, then -ts. llama-bench puts the RPC servers'
+    devices before this host's GPU, as our default order does; a --devices list has no llama-bench spelling here."""
+    if getattr(args, "devices", None):
+        raise ValueError("the llama-bench comparison takes a split from --rpc and --tensor-split (RPC servers first, "
+                         "then this host's GPU), not --devices")
+    flags = ["--rpc", ",".join(args.rpc)] if getattr(args, "rpc", None) else []
+    if getattr(args, "tensor_split", None):
+        flags += ["-ts", "/".join(f"{x:g}" for x in args.tensor_split)]
+    return flags
+
+
 def median_ts(record: dict) -> float:
     """The median of the repetitions, as for ours (a single slow window moved a mean by up to 10% on the H100)."""
     return float(np.median(record["samples_ts"])) if record.get("samples_ts") else float(record["avg_ts"])
@@ -100,8 +113,7 @@ def open_model(args: argparse.Namespace, prog: str, *, mtp: bool = False) -> tup
     cannot be loaded ends the command."""
     try:
         path = resolve_model_path(args.model)
-        return path, _core.Model(path, backend=args.backend, n_threads=args.threads, mtp=mtp,
-                                  rpc=getattr(args, "rpc", None) or []), Tokenizer(path)
+        return path, _core.Model(path, n_threads=args.threads, mtp=mtp, **device_keywords(args)), Tokenizer(path)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
-from ..commands.flags import add_model_flags, add_pool_flags, pool_config
+from ..commands.flags import add_model_flags, add_pool_flags, device_keywords, pool_config
 from ..known_models import resolve_model_path
 from ..testing.prose import prose
 
@@ -110,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         path = resolve_model_path(args.model)
-        model = _core.Model(path, backend=args.backend, n_threads=args.threads, rpc=getattr(args, "rpc", None) or [])
+        model = _core.Model(path, n_threads=args.threads, **device_keywords(args))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench restore: {e}", file=sys.stderr)
         return 2

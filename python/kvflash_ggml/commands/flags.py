@@ -41,12 +41,37 @@ def parse_rpc(value: str) -> list[str]:
     return endpoints
 
 
+def parse_devices(value: str) -> list[str]:
+    """--devices cpu,cuda0,rpc:host:port: each spelling checked when the model loads."""
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError("expected a comma list such as rpc:10.0.0.2:50052,cpu")
+    return devices
+
+
+def parse_tensor_split(value: str) -> list[float]:
+    """--tensor-split 3,1 (llama.cpp's spelling; '/' separates too): each device's share of the layers."""
+    try:
+        shares = [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers such as 3,1, got {value!r}") from None
+    if not shares or any(not (x >= 0) for x in shares):
+        raise argparse.ArgumentTypeError(f"expected non-negative shares such as 3,1, got {value!r}")
+    return shares
+
+
 def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = None) -> None:
     ap.add_argument("--model", default="smollm2", help="GGUF path or a known short name (default: smollm2)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rpc"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rpc"],
+                    help="auto: the RPC servers' devices, then this host's GPU if any, else the CPU; rpc: the "
+                         "servers alone")
     ap.add_argument("--rpc", type=parse_rpc, default=None, metavar="HOST:PORT[,...]",
-                    help="weights and pool on the first device of this ggml-rpc-server (implies --backend rpc; "
-                         "one server for now). No authentication: trusted networks only (see README)")
+                    help="split the layers across the first device of each ggml-rpc-server (and this host's GPU, "
+                         "as llama.cpp does). No authentication: trusted networks only (see README)")
+    ap.add_argument("--devices", type=parse_devices, default=None, metavar="DEV[,...]",
+                    help="the devices in layer order instead: cpu, cudaN, rpc:HOST:PORT")
+    ap.add_argument("--tensor-split", type=parse_tensor_split, default=None, metavar="N[,...]",
+                    help="each device's share of the layers (llama.cpp's -ts; default: by free memory)")
     ap.add_argument("--threads", type=int, default=threads,
                     help=f"CPU threads (default: {threads or 'all cores'})")
 
@@ -149,10 +174,16 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                                   top_p=args.top_p, min_p=args.min_p, seed=args.seed))
 
 
+def device_keywords(args: argparse.Namespace) -> dict:
+    """_core.Model(...) keywords for where the layers go (--backend, --rpc, --devices, --tensor-split)."""
+    return dict(backend=args.backend, rpc=getattr(args, "rpc", None) or [],
+                devices=getattr(args, "devices", None) or [], tensor_split=getattr(args, "tensor_split", None) or [])
+
+
 def model_keywords(args: argparse.Namespace) -> dict:
     """Model(...) keywords for the parsed model, pool and residency flags (Model builds the dataclasses)."""
-    return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, backend=args.backend,
-                      rpc=getattr(args, "rpc", None), n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
+    return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, **device_keywords(args),
+                      n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
                       refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),
                 pool_tokens=args.kvflash, speculative=speculative_config(args))

@@ -18,8 +18,8 @@ from ..model import cpu_threads
 from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
-from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, pool_config,
-                    residency_config, speculative_config)
+from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, device_keywords,
+                    pool_config, residency_config, speculative_config)
 from .generate import USER_ERRORS
 
 log = logging.getLogger("kvflash_ggml.server")
@@ -59,8 +59,7 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     path = resolve_model_path(args.model)
     pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
     speculative = speculative_config(args)
-    model = _core.Model(path, backend=args.backend, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative),
-                        rpc=args.rpc or [])
+    model = _core.Model(path, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative), **device_keywords(args))
     tokenizer = Tokenizer(path)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
