@@ -70,6 +70,20 @@ def test_split_logits_equal_one_device(smollm2, smollm2_vocab, split_model, atte
     assert (local.argmax(axis=1) == split.argmax(axis=1)).all()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_split_exact_prefill_equals_one_device(smollm2, smollm2_vocab, split_model, attention):
+    # A prompt of twice the pool, layer-major: each layer on its device attends the staging pool on the output
+    # layer's device through its own device's causal band (a band on another device broke ggml's scheduler).
+    tokens = prompt_tokens(smollm2_vocab, 1100, seed=24)
+    cfg = _core.SessionConfig(max_tokens=2048, pool_tokens=512, attention=attention, n_batch=512)
+    (local, local_att), (split, split_att) = (_core.Session(m, cfg).prefill_exact(tokens, 0) for m in (smollm2, split_model))
+    diff = float(np.abs(local - split).max())
+    print(f"exact prefill, split vs cpu, attention={attention}: max |logit diff| {diff}")
+    assert diff <= TOL and int(local.argmax()) == int(split.argmax())
+    assert float(np.abs(local_att - split_att).max()) <= TOL
+
+
 def pooled_run(model, tokens, n_decode, snapshot_at=None, tmp_path=None):
     """A pool of 448 over a 900-token prompt (live eviction as it fills), a reselect that pages the early chunks
     back in, then greedy decode with a reselect every 8 tokens; optionally a snapshot after `snapshot_at` decodes."""

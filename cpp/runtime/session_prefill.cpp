@@ -288,7 +288,13 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     HiddenStates hidden(backend, n_embd, start, n, steps, pin);
     HostMemory bounce_buf((size_t) (pager_->n_blocks() * lcb), pin);
     uint8_t * bounce = bounce_buf.data();
-    CausalBand band(backend, spc.pool_tokens, std::min(n_batch, n), kv_pad_);
+    // One band per device: its zero row is a view with row stride 0, which ggml's scheduler cannot take as the
+    // input of a split on another device (ggml_view_tensor of it fails), so each layer reads its own device's.
+    std::vector<std::unique_ptr<CausalBand>> bands;
+    for (int d = 0; d < m.n_devices(); ++d) {
+        bands.push_back(std::make_unique<CausalBand>(m.device_backend(d), spc.pool_tokens, std::min(n_batch, n), kv_pad_));
+    }
+    const auto band_of = [&](int il) -> const CausalBand * { return bands[(size_t) m.device_of(il)].get(); };
     SchedPtr sched(new_sched(), ggml_backend_sched_free);
 
     ExactPrefill out;
@@ -364,7 +370,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, n_kv, false);
             } else if (staged) {
                 g.n_kv = n_kv;
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, &band, p0);
+                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, band_of(il), p0);
             }
             if (!lk.has_kv) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
             sg.y = lk.mtp ? build_mtp_follow(g, m, h_in) : m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
@@ -533,7 +539,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     }
     timings_.t_compute_ms += ms_since(t0);
     prefill_queries_ = std::move(queries);
-    const int64_t workspace = stage.device_bytes() + band.device_bytes() + hidden.device_bytes() + peak_compute;
+    int64_t band_bytes = 0;
+    for (const auto & b : bands) band_bytes += b->device_bytes();
+    const int64_t workspace = stage.device_bytes() + band_bytes + hidden.device_bytes() + peak_compute;
     if (workspace > prefill_peak_bytes_) {
         prefill_peak_bytes_ = workspace;
         prefill_staging_bytes_ = stage.device_bytes();
