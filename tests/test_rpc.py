@@ -267,6 +267,27 @@ gc.collect()
 report(close_s=time.monotonic() - t0, done=True)
 """
 
+# A split (two servers, then the local CPU, which computes the logits): the middle server killed between decode
+# steps. The output read is local and fine; the check over every backend of the step's scheduler names the lost
+# one, and the Model's other server is not blamed.
+SPLIT = LOST_PRELUDE + """
+endpoint_first = sys.argv[4]
+llm = Model(model_path, devices=[f"rpc:{endpoint_first}", f"rpc:{endpoint}", "cpu"], tensor_split=[1, 1, 1],
+            n_ctx=1024, pool_tokens=None, n_threads=2)
+n = 0
+try:
+    for _ in llm.create_completion("Once upon a time", max_tokens=200, temperature=0.0, stream=True):
+        n += 1
+        if n == 3:
+            os.kill(pid, signal.SIGKILL)
+    report(error=None, n_tokens=n)
+except ConnectionError as e:
+    report(error=str(e), n_tokens=n)
+second_call(llm)
+close(llm)
+report(done=True)
+"""
+
 # Killed while idle, then closed: the first command to meet the dead connection is a buffer free, sent while
 # Python frees the Session (the GIL held) and logged on ggml-rpc's own thread: a regression test for the
 # deadlock that was (that thread waited for the GIL, the freeing thread for it).
@@ -386,4 +407,17 @@ def test_server_killed_during_exact_prefill(smollm2_path, rpc_server_process, tm
     assert not found["snapshot_written"]   # a lost device's K/V read as zeros: no snapshot of them
     assert f"{endpoint} was lost and is still held by a Model" in found["new_model"]
     assert found["new_model_s"] < 1.0
+    assert found["close_s"] < 5.0
+
+
+def test_killed_server_of_a_split_is_named(smollm2_path, rpc_server_process):
+    _, endpoint_first = rpc_server_process()
+    proc, endpoint = rpc_server_process()
+    found, _ = run_lost_scenario(SPLIT, [smollm2_path, endpoint, proc.pid, endpoint_first], timeout_s=120)
+    print(f"split, middle server killed: ConnectionError after {found['n_tokens']} tokens, second call "
+          f"{found['second_s'] * 1e3:.1f} ms, close {found['close_s'] * 1e3:.1f} ms")
+    assert found["error"] is not None and f"ggml-rpc server at {endpoint} went away" in found["error"]
+    assert endpoint_first not in found["error"]
+    assert found["n_tokens"] == 3   # the step after the kill raised
+    assert found["second"] == found["error"] and found["second_s"] < 1.0
     assert found["close_s"] < 5.0
