@@ -160,7 +160,8 @@ void register_model(py::module_ & m, py::module_ & testing) {
              "(backend 'auto' if there is one, 'cuda' required; 'rpc': the servers alone); or devices: the list in "
              "layer order ('cpu', 'cudaN', 'rpc:HOST:PORT'). tensor_split: each device's share of the layers "
              "(default: by free memory). Each endpoint is checked first: ValueError for a bad spelling, "
-             "ConnectionError when it does not answer within 5 s")
+             "ConnectionError when it does not answer within 5 s; a connection lost later (see set_rpc_timeout) is a "
+             "ConnectionError where a result is read")
         .def_property_readonly("has_mtp", &Model::has_mtp, "the multi-token-prediction head is loaded")
         .def_property_readonly("hparams", &Model::hparams)
         .def_property_readonly("path", &Model::path)
@@ -204,7 +205,8 @@ void register_model(py::module_ & m, py::module_ & testing) {
         }
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
-    // RPC endpoints: checked before ggml-rpc sees them (it aborts the process on a failed connect).
+    // RPC endpoints: checked before ggml-rpc sees them (it aborts the process on a failed connect); RpcLost,
+    // a connection lost later, is one of them.
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
@@ -223,6 +225,10 @@ void register_model(py::module_ & m, py::module_ & testing) {
         check_rpc_endpoint(ep, timeout_s);
     }, py::arg("endpoint"), py::arg("timeout_s") = 5.0,
        "connect and run ggml-rpc's handshake; ConnectionError naming the endpoint if it does not answer in time");
+    m.def("set_rpc_timeout", &set_rpc_timeout, py::arg("seconds"),
+          "send/receive timeout of RPC connections made from now on (process-wide; 0: none; default 120 s): a "
+          "server that makes no progress for that long counts as lost (ConnectionError)");
+    m.def("rpc_timeout", &rpc_timeout, "the timeout set_rpc_timeout sets, in seconds (0: none)");
     bind_vocab(m);
     bind_reference(testing);
     testing.def("quant_mul_mat", [](std::optional<bool> enabled) {

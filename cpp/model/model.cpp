@@ -493,7 +493,12 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
         }
         ggml_backend_tensor_set(w, staging.data(), 0, n);
     }
+    check_rpc_connections();   // the weights reached every device
     weights_hash_ = h;
+}
+
+void Model::check_rpc_connections() const {
+    for (const ModelDevice & d : devices_) check_rpc_connection(d.backend);
 }
 
 int64_t Model::device_weight_bytes(int d) const {

@@ -296,6 +296,8 @@ public:
     // The output layer's device: the logits, and the buffers of a session that belong to no layer.
     ggml_backend_t backend() const { return layer_backend(hp_.n_layer); }
     ggml_backend_t cpu_backend() const { return cpu_backend_; } // always present (scheduler fallback)
+    // Throws RpcLost (model/rpc.h) when the connection to one of the devices was lost: its weights are gone.
+    void check_rpc_connections() const;
     // Some layer on a device other than the local CPU (a GPU, or an RPC device): the scheduler keeps the
     // CPU backend as fallback and the step inputs on the host.
     bool on_gpu() const;

@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -167,17 +168,86 @@ bool rpc_available() {
     return ggml_backend_reg_by_name("RPC") != nullptr;
 }
 
+namespace {
+
+// The functions our patch adds to ggml-rpc, found through its reg as ggml_backend_rpc_add_server is (the
+// portable build loads ggml-rpc as a module). nullptr: no RPC backend, or an unpatched one.
+template <typename F>
+F rpc_function(ggml_backend_reg_t reg, const char * name) {
+    return reg ? reinterpret_cast<F>(ggml_backend_reg_get_proc_address(reg, name)) : nullptr;
+}
+
+using endpoint_lost_fn = bool (*)(const char *);
+using set_timeout_fn = void (*)(double);
+using get_timeout_fn = double (*)();
+
+ggml_backend_reg_t rpc_reg() {
+    load_backends();
+    return ggml_backend_reg_by_name("RPC");
+}
+
+bool endpoint_lost(ggml_backend_reg_t reg, const std::string & text) {
+    auto lost = rpc_function<endpoint_lost_fn>(reg, "ggml_backend_rpc_endpoint_lost");
+    return lost && lost(text.c_str());
+}
+
+std::string lost_message(const std::string & text) {
+    char timeout[64] = "";
+    if (const double t = rpc_timeout(); t > 0) std::snprintf(timeout, sizeof timeout, " (or did not answer within %g s)", t);
+    return "the ggml-rpc server at " + text + " went away" + timeout +
+           "; the model's weights and K/V there are lost: load the model again and restore the session from its "
+           "last snapshot";
+}
+
+}  // namespace
+
+void check_rpc_connection(ggml_backend_t backend) {
+    ggml_backend_dev_t dev = backend ? ggml_backend_get_device(backend) : nullptr;
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (!reg || std::strcmp(ggml_backend_reg_name(reg), "RPC") != 0) return;
+    const std::string text = ggml_backend_dev_description(dev);   // an RPC device's description is its endpoint
+    if (endpoint_lost(reg, text)) throw RpcLost(lost_message(text));
+}
+
+void check_rpc_connections(ggml_backend_sched_t sched) {
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        check_rpc_connection(ggml_backend_sched_get_backend(sched, i));
+    }
+}
+
+void set_rpc_timeout(double seconds) {
+    if (!(seconds == 0 || (seconds >= 0.001 && seconds <= 1e6))) {
+        throw std::invalid_argument("rpc timeout " + std::to_string(seconds) + " s: expected 0 (none) or 0.001 to 1e6 s");
+    }
+    auto set = rpc_function<set_timeout_fn>(rpc_reg(), "ggml_backend_rpc_set_timeout");
+    if (!set) throw std::runtime_error("this build has no ggml RPC backend with connection timeouts (KVFLASH_RPC=ON builds one)");
+    set(seconds);
+}
+
+double rpc_timeout() {
+    auto get = rpc_function<get_timeout_fn>(rpc_reg(), "ggml_backend_rpc_get_timeout");
+    return get ? get() : 0.0;
+}
+
 RpcDevice rpc_device_init(const std::string & endpoint, double timeout_s) {
     const RpcEndpoint ep = parse_rpc_endpoint(endpoint);
-    load_backends();
-    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
-    auto add_server = reg ? (ggml_backend_reg_t (*)(const char *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server")
-                          : nullptr;
+    ggml_backend_reg_t reg = rpc_reg();
+    auto add_server = rpc_function<ggml_backend_reg_t (*)(const char *)>(reg, "ggml_backend_rpc_add_server");
     if (!add_server) {
         throw std::runtime_error("an RPC device was asked for, but this build has no ggml RPC backend (build with KVFLASH_RPC=ON)");
     }
+    if (!rpc_function<endpoint_lost_fn>(reg, "ggml_backend_rpc_endpoint_lost")) {
+        // unpatched, a lost connection would abort the process: refuse rather than run without the check
+        throw std::runtime_error("this build's ggml-rpc lacks cpp/patches/ggml-rpc-connection-loss.patch (rebuild)");
+    }
     const std::string text = ep.text();
-    if (!held(text)) check_rpc_endpoint(ep, timeout_s);
+    if (!held(text)) {
+        check_rpc_endpoint(ep, timeout_s);
+    } else if (endpoint_lost(reg, text)) {
+        // ggml-rpc reconnects only once nothing uses the lost connection: the Models on it must go first
+        throw RpcLost("the connection to the ggml-rpc server at " + text + " was lost and is still held by a Model "
+                      "of this process: close every Model that uses it, then load again");
+    }
     // Not ggml_backend_register()ed: ggml-rpc's devices say they are GPUs, and backend="auto" must not pick one.
     ggml_backend_reg_t server = add_server(text.c_str());
     if (!server || ggml_backend_reg_dev_count(server) == 0) {

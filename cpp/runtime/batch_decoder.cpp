@@ -1,4 +1,5 @@
 #include "runtime/batch_decoder.h"
+#include "model/rpc.h"
 
 #include <algorithm>
 #include <chrono>
@@ -113,6 +114,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     ggml_backend_sched_reset(sched_);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
         shape_.clear();
+        check_rpc_connections(sched_);   // a lost RPC device allocates nothing
         throw std::runtime_error("could not allocate the batched decode graph (out of memory?)");
     }
 }
@@ -251,6 +253,7 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
             logits->resize((size_t) ggml_nelements(logits_));
             ggml_backend_tensor_get(logits_, logits->data(), 0, ggml_nbytes(logits_));
         }
+        check_rpc_connections(sched_);   // a lost RPC device reads as zeros
     } catch (...) {
         undo();
         throw;

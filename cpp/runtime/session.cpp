@@ -1,6 +1,7 @@
 #include "runtime/session.h"
 
 #include "model/mtp.h"
+#include "model/rpc.h"
 
 #include <algorithm>
 #include <chrono>
@@ -68,6 +69,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
     }
     if (cfg_.n_batch <= 0) throw std::invalid_argument("n_batch must be positive");
     if (cfg_.pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0 = full cache)");
+    model_->check_rpc_connections();   // before allocating on a lost RPC device
 
     PagerConfig pc;
     pc.chunk_tokens = cfg_.chunk_tokens;
@@ -303,6 +305,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     ggml_backend_sched_reset(sched_);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
         shape_[0] = -1;
+        check_rpc_connections(sched_);   // a lost RPC device allocates nothing: say so, not "out of memory"
         throw std::runtime_error("could not allocate the compute graph (out of memory?)");
     }
     shape_[0] = n_tokens;

@@ -9,6 +9,7 @@
 #include "runtime/session.h"
 
 #include "model/mtp.h"
+#include "model/rpc.h"
 
 #include <algorithm>
 #include <chrono>
@@ -105,6 +106,7 @@ void Session::build_mtp_graph(int64_t n_kv) {
     ggml_backend_sched_reset(d.sched);
     if (!ggml_backend_sched_alloc_graph(d.sched, g.gf)) {
         d.n_kv = -1;
+        check_rpc_connections(d.sched);   // a lost RPC device allocates nothing
         throw std::runtime_error("could not allocate the MTP draft graph (out of memory?)");
     }
     d.n_kv = n_kv;

@@ -1,6 +1,7 @@
 // Session's output reading: the logits (through a pinned staging buffer on a GPU) and the greedy token
 // (an argmax built into the graph, so only its candidates come back).
 #include "runtime/session.h"
+#include "model/rpc.h"
 
 #include <algorithm>
 #include <cstring>
@@ -17,6 +18,7 @@ void Session::read_logits(float * out) {
     }
     if (!host || !logits_host_) {
         ggml_backend_tensor_get(logits_, out, 0, n);
+        check_rpc_connections(sched_);   // a lost RPC device reads as zeros
         return;
     }
     // One DMA into pinned memory on the compute stream, then a host copy: a pageable read of the 0.5 MB
@@ -24,6 +26,7 @@ void Session::read_logits(float * out) {
     auto * staged = static_cast<const uint8_t *>(ggml_backend_buffer_get_base(logits_host_));
     ggml_backend_tensor_get_async(model_->backend(), logits_, const_cast<uint8_t *>(staged), 0, n);
     ggml_backend_synchronize(model_->backend());
+    check_rpc_connections(sched_);
     std::memcpy(out, staged, n);
 }
 
@@ -60,6 +63,7 @@ int32_t Session::read_greedy() {
     ggml_backend_tensor_get_async(model_->backend(), greedy_.col, col, 0, R * sizeof(int32_t));
     ggml_backend_tensor_get_async(model_->backend(), greedy_.max, max, 0, R * sizeof(float));
     ggml_backend_synchronize(model_->backend());
+    check_rpc_connections(sched_);
     int64_t best = 0;   // the first row holding the maximum, as NumPy's argmax picks the first index
     for (int64_t r = 1; r < R; ++r) if (max[r] > max[best]) best = r;
     return (int32_t) (best * greedy_.row_len + col[best]);

@@ -15,6 +15,7 @@
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
 #include "model/mtp.h"
+#include "model/rpc.h"
 
 #include <algorithm>
 #include <chrono>
@@ -449,6 +450,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 KvStepInputs * step_kv = swa ? &g.ring_in : staged ? &g.in.kv : nullptr;   // none: a recurrent layer
                 ggml_backend_sched_reset(sched.get());
                 if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
+                    check_rpc_connections(sched.get());   // a lost RPC device allocates nothing
                     throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
                 }
                 peak_compute = std::max(peak_compute, sched_device_bytes(m, sched.get()));
@@ -499,6 +501,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                     }
                 }
                 timings_.t_prefill_io_ms += ms_since(t_io);
+                if (final_step) check_rpc_connections(sched.get());   // per layer: a lost RPC device reads as zeros
                 queued_ctx = std::move(sg.ctx);
             }
 

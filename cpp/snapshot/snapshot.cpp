@@ -271,6 +271,7 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
     w.put<uint64_t>((uint64_t) kv_bytes);
     const int64_t before = w.written();
     s.kv().save_state(w, sources);
+    s.model().check_rpc_connections();   // before the digest: a lost device's K/V read as zeros
     if (w.written() - before != kv_bytes) throw std::logic_error("PooledKV::state_bytes disagrees with save_state");
     w.put<uint64_t>(w.digest());
 }

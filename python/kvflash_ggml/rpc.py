@@ -1,8 +1,11 @@
-"""ggml-rpc devices: where ggml-rpc-server is found, and starting one on this host (tests, trying it out).
+"""ggml-rpc devices: where ggml-rpc-server is found, starting one on this host (tests, trying it out), and the
+connections' timeout.
 
 A Model runs on one with `Model(..., rpc=["host:port"])` (`--rpc host:port` on the command line); the endpoint
-is checked in C++ before ggml sees it (cpp/model/rpc.cpp). ggml-rpc-server has no authentication: start it
-on 127.0.0.1 or a trusted network only."""
+is checked in C++ before ggml sees it (cpp/model/rpc.cpp). A server that goes away later, or does not answer
+within the timeout, is a ConnectionError naming it where the next result is read; that Model's weights and K/V
+are lost with it (close it; load again and restore the session from its last snapshot). ggml-rpc-server has no
+authentication: start it on 127.0.0.1 or a trusted network only."""
 from __future__ import annotations
 
 import os
@@ -26,6 +29,19 @@ def find_rpc_server() -> Optional[str]:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     return None
+
+
+def set_rpc_timeout(seconds: float) -> None:
+    """Send/receive timeout of the RPC connections made from now on, in seconds (0: none; default 120). A server
+    that makes no progress for that long counts as lost. Process-wide, as the connections are: the Models of a
+    process share one per endpoint, made when the first of them loads. A step's compute is waited for within
+    it, so keep it above the longest step (a long prompt's on a slow device)."""
+    _core.set_rpc_timeout(seconds)
+
+
+def rpc_timeout() -> float:
+    """The timeout set_rpc_timeout sets (seconds; 0: none)."""
+    return _core.rpc_timeout()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
