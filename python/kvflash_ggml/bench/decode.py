@@ -24,6 +24,7 @@ import numpy as np
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
 from ..engine import Engine
+from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
 from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
                         median_ts, open_model, reference_binary)
@@ -113,6 +114,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"kvflash bench decode: {e}", file=sys.stderr)
         return 2
+    # An rpc-server serves one client at a time: with RPC devices, llama-bench runs before our model holds them
+    # (every layer on the split's devices: -ngl 99, flash attention on, as on a GPU).
+    ref = run_llama_bench(binary, resolve_model_path(args.model), depths, args.n_gen, args.threads, True, args.reps,
+                          split) if binary and args.rpc else None
     path, model, tokenizer = open_model(args, "kvflash bench decode")
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
@@ -130,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
     if binary:
-        ref = run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps, split)
+        ref = ref or run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps, split)
         for row in rows:
             row["llama_fa0"] = ref.get((row["depth"], False))
             row["llama_fa1"] = ref.get((row["depth"], True))
