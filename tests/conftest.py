@@ -38,3 +38,14 @@ def tiny_gguf(tmp_path_factory):
         return paths[seed, weight_type]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def rpc_binary():
+    """ggml-rpc-server (test_rpc, test_split), or the test is skipped when this build has none."""
+    from kvflash_ggml.rpc import find_rpc_server
+    binary = find_rpc_server()
+    if binary is None:
+        pytest.skip("ggml-rpc-server was not built (pip install . builds it: KVFLASH_RPC_SERVER=ON; or "
+                    "$KVFLASH_RPC_SERVER, or build/*/bin/ggml-rpc-server)")
+    return binary

@@ -4,7 +4,6 @@ process (it GGML_ABORTs on a failed connect or handshake); and a server lost mid
 the timeout), which our patch of ggml-rpc turns from an abort into a ConnectionError."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import pytest
 
 import kvflash_ggml
 from kvflash_ggml import _core
-from kvflash_ggml.rpc import find_rpc_server, free_port, start_rpc_server
-from kvflash_ggml.testing.prose import prose
+from kvflash_ggml.rpc import free_port, start_rpc_server
+from kvflash_ggml.testing.prose import prose_tokens
 
 pytestmark = pytest.mark.skipif(not _core.rpc_available(), reason="this build has no ggml RPC backend (KVFLASH_RPC=OFF)")
 
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.skipif(not _core.rpc_available(), reason="this build ha
 # split across a different number of threads (the server's own), and the scheduler moves the step inputs,
 # not the math; a bound far below any token-changing difference, far above float rounding seen (0.0).
 TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def rpc_binary():
-    binary = find_rpc_server()
-    if binary is None:
-        pytest.skip("ggml-rpc-server was not built (pip install . builds it: KVFLASH_RPC_SERVER=ON; or "
-                    "$KVFLASH_RPC_SERVER, or build/*/bin/ggml-rpc-server)")
-    return binary
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +38,6 @@ def rpc_model(smollm2_path, rpc_endpoint):
     return _core.Model(smollm2_path, backend="rpc", rpc=[rpc_endpoint], n_threads=2)
 
 
-def prompt_tokens(vocab, n, seed):
-    tokens = vocab.tokenize(prose(n // 3 + 40, seed=seed), add_special=True)[:n]
-    assert len(tokens) == n
-    return np.array(tokens, np.int32)
-
-
 def test_model_on_rpc_device(rpc_model, rpc_endpoint):
     assert rpc_model.on_rpc and rpc_model.on_gpu
     assert rpc_endpoint in rpc_model.backend_name   # "RPC0[127.0.0.1:port]"
@@ -62,7 +46,7 @@ def test_model_on_rpc_device(rpc_model, rpc_endpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 def test_prompt_logits_equal_local_cpu(smollm2, smollm2_vocab, rpc_model, attention):
-    tokens = prompt_tokens(smollm2_vocab, 200, seed=11)
+    tokens = prose_tokens(smollm2_vocab, 200, seed=11)
     cfg = _core.SessionConfig(max_tokens=256, pool_tokens=0, attention=attention)
     local = _core.Session(smollm2, cfg).forward(tokens, 0, all_logits=True)
     remote = _core.Session(rpc_model, cfg).forward(tokens, 0, all_logits=True)
@@ -74,7 +58,7 @@ def test_prompt_logits_equal_local_cpu(smollm2, smollm2_vocab, rpc_model, attent
 
 @pytest.mark.slow
 def test_pooled_session_pages_through_rpc_device(smollm2, smollm2_vocab, rpc_model):
-    tokens = prompt_tokens(smollm2_vocab, 900, seed=12)
+    tokens = prose_tokens(smollm2_vocab, 900, seed=12)
     cfg = _core.SessionConfig(max_tokens=1024, pool_tokens=448, attention="matmul")
     out = []
     for model in (smollm2, rpc_model):

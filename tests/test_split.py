@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvflash_ggml import _core
-from kvflash_ggml.rpc import find_rpc_server, start_rpc_server
-from kvflash_ggml.testing.prose import prose
+from kvflash_ggml.rpc import start_rpc_server
+from kvflash_ggml.testing.prose import prose_tokens
 
 pytestmark = pytest.mark.skipif(not _core.rpc_available(), reason="this build has no ggml RPC backend (KVFLASH_RPC=OFF)")
 
@@ -18,12 +18,8 @@ TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def rpc_endpoints():
-    binary = find_rpc_server()
-    if binary is None:
-        pytest.skip("ggml-rpc-server was not built (pip install . builds it: KVFLASH_RPC_SERVER=ON; or "
-                    "$KVFLASH_RPC_SERVER, or build/*/bin/ggml-rpc-server)")
-    servers = [start_rpc_server(binary, threads=1) for _ in range(2)]
+def rpc_endpoints(rpc_binary):
+    servers = [start_rpc_server(rpc_binary, threads=1) for _ in range(2)]
     yield [endpoint for _, endpoint in servers]
     for proc, _ in servers:
         proc.terminate()
@@ -34,12 +30,6 @@ def rpc_endpoints():
 def split_model(smollm2_path, rpc_endpoints):
     devices = [f"rpc:{e}" for e in rpc_endpoints] + ["cpu"]
     return _core.Model(smollm2_path, devices=devices, tensor_split=[1, 1, 1], n_threads=2)
-
-
-def prompt_tokens(vocab, n, seed):
-    tokens = vocab.tokenize(prose(n // 3 + 40, seed=seed), add_special=True)[:n]
-    assert len(tokens) == n
-    return np.array(tokens, np.int32)
 
 
 def test_layers_split_as_llama_cpp_splits_them(split_model, smollm2, rpc_endpoints):
@@ -60,7 +50,7 @@ def test_layers_split_as_llama_cpp_splits_them(split_model, smollm2, rpc_endpoin
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 def test_split_logits_equal_one_device(smollm2, smollm2_vocab, split_model, attention):
-    tokens = prompt_tokens(smollm2_vocab, 200, seed=21)
+    tokens = prose_tokens(smollm2_vocab, 200, seed=21)
     cfg = _core.SessionConfig(max_tokens=256, pool_tokens=0, attention=attention)
     local = _core.Session(smollm2, cfg).forward(tokens, 0, all_logits=True)
     split = _core.Session(split_model, cfg).forward(tokens, 0, all_logits=True)
@@ -75,7 +65,7 @@ def test_split_logits_equal_one_device(smollm2, smollm2_vocab, split_model, atte
 def test_split_exact_prefill_equals_one_device(smollm2, smollm2_vocab, split_model, attention):
     # A prompt of twice the pool, layer-major: each layer on its device attends the staging pool on the output
     # layer's device through its own device's causal band (a band on another device broke ggml's scheduler).
-    tokens = prompt_tokens(smollm2_vocab, 1100, seed=24)
+    tokens = prose_tokens(smollm2_vocab, 1100, seed=24)
     cfg = _core.SessionConfig(max_tokens=2048, pool_tokens=512, attention=attention, n_batch=512)
     (local, local_att), (split, split_att) = (_core.Session(m, cfg).prefill_exact(tokens, 0) for m in (smollm2, split_model))
     diff = float(np.abs(local - split).max())
@@ -109,7 +99,7 @@ def pooled_run(model, tokens, n_decode, snapshot_at=None, tmp_path=None):
 
 @pytest.mark.slow
 def test_pooled_split_pages_and_decodes_as_one_device(smollm2, smollm2_vocab, split_model, tmp_path):
-    tokens = prompt_tokens(smollm2_vocab, 900, seed=22)
+    tokens = prose_tokens(smollm2_vocab, 900, seed=22)
     local, local_out, local_logits, _ = pooled_run(smollm2, tokens, 24)
     split, split_out, split_logits, _ = pooled_run(split_model, tokens, 24)
     ls, ss = local.pager.stats(), split.pager.stats()
@@ -128,7 +118,7 @@ def test_pooled_split_pages_and_decodes_as_one_device(smollm2, smollm2_vocab, sp
 
 @pytest.mark.slow
 def test_snapshot_of_a_split_restores_on_one_device(smollm2, smollm2_vocab, split_model, tmp_path):
-    tokens = prompt_tokens(smollm2_vocab, 900, seed=23)
+    tokens = prose_tokens(smollm2_vocab, 900, seed=23)
     split, split_out, split_logits, snapshot = pooled_run(split_model, tokens, 16, snapshot_at=4, tmp_path=tmp_path)
     restored = _core.Session.restore(smollm2, str(snapshot))
     token, out, logits = split_out[3], [], []
@@ -188,3 +178,39 @@ def test_cli_flags_parse_a_split():
                                          tensor_split=[3.0, 1.0])
     with pytest.raises(SystemExit):
         ap.parse_args(["--tensor-split", "1,-1"])
+
+
+# Every kind of per-layer memory on a split: rings (gemma3, laguna), a recurrent state (qwen35), per-layer
+# embeddings, shared K/V and the global layers' RoPE factors, one copy per device (gemma4), experts (qwen3moe).
+FAMILIES = {
+    "gemma3": ("tiny-gemma3", dict(weight_type="f32")),
+    "gemma4": ("tiny-gemma4", dict(weight_type="f32")),
+    "laguna": ("tiny-laguna", dict(weight_type="f32")),
+    "qwen35": ("tiny-qwen35", dict(weight_type="f32")),
+    "qwen3moe": ("tiny-qwen3moe", dict(weight_type="f32")),
+}
+
+
+@pytest.fixture(scope="module")
+def family_path(tmp_path_factory):
+    from kvflash_ggml.testing import random_gguf as rg
+    return rg.preset_files(tmp_path_factory.mktemp("split-families"), FAMILIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_split_equal_one_device(family_path, rpc_endpoints, family):
+    path = family_path(family)
+    local = _core.Model(path, backend="cpu", n_threads=1)
+    split = _core.Model(path, devices=[f"rpc:{rpc_endpoints[0]}", "cpu"], tensor_split=[1, 1], n_threads=1)
+    assert len({d["name"] for d in split.devices if len(d["layers"]) > 0}) == 2
+    tokens = np.random.default_rng(5).integers(3, local.hparams.n_vocab, 300).astype(np.int32)
+    # One attention path on both (a model with an RPC device picks flash attention by default, as on a GPU):
+    # then the split computes byte for byte what one device does (measured: 0.0 on every family).
+    for cfg, run in ((_core.SessionConfig(max_tokens=512, pool_tokens=0, attention="matmul"), lambda s: s.forward(tokens, 0, all_logits=True)),
+                     (_core.SessionConfig(max_tokens=512, pool_tokens=448, n_batch=128, attention="matmul"),
+                      lambda s: s.prefill_exact(tokens, 0)[0])):
+        a, b = (run(_core.Session(m, cfg)) for m in (local, split))
+        diff = float(np.abs(a - b).max())
+        print(f"{family} split vs cpu, pool {cfg.pool_tokens}: max |logit diff| {diff}")
+        assert diff <= TOL

@@ -27,3 +27,12 @@ def prose(n_sentences: int, seed: int = 0) -> str:
         out.append(rng.choice(TEMPLATES).format(a=a, b=b, c1=c1, c2=c2, t=rng.choice(TOPICS),
                                                 year=rng.randint(1850, 2020), n=rng.randint(2, 40)))
     return " ".join(out)
+
+
+def prose_tokens(vocab, n: int, seed: int):
+    """The first n tokens of prose(seed) as vocab tokenizes it (with its special tokens): an int32 array."""
+    import numpy as np
+    tokens = vocab.tokenize(prose(n // 3 + 40, seed=seed), add_special=True)[:n]
+    if len(tokens) != n:
+        raise ValueError(f"prose gave {len(tokens)} tokens, not {n}")
+    return np.array(tokens, np.int32)
