@@ -47,7 +47,7 @@ def main():
     rng = np.random.default_rng(0)
     for depth in depths:
         n = depth + 1   # depth tokens of context, then the first decode input
-        max_tokens = -(-(n + args.n_gen * (args.reps + 1) + 1) // C) * C
+        max_tokens = max(args.pool, -(-(n + args.n_gen * (args.reps + 1) + 1) // C) * C)
         cfg = _core.SessionConfig(max_tokens=max_tokens, pool_tokens=args.pool, allow_beyond_train_ctx=True)
         prompt = rng.integers(100, gpu.hparams.n_vocab - 100, n, dtype=np.int32)
         t0 = time.perf_counter()
