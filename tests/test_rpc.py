@@ -17,6 +17,8 @@ from kvflash_ggml import _core
 from kvflash_ggml.rpc import free_port, start_rpc_server
 from kvflash_ggml.testing.prose import prose_tokens
 
+from device_check import prompt_logits_both
+
 pytestmark = pytest.mark.skipif(not _core.rpc_available(), reason="this build has no ggml RPC backend (KVFLASH_RPC=OFF)")
 
 # The server runs the same ggml CPU code on the same graph as the local CPU backend. Matmuls can still be
@@ -46,12 +48,7 @@ def test_model_on_rpc_device(rpc_model, rpc_endpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 def test_prompt_logits_equal_local_cpu(smollm2, smollm2_vocab, rpc_model, attention):
-    tokens = prose_tokens(smollm2_vocab, 200, seed=11)
-    cfg = _core.SessionConfig(max_tokens=256, pool_tokens=0, attention=attention)
-    local = _core.Session(smollm2, cfg).forward(tokens, 0, all_logits=True)
-    remote = _core.Session(rpc_model, cfg).forward(tokens, 0, all_logits=True)
-    diff = float(np.abs(local - remote).max())
-    print(f"rpc vs cpu, 200-token prompt, attention={attention}: max |logit diff| {diff}")
+    local, remote, diff = prompt_logits_both(smollm2, rpc_model, smollm2_vocab, 11, attention, "rpc")
     assert diff <= TOL
     assert (local.argmax(axis=1) == remote.argmax(axis=1)).all()
 

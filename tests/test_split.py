@@ -9,6 +9,8 @@ from kvflash_ggml import _core
 from kvflash_ggml.rpc import start_rpc_server
 from kvflash_ggml.testing.prose import prose_tokens
 
+from device_check import prompt_logits_both
+
 pytestmark = pytest.mark.skipif(not _core.rpc_available(), reason="this build has no ggml RPC backend (KVFLASH_RPC=OFF)")
 
 # The servers run the same ggml CPU code as the local backend on the same graph; only the hidden state crosses
@@ -50,12 +52,7 @@ def test_layers_split_as_llama_cpp_splits_them(split_model, smollm2, rpc_endpoin
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 def test_split_logits_equal_one_device(smollm2, smollm2_vocab, split_model, attention):
-    tokens = prose_tokens(smollm2_vocab, 200, seed=21)
-    cfg = _core.SessionConfig(max_tokens=256, pool_tokens=0, attention=attention)
-    local = _core.Session(smollm2, cfg).forward(tokens, 0, all_logits=True)
-    split = _core.Session(split_model, cfg).forward(tokens, 0, all_logits=True)
-    diff = float(np.abs(local - split).max())
-    print(f"split three ways vs cpu, 200-token prompt, attention={attention}: max |logit diff| {diff}")
+    local, split, diff = prompt_logits_both(smollm2, split_model, smollm2_vocab, 21, attention, "split three ways")
     assert diff <= TOL
     assert (local.argmax(axis=1) == split.argmax(axis=1)).all()
 

@@ -430,14 +430,18 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
         ggml_init_params params = {ggml_tensor_overhead() * (size_t) (2 * n_meta + 1), nullptr, true};
         d.ctx_w = ggml_init(params);
     }
-    struct Mirror { ggml_tensor * meta, * w; int device; };
+    struct Mirror { ggml_tensor * meta, * w; int device; bool copy; };   // copy: the file tensor is mirrored already
     std::vector<Mirror> pairs;
     auto mirror = [&](ggml_tensor * m, int dev) -> ggml_tensor * {
         if (!m) return nullptr;
-        for (auto & p : pairs) if (p.meta == m && p.device == dev) return p.w;
+        bool copy = false;
+        for (auto & p : pairs) {
+            if (p.meta == m && p.device == dev) return p.w;
+            copy = copy || p.meta == m;
+        }
         ggml_tensor * w = ggml_dup_tensor(devices_[(size_t) dev].ctx_w, m);
         ggml_set_name(w, ggml_get_name(m));
-        pairs.push_back({m, w, dev});
+        pairs.push_back({m, w, dev, copy});
         return w;
     };
     const int d_in = device_of(0), d_out = device_of(hp.n_layer);
@@ -474,8 +478,7 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
     const int64_t data_off = (int64_t) gguf_get_data_offset(gctx);
     std::vector<uint8_t> staging;
     uint64_t h = 0xcbf29ce484222325ULL;   // over each file tensor once, whatever the split
-    std::vector<const ggml_tensor *> hashed;
-    for (auto & [m, w, dev] : pairs) {
+    for (auto & [m, w, dev, copy] : pairs) {
         const int64_t id = gguf_find_tensor(gctx, ggml_get_name(m));
         const int64_t off = data_off + (int64_t) gguf_get_tensor_offset(gctx, id);
         const size_t n = ggml_nbytes(m);
@@ -487,10 +490,7 @@ void Model::load_tensors(gguf_context * gctx, ggml_context * meta, bool with_mtp
         if (fseeko(f, off, SEEK_SET) != 0 || std::fread(staging.data(), 1, n, f) != n) {
             throw std::runtime_error("read error in '" + path_ + "' at tensor " + ggml_get_name(m));
         }
-        if (std::find(hashed.begin(), hashed.end(), m) == hashed.end()) {
-            h = hash_bytes(h, staging.data(), n);
-            hashed.push_back(m);
-        }
+        if (!copy) h = hash_bytes(h, staging.data(), n);
         ggml_backend_tensor_set(w, staging.data(), 0, n);
     }
     check_rpc_connections();   // the weights reached every device

@@ -568,7 +568,6 @@ SessionMemory Session::memory() const {
     mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
     mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
     mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
-    mem.compute_bytes = sched_device_bytes(*model_, sched_) + mtp_compute_bytes();
     mem.prefill_peak_bytes = prefill_peak_bytes_;
     mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;
@@ -582,6 +581,7 @@ SessionMemory Session::memory() const {
         dm.recurrent_bytes = recurrent_ ? recurrent_->device_bytes_on(b) : 0;
         dm.compute_bytes = sched_device_bytes(*model_, sched_, d) + (b == model_->backend() ? mtp_compute_bytes() : 0);
         mem.devices.push_back(dm);
+        mem.compute_bytes += dm.compute_bytes;
     }
     return mem;
 }
