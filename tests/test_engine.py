@@ -163,6 +163,8 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     compute = theirs["device_compute_bytes"] * step // pool.n_batch
     assert 0 < mine["device_prefill_peak_bytes"] <= compute + one_layer + mask + 2**20
     assert mine["device_peak_bytes"] < theirs["device_peak_bytes"]
+    # issue 39 item 11: the driver's view of the GPU is reported beside ours, and only where a GPU was opened
+    assert mine["device_driver_bytes"] is None
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 #include "bindings/bindings.h"
 
+#include "model/backends.h"
 #include "model/quant_matmul.h"
 #include "model/model.h"
 #include "model/rpc.h"
@@ -39,6 +40,19 @@ void bind_vocab(py::module_ & m) {
         .def(py::init<const std::string &>(), py::arg("path"))
         .def("tokenize", &Vocab::tokenize, py::arg("text"), py::kw_only(), py::arg("add_special") = true,
              py::arg("parse_special") = false)
+        .def("tokenize_with_text_spans", [](const Vocab & v, const std::string & text,
+                                            const std::vector<std::pair<int64_t, int64_t>> & text_spans, bool add_special,
+                                            bool whole_if_none_kept) {
+                 int64_t kept = 0;
+                 std::vector<int32_t> tokens = v.tokenize_with_text_spans(text, text_spans, add_special, &kept,
+                                                                          whole_if_none_kept);
+                 return py::make_tuple(tokens, kept);
+             }, py::arg("text"), py::arg("text_spans"), py::kw_only(), py::arg("add_special") = false,
+             py::arg("whole_if_none_kept") = true,
+             "(tokens of text parsing control tokens outside text_spans (sorted [lo, hi) byte ranges) only, how many "
+             "control-token texts inside them stayed text)")
+        .def("find_control_text", &Vocab::find_control_text, py::arg("text"),
+             "(byte offset, token id) of the first control or unknown token's text in text, or (-1, -1)")
         .def("detokenize", &Vocab::detokenize, py::arg("tokens"), py::kw_only(), py::arg("remove_special") = false,
              py::arg("unparse_special") = false)
         .def("token_to_piece", [](const Vocab & v, int32_t t, bool special) { return py::bytes(v.token_to_piece(t, special)); },
@@ -205,6 +219,14 @@ void register_model(py::module_ & m, py::module_ & testing) {
         }
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
+    m.def("device_bytes_taken", [] {
+        py::dict out;
+        for (const kvf::DeviceTaken & d : kvf::device_bytes_taken()) out[py::str(d.name)] = d.bytes;
+        return out;
+    }, "The driver's view, per GPU a Model of this process opened: {name: bytes used now above what was used when "
+       "it was first opened (its CUDA context made, no weight yet)}: everything the process holds there, ggml's "
+       "CUDA pool and cuBLAS workspace included, every Model of the process together. The whole device's view: "
+       "another process on the same GPU moves it. Empty without a GPU.");
     // RPC endpoints: checked before ggml-rpc sees them (it aborts the process on a failed connect); RpcLost,
     // a connection lost later, is one of them.
     py::register_exception_translator([](std::exception_ptr p) {

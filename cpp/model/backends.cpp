@@ -64,4 +64,48 @@ std::string cpu_variant() {
     return out;
 }
 
+namespace {
+
+struct Baseline {
+    ggml_backend_dev_t dev;
+    size_t             used;
+};
+
+std::mutex & baseline_mutex() {
+    static std::mutex m;
+    return m;
+}
+
+std::vector<Baseline> & baselines() {
+    static std::vector<Baseline> b;
+    return b;
+}
+
+size_t used_bytes(ggml_backend_dev_t dev) {
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(dev, &free, &total);
+    return total > free ? total - free : 0;
+}
+
+}  // namespace
+
+void note_device_baseline(ggml_backend_dev_t dev) {
+    if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) return;
+    std::lock_guard<std::mutex> lock(baseline_mutex());
+    for (const Baseline & b : baselines()) {
+        if (b.dev == dev) return;
+    }
+    baselines().push_back({dev, used_bytes(dev)});
+}
+
+std::vector<DeviceTaken> device_bytes_taken() {
+    std::lock_guard<std::mutex> lock(baseline_mutex());
+    std::vector<DeviceTaken> out;
+    for (const Baseline & b : baselines()) {
+        const size_t now = used_bytes(b.dev);
+        out.push_back({ggml_backend_dev_name(b.dev), now > b.used ? now - b.used : 0});
+    }
+    return out;
+}
+
 }  // namespace kvf

@@ -175,6 +175,7 @@ void Model::open_devices(const ModelOptions & opts) {
             d.is_cpu = true;
         } else if (s.kind == DeviceSpec::Kind::gpu) {
             d.backend = gpu_backend_init(s.index);
+            note_device_baseline(ggml_backend_get_device(d.backend));   // before any weight: see device_bytes_taken
         } else {
             RpcDevice r = rpc_device_init(s.endpoint);
             d.backend = r.backend;

@@ -507,6 +507,7 @@ class Engine:
         drafter = sum(session_device_bytes(x.session) + (x.model.weight_bytes if x.model is not self.model else 0)
                       for x in seconds)
         weights = self.model.weight_bytes
+        taken = _core.device_bytes_taken()   # {} unless a Model of this process opened a GPU
         return {
             "device_weight_bytes": weights,
             "device_compute_bytes": mem["compute_bytes"],
@@ -522,6 +523,9 @@ class Engine:
             # per device of the model's split: its weights and this session's pool, rings, state and compute buffers
             # (the exact prefill's workspace and a second model's bytes are in the sums above, not here)
             "devices": mem["devices"],
+            # the driver's view beside ours: what this process holds on its GPUs above their CUDA contexts (ggml's
+            # CUDA pool and cuBLAS workspace included, every Model of the process together); None without a GPU
+            "device_driver_bytes": sum(taken.values()) if taken else None,
         }
 
     def _stats(self) -> dict:
