@@ -504,13 +504,14 @@ def test_mtp_speculation_on_cuda_equals_plain_greedy(tmp_path):
     assert st["spec_mode"] == "mtp" and st["spec_acceptance"] == 1.0 and st["page_outs"] > 0
 
 
-def test_stats_report_the_drivers_view_beside_our_counts(smollm2_path):
+def test_stats_report_the_drivers_view_beside_our_counts(model_path):
     # Issue 39 item 11: stats() missed ~85 MiB the process held on the H100 (ggml's CUDA pool, cuBLAS's workspace:
     # allocated by ggml beside our buffers). It now reports the driver's view beside our own counters; the
     # driver's view must hold at least what we count as resident after a generation (weights, pool, buffers).
     import kvflash_ggml as kvf
-    with kvf.Model(model_path=smollm2_path, backend="cuda", n_ctx=8192, pool_tokens=512) as llm:
-        llm.create_completion("The capital of France is " * 200, max_tokens=16, temperature=0.0)
+    with kvf.Model(model_path=model_path("llama-q4_0"), backend="cuda", n_ctx=4096, pool_tokens=512) as llm:
+        prompt = prompt_for(llm._core_model.hparams.n_vocab, n=2000).tolist()
+        llm.create_completion(prompt, max_tokens=16, temperature=0.0)
         st = llm.stats()
     driver = st["device_driver_bytes"]
     ours = st["device_weight_bytes"] + st["device_kv_bytes"] + st["device_compute_bytes"]
