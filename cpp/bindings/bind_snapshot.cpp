@@ -103,7 +103,10 @@ void register_snapshot(py::module_ & m) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const SnapshotIOError & e) {
-            py::object err = py::module_::import("builtins").attr("OSError")(e.err, std::strerror(e.err), e.path);
+            // OSError(errno, reason, path): the subclass follows errno (FileNotFoundError...); the text is the
+            // reason where errno alone would mislead ("not a regular file (a FIFO)" rather than EINVAL's words)
+            const std::string reason = e.reason.empty() ? std::string(std::strerror(e.err)) : e.reason;
+            py::object err = py::module_::import("builtins").attr("OSError")(e.err, reason, e.path);
             PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(err.ptr())), err.ptr());
         }
     });

@@ -1,5 +1,6 @@
 #include "snapshot/snapshot.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -281,6 +282,66 @@ void write_snapshot(const Session & s, int64_t prefix_chunks, ByteWriter & w) {
     throw SnapshotIOError(what + " " + path + ": " + std::strerror(err), err, path);
 }
 
+// Refused by name rather than by a bare errno: `reason` is what OSError shows.
+[[noreturn]] void refuse(const std::string & path, int err, const std::string & reason) {
+    throw SnapshotIOError(path + ": " + reason, err, path, reason);
+}
+
+const char * file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISLNK(mode)) return "a symbolic link";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "a special file";
+}
+
+// A snapshot replaces only a regular file, or creates one (snapshot.h says why). lstat: a link is not followed.
+void check_save_destination(const std::string & path) {
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0) {
+        if (errno == ENOENT) return;
+        io_fail("cannot stat", path);
+    }
+    if (S_ISREG(st.st_mode)) return;
+    if (S_ISDIR(st.st_mode)) refuse(path, EISDIR, "is a directory, not a snapshot file");
+    refuse(path, EEXIST, std::string("exists and is not a regular file (") + file_kind(st.st_mode) +
+                             "): a snapshot replaces only a regular file" +
+                             (S_ISLNK(st.st_mode) ? "; give the path of the file itself" : ""));
+}
+
+// What a load reads from must be a regular file: checked before opening (opening a device can act on it), and
+// opened without blocking (a FIFO made meanwhile would otherwise wait for a writer).
+void check_load_source(const std::string & path, const struct stat & st) {
+    if (S_ISREG(st.st_mode)) return;
+    if (S_ISDIR(st.st_mode)) refuse(path, EISDIR, "is a directory, not a snapshot file");
+    refuse(path, EINVAL, std::string("not a regular file (") + file_kind(st.st_mode) + "), not a snapshot file");
+}
+
+// The temporary file beside `path`, created afresh (O_EXCL: never through a file or link already there, and
+// two saves to one path in this process never share one); its name goes to `tmp`.
+FILE * create_temp(const std::string & path, std::string & tmp) {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+        tmp = path + ".tmp" + std::to_string(getpid()) + (attempt ? "." + std::to_string(attempt) : "");
+        const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd < 0) {
+            if (errno == EEXIST) continue;
+            io_fail("cannot create", tmp);
+        }
+        FILE * f = fdopen(fd, "wb");
+        if (!f) {
+            const int err = errno;
+            close(fd);
+            unlink(tmp.c_str());
+            errno = err;
+            io_fail("cannot create", tmp);
+        }
+        return f;
+    }
+    io_fail("cannot create", tmp);   // errno EEXIST
+}
+
 }  // namespace
 
 std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks) {
@@ -295,10 +356,10 @@ std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks)
 void snapshot_to_file(const Session & s, const std::string & path, int64_t prefix_chunks) {
     const SessionLock held = s.lock();
     saved_tokens(s, prefix_chunks);   // a bad prefix fails before any file exists
+    check_save_destination(path);
     // Written beside the target and renamed over it: a failure leaves any previous file intact.
-    const std::string tmp = path + ".tmp" + std::to_string(getpid());
-    FILE * f = std::fopen(tmp.c_str(), "wb");
-    if (!f) io_fail("cannot create", tmp);
+    std::string tmp;
+    FILE * f = create_temp(path, tmp);
     try {
         ByteWriter w([&](const uint8_t * p, size_t n) {
             if (std::fwrite(p, 1, n, f) != n) io_fail("cannot write", tmp);
@@ -323,17 +384,27 @@ void snapshot_to_file(const Session & s, const std::string & path, int64_t prefi
 }
 
 std::vector<uint8_t> read_snapshot_file(const std::string & path) {
-    FILE * f = std::fopen(path.c_str(), "rb");
-    if (!f) io_fail("cannot open", path);
     struct stat st;
+    if (stat(path.c_str(), &st) != 0) io_fail("cannot open", path);
+    check_load_source(path, st);
+    const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) io_fail("cannot open", path);
+    FILE * f = fdopen(fd, "rb");
+    if (!f) {
+        const int err = errno;
+        close(fd);
+        errno = err;
+        io_fail("cannot open", path);
+    }
     if (fstat(fileno(f), &st) != 0) {
         std::fclose(f);
         io_fail("cannot stat", path);
     }
-    if (!S_ISREG(st.st_mode)) {
+    try {
+        check_load_source(path, st);   // the file opened is the one checked
+    } catch (...) {
         std::fclose(f);
-        errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-        io_fail("not a snapshot file:", path);
+        throw;
     }
     std::vector<uint8_t> out((size_t) st.st_size);
     const size_t got = out.empty() ? 0 : std::fread(out.data(), 1, out.size(), f);

@@ -26,6 +26,10 @@
 // Errors: SnapshotError naming the reason for anything wrong with the bytes or their fit to the session;
 // SnapshotIOError (an OSError in Python) when a file cannot be read or written. Loading validates the
 // whole file before it changes anything; saving writes a temporary file and renames it into place.
+// Only regular files are read or replaced: a path naming a directory, a FIFO, a device node or a socket is
+// refused by name (a rename would turn a device node into a regular file; opening a FIFO would wait for a
+// writer), and so is saving to a symbolic link (the rename would replace the link, and writing through it
+// would let whoever placed the link choose which file is overwritten).
 #pragma once
 
 #include "runtime/session.h"
@@ -40,10 +44,11 @@ namespace kvf {
 
 class SnapshotIOError : public SnapshotError {
 public:
-    SnapshotIOError(const std::string & msg, int err, std::string path)
-        : SnapshotError(msg), err(err), path(std::move(path)) {}
+    SnapshotIOError(const std::string & msg, int err, std::string path, std::string reason = "")
+        : SnapshotError(msg), err(err), path(std::move(path)), reason(std::move(reason)) {}
     int err;            // errno
     std::string path;
+    std::string reason;   // what OSError shows instead of strerror(err) when the errno alone misleads ("" = strerror)
 };
 
 constexpr uint32_t k_snapshot_format_version = 3;   // the newest this build reads (2 adds RING, 3 RCUR)
