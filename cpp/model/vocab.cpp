@@ -6,9 +6,12 @@
 #include "llama.h"
 
 #include <algorithm>
+#include <cctype>
 #include <climits>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_set>
 
 namespace kvf {
@@ -63,6 +66,74 @@ void check_special(const llama_vocab * v) {
     }
 }
 
+constexpr int32_t SPECIAL_ATTRS = LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_USER_DEFINED | LLAMA_TOKEN_ATTR_UNKNOWN;
+constexpr int32_t MARKUP_ONLY_ATTRS = LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_UNKNOWN;   // not parsed in text spans
+
+// The same list, in the same order, as libllama's cache_special_tokens (llama-vocab.cpp, load): its partition
+// tries the tokens in this order, and the order decides which of two overlapping occurrences wins.
+std::vector<int32_t> special_tokens(const llama_vocab * v) {
+    std::vector<int32_t> out;
+    for (int32_t id = 0; id < llama_vocab_n_tokens(v); ++id) {
+        if (llama_vocab_get_attr(v, id) & SPECIAL_ATTRS) out.push_back(id);
+    }
+    std::sort(out.begin(), out.end(), [&](int32_t a, int32_t b) {
+        return std::strlen(llama_vocab_get_text(v, a)) > std::strlen(llama_vocab_get_text(v, b));
+    });
+    return out;
+}
+
+using Spans = std::vector<std::pair<int64_t, int64_t>>;
+
+bool overlaps(const Spans & spans, int64_t lo, int64_t hi) {
+    // the first span that ends after lo; spans are sorted and disjoint
+    auto it = std::upper_bound(spans.begin(), spans.end(), lo, [](int64_t x, const std::pair<int64_t, int64_t> & s) {
+        return x < s.second;
+    });
+    return it != spans.end() && it->first < hi;
+}
+
+struct Fragment {
+    int32_t token;           // a special token, or -1: raw text [offset, offset + length)
+    int64_t offset, length;
+};
+
+// One special token's pass of libllama's tokenizer_st_partition over one raw fragment, appending the pieces to
+// `out`: its occurrences left to right, the whitespace beside them stripped where the token's LSTRIP / RSTRIP
+// says so (C isspace, as libllama), empty pieces dropped. An occurrence that overlaps a text span is left as
+// text when `markup_only`. Returns whether the fragment was split.
+bool split_fragment(const std::string & text, const Fragment & f, int32_t id, const std::string & word, int32_t attr,
+                    bool markup_only, const Spans & spans, std::vector<Fragment> & out, int64_t & n_text_kept) {
+    int64_t base = f.offset, len = f.length, from = f.offset;
+    bool split = false;
+    while (true) {
+        const size_t m = std::string_view(text.data(), (size_t) (base + len)).find(word, (size_t) from);
+        if (m == std::string_view::npos) break;
+        const int64_t end = (int64_t) (m + word.size());
+        if (markup_only && overlaps(spans, (int64_t) m, end)) {
+            ++n_text_kept;
+            from = (int64_t) m + 1;
+            continue;
+        }
+        int64_t left = (int64_t) m - base;
+        if (attr & LLAMA_TOKEN_ATTR_LSTRIP) {
+            while (left > 0 && isspace(text[base + left - 1])) left--;
+        }
+        if (left > 0) out.push_back({-1, base, left});
+        out.push_back({id, 0, 0});
+        split = true;
+        int64_t right = base + len - end, right_at = end;
+        if (attr & LLAMA_TOKEN_ATTR_RSTRIP) {
+            while (right > 0 && isspace(text[right_at])) { right_at++; right--; }
+        }
+        base = from = right_at;
+        len = right;
+        if (len == 0) break;
+    }
+    if (!split) out.push_back(f);
+    else if (len > 0) out.push_back({-1, base, len});
+    return split;
+}
+
 }  // namespace
 
 Vocab::Vocab(const std::string & path) {
@@ -79,6 +150,7 @@ Vocab::Vocab(const std::string & path) {
         llama_model_free(model_);
         throw;
     }
+    special_ = special_tokens(vocab_);
 }
 
 Vocab::~Vocab() {
@@ -98,6 +170,63 @@ std::vector<int32_t> Vocab::tokenize(const std::string & text, bool add_special,
     if (n < 0) throw std::runtime_error("tokenization failed");
     out.resize(n);
     return out;
+}
+
+// libllama's partition of the text at special tokens, redone here because llama_tokenize can only parse
+// special tokens everywhere or nowhere. Each raw fragment is then tokenized alone, as libllama tokenizes the
+// fragments of its own partition (each on its own, an SPM space prefix before each: every raw fragment
+// follows a special token or starts the text). Where no occurrence was kept as text, the partition is
+// libllama's, and libllama tokenizes the whole text itself: the tokens are its own, not a reconstruction.
+std::vector<int32_t> Vocab::tokenize_with_text_spans(const std::string & text, const Spans & text_spans,
+                                                     bool add_special, int64_t * n_text_kept,
+                                                     bool whole_if_none_kept) const {
+    for (size_t i = 0; i < text_spans.size(); ++i) {
+        const auto & [lo, hi] = text_spans[i];
+        if (lo < 0 || hi < lo || hi > (int64_t) text.size() || (i > 0 && lo < text_spans[i - 1].second)) {
+            throw std::invalid_argument("text_spans must be sorted, disjoint byte ranges [lo, hi) of the text");
+        }
+    }
+    std::vector<Fragment> frags, next;
+    if (!text.empty()) frags.push_back({-1, 0, (int64_t) text.size()});
+    int64_t kept = 0;
+    for (int32_t id : special_) {
+        const std::string word = llama_vocab_get_text(vocab_, id);
+        const int32_t attr = llama_vocab_get_attr(vocab_, id);
+        if (word.empty()) continue;
+        next.clear();
+        for (const Fragment & f : frags) {
+            if (f.token >= 0) next.push_back(f);
+            else split_fragment(text, f, id, word, attr, attr & MARKUP_ONLY_ATTRS, text_spans, next, kept);
+        }
+        frags.swap(next);
+    }
+    if (n_text_kept) *n_text_kept = kept;
+    if (kept == 0 && whole_if_none_kept) return tokenize(text, add_special, true);
+    std::vector<int32_t> out;
+    if (add_special && add_bos()) out.push_back(bos());
+    for (const Fragment & f : frags) {
+        if (f.token >= 0) {
+            out.push_back(f.token);
+            continue;
+        }
+        const std::vector<int32_t> part = tokenize(text.substr((size_t) f.offset, (size_t) f.length), false, false);
+        out.insert(out.end(), part.begin(), part.end());
+    }
+    if (add_special && llama_vocab_get_add_eos(vocab_)) out.push_back(eos());
+    return out;
+}
+
+std::pair<int64_t, int32_t> Vocab::find_control_text(const std::string & text) const {
+    std::pair<int64_t, int32_t> first{-1, -1};
+    for (int32_t id : special_) {
+        if (!(llama_vocab_get_attr(vocab_, id) & MARKUP_ONLY_ATTRS)) continue;
+        const std::string_view word = llama_vocab_get_text(vocab_, id);
+        if (word.empty()) continue;
+        const size_t m = std::string_view(text).find(word);
+        // longest first: a shorter token found at the same place is part of a longer one
+        if (m != std::string_view::npos && (first.first < 0 || (int64_t) m < first.first)) first = {(int64_t) m, id};
+    }
+    return first;
 }
 
 std::string Vocab::detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special) const {

@@ -20,6 +20,20 @@ public:
     Vocab & operator=(const Vocab &) = delete;
 
     std::vector<int32_t> tokenize(const std::string & text, bool add_special, bool parse_special) const;
+    // tokenize(text, add_special, parse_special = true), except where `text_spans` (half-open byte ranges,
+    // sorted, disjoint) lie: a control or unknown token's text that overlaps one of them is not parsed but
+    // stays text, as parse_special = false reads it (user-defined tokens are parsed everywhere, as libllama
+    // does either way). A chat prompt: the spans are the messages' content, the rest is the template's markup.
+    // n_text_kept (if given) gets how many such occurrences stayed text; with none, the tokens are exactly
+    // tokenize(text, add_special, true), computed by it unless whole_if_none_kept is false (the tests then
+    // compare this partition's own tokens with libllama's).
+    std::vector<int32_t> tokenize_with_text_spans(const std::string & text,
+                                                  const std::vector<std::pair<int64_t, int64_t>> & text_spans,
+                                                  bool add_special, int64_t * n_text_kept = nullptr,
+                                                  bool whole_if_none_kept = true) const;
+    // The first control or unknown token whose text occurs in `text`, longest first at a place, as
+    // parse_special would read it: (byte offset, token id), or (-1, -1) when there is none.
+    std::pair<int64_t, int32_t> find_control_text(const std::string & text) const;
     std::string detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special) const;
     std::string token_to_piece(int32_t token, bool special) const;   // raw bytes of one token
     // The pieces of `tokens` laid end to end; offsets gets n + 1 entries: where each piece starts, then
@@ -37,6 +51,9 @@ public:
 private:
     llama_model * model_ = nullptr;
     const llama_vocab * vocab_ = nullptr;
+    // libllama's special-token cache rebuilt from the public API in its order (control, user-defined and
+    // unknown tokens, longest text first, by the same std::sort): what its special-token partition tries.
+    std::vector<int32_t> special_;
 };
 
 // libllama's own formatting of one of its built-in chat templates by name ("gemma", "chatml", ...): for

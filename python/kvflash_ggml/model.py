@@ -21,6 +21,7 @@ from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeCon
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from .tokenizer import Tokenizer, check_messages
+from .tokens import text_if_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Model:
                  devices: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None,
                  n_threads: Optional[int] = None,
                  attention: str = PoolConfig.attention,
-                 n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None,
+                 n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None, chat_special: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  drafter_model: Union[None, str, os.PathLike] = ResidencyConfig.drafter_model,
@@ -86,7 +87,8 @@ class Model:
                                   mtp=wants_mtp(self.speculative))
             log.info("pool_tokens='auto': %s", fit.reason)
             self.pool = dataclasses.replace(self.pool, pool_tokens=fit.pool_tokens)
-        self.tokenizer = Tokenizer(self.model_path)
+        # chat_special: chat messages may write control tokens, as llama-server lets them (default: text, as OpenAI)
+        self.tokenizer = Tokenizer(self.model_path, chat_special=chat_special)
         self.residency = with_loaded_drafter(self.residency, self._core_model)   # its own drafter: one copy
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, self.residency,
                              prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes,
@@ -111,7 +113,8 @@ class Model:
     def create_completion(self, prompt: Union[str, bytes, Sequence[int]], *, max_tokens: Optional[int] = 16,
                           stream: bool = False, logprobs: Optional[int] = None,
                           **sampling: Any) -> Union[dict, Iterator[dict]]:
-        """prompt: text (bytes are UTF-8 text) or token ids. max_tokens None: until EOS or a full context.
+        """prompt: text (bytes, bytearray, memoryview: UTF-8 text) or token ids. max_tokens None: until EOS or a
+        full context.
         sampling: temperature (0.8), top_k (40), top_p (0.95), min_p (0.05), seed (None or -1: random), stop
         (see SamplingParams). logprobs=N: each token's log-probability and the N most likely (OpenAI's
         completions shape). A stream's chunks come as it is iterated (see the module docstring)."""
@@ -130,7 +133,7 @@ class Model:
     def _respond(self, prompt: Union[str, bytes, Sequence], params: SamplingParams, chat: bool,
                  stream: bool, logprobs: Optional[int] = None) -> Union[dict, Iterator[dict]]:
         engine = self._open_engine()
-        tokens = engine.prompt_tokens(prompt)
+        tokens = engine.prompt_tokens(text_if_bytes(prompt))   # a memoryview is text too, not a list of ids
         shape = Responses(chat=chat, model=self.model_name, n_prompt=len(tokens), tokenizer=self.tokenizer)
         # The engine's lock for the whole of a non-streamed call: no other call can supersede it halfway.
         with engine._lock:

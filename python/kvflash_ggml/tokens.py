@@ -57,11 +57,23 @@ def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
     return out
 
 
-def utf8_text(data: Union[bytes, bytearray]) -> str:
+# Bytes-like prompts: text. A memoryview is also a sequence of ints, and list() of it once made token ids.
+BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def utf8_text(data: Union[bytes, bytearray, memoryview]) -> str:
+    if isinstance(data, memoryview) and data.format not in ("B", "b", "c"):
+        raise ValueError(f"a memoryview prompt is UTF-8 text, but this one holds items of format {data.format!r}, "
+                         f"not bytes; pass token ids as a list of ints")
     try:
         return bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"a bytes prompt is UTF-8 text, but this one is not valid UTF-8 ({e})") from None
+
+
+def text_if_bytes(prompt: object) -> object:
+    """A bytes-like prompt (bytes, bytearray, memoryview) as the UTF-8 text it holds; any other as it is."""
+    return utf8_text(prompt) if isinstance(prompt, BYTES_LIKE) else prompt
 
 
 def chunk_aligned_batches(start: int, end: int, step: int) -> list[tuple[int, int]]:
