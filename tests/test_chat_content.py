@@ -196,18 +196,46 @@ def test_sentinels_in_content_are_avoided(tiny):
     assert written_out(tok, got) == written_out(tok, old_chat_tokens(special, messages, None, True))
 
 
-@pytest.mark.parametrize("which", ["tiny", "smollm2", "gemma"])
-def test_partition_is_libllamas(which, tiny, smollm2_path):
+@pytest.fixture(scope="module")
+def phi3_named(tiny, tmp_path_factory):
+    """A vocabulary-only copy of the tiny GGUF named Phi-3, with the three tokens libllama then looks up: it gives
+    the special tokens RSTRIP (the whitespace after them is dropped), the one attribute of the partition the
+    real models here do not have."""
+    import gguf
+    reader = gguf.GGUFReader(tiny)
+    path = str(tmp_path_factory.mktemp("phi3") / "phi3-vocab.gguf")
+    w = gguf.GGUFWriter(path, arch="llama")
+    extra = {"tokenizer.ggml.tokens": ["</s>", "<unk>", "<s>"], "tokenizer.ggml.token_type": [3, 2, 3]}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = "phi-3-mini-random" if key == "general.name" else field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value + extra.get(key, []))
+        else:
+            w.add_key_value(key, value, field.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    vocab = _core.Vocab(path)
+    assert vocab.tokenize("<|im_end|>\n x", add_special=False, parse_special=True) == \
+        vocab.tokenize("<|im_end|>x", add_special=False, parse_special=True)   # RSTRIP is on
+    return path
+
+
+@pytest.mark.parametrize("which", ["tiny", "phi3-rstrip", "smollm2", "gemma"])
+def test_partition_is_libllamas(which, tiny, phi3_named, smollm2_path):
     # Issue 39 item 3: the markup/content split redoes libllama's special-token partition (llama_tokenize parses
-    # control tokens everywhere or nowhere). Forced through its own fragments (no span, nothing kept as text), it
-    # must give libllama's tokens exactly, on texts dense with special tokens, parts of them and whitespace
-    # (SPM's space prefix and the tokens' lstrip/rstrip included).
+    # control tokens everywhere or nowhere) and tokenizes the fragments itself. With no span (nothing kept as
+    # text) it must give libllama's tokens exactly, on texts dense with special tokens, parts of them and
+    # whitespace (SPM's space prefix, user-defined whitespace tokens and RSTRIP included).
     if which == "gemma":
         path = gemma270m_path()
         words = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>", "<unk>", "<mask>", "<start_of_image>",
-                 "<end_of_image>", "<unused0>", "[multimodal]"]
+                 "<end_of_image>", "<unused0>", "[multimodal]", "<table>", "\n\n\n"]
     else:
-        path = tiny if which == "tiny" else smollm2_path
+        path = {"tiny": tiny, "phi3-rstrip": phi3_named, "smollm2": smollm2_path}[which]
         words = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<repo_name>", "<file_sep>"]
     vocab = _core.Vocab(path)
     pieces = words + [w[: len(w) // 2] for w in words] + [w[len(w) // 2:] for w in words] + [
@@ -216,7 +244,7 @@ def test_partition_is_libllamas(which, tiny, smollm2_path):
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
         for add_special in (False, True):
-            got, kept = vocab.tokenize_with_text_spans(text, [], add_special=add_special, whole_if_none_kept=False)
+            got, kept = vocab.tokenize_with_text_spans(text, [], add_special=add_special)
             assert kept == 0
             assert got == vocab.tokenize(text, add_special=add_special, parse_special=True), (which, text)
 

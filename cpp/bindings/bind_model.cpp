@@ -41,14 +41,11 @@ void bind_vocab(py::module_ & m) {
         .def("tokenize", &Vocab::tokenize, py::arg("text"), py::kw_only(), py::arg("add_special") = true,
              py::arg("parse_special") = false)
         .def("tokenize_with_text_spans", [](const Vocab & v, const std::string & text,
-                                            const std::vector<std::pair<int64_t, int64_t>> & text_spans, bool add_special,
-                                            bool whole_if_none_kept) {
+                                            const std::vector<std::pair<int64_t, int64_t>> & text_spans, bool add_special) {
                  int64_t kept = 0;
-                 std::vector<int32_t> tokens = v.tokenize_with_text_spans(text, text_spans, add_special, &kept,
-                                                                          whole_if_none_kept);
+                 std::vector<int32_t> tokens = v.tokenize_with_text_spans(text, text_spans, add_special, &kept);
                  return py::make_tuple(tokens, kept);
              }, py::arg("text"), py::arg("text_spans"), py::kw_only(), py::arg("add_special") = false,
-             py::arg("whole_if_none_kept") = true,
              "(tokens of text parsing control tokens outside text_spans (sorted [lo, hi) byte ranges) only, how many "
              "control-token texts inside them stayed text)")
         .def("find_control_text", &Vocab::find_control_text, py::arg("text"),

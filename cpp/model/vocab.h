@@ -25,12 +25,11 @@ public:
     // stays text, as parse_special = false reads it (user-defined tokens are parsed everywhere, as libllama
     // does either way). A chat prompt: the spans are the messages' content, the rest is the template's markup.
     // n_text_kept (if given) gets how many such occurrences stayed text; with none, the tokens are exactly
-    // tokenize(text, add_special, true), computed by it unless whole_if_none_kept is false (the tests then
-    // compare this partition's own tokens with libllama's).
+    // tokenize(text, add_special, true). Linear in the special tokens found, where libllama's partition is
+    // quadratic in them.
     std::vector<int32_t> tokenize_with_text_spans(const std::string & text,
                                                   const std::vector<std::pair<int64_t, int64_t>> & text_spans,
-                                                  bool add_special, int64_t * n_text_kept = nullptr,
-                                                  bool whole_if_none_kept = true) const;
+                                                  bool add_special, int64_t * n_text_kept = nullptr) const;
     // The first control or unknown token whose text occurs in `text`, longest first at a place, as
     // parse_special would read it: (byte offset, token id), or (-1, -1) when there is none.
     std::pair<int64_t, int32_t> find_control_text(const std::string & text) const;
