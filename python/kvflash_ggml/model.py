@@ -40,6 +40,23 @@ def cpu_threads(n_threads: Optional[int]) -> int:
     return n_threads
 
 
+def check_pool_tokens(pool_tokens: Union[None, int, str]) -> Union[None, int, str]:
+    """One rule with the CLI's --kvflash: a pool is a positive size, 'auto', or None / 'off' for the full cache.
+    0 is refused (it used to mean the full cache here while the CLI refused it)."""
+    if isinstance(pool_tokens, int) and not isinstance(pool_tokens, bool) and pool_tokens <= 0:
+        raise ValueError(f"pool_tokens must be a positive number of tokens, 'auto', or None / 'off' for the full "
+                         f"cache; got {pool_tokens}")
+    return pool_tokens
+
+
+def check_train_ctx(model: _core.Model, pool: PoolConfig) -> None:
+    """n_ctx past the context the GGUF was trained for, in the Model's own words (the core names max_tokens)."""
+    n_ctx_train = model.hparams.n_ctx_train
+    if pool.n_ctx > n_ctx_train and not pool.allow_beyond_train_ctx:
+        raise ValueError(f"n_ctx={pool.n_ctx} exceeds the model's trained context {n_ctx_train}; pass "
+                         f"allow_beyond_train_ctx=True to run past it (positions the model never saw in training)")
+
+
 class Model:
     # The pool and residency keywords take their defaults from PoolConfig and ResidencyConfig (declared there).
     def __init__(self, model_path: Union[str, os.PathLike] = "smollm2", *, n_ctx: int = PoolConfig.n_ctx,
@@ -48,7 +65,7 @@ class Model:
                  prefill_reselect: bool = ResidencyConfig.prefill_reselect, kv_type: str = PoolConfig.kv_type,
                  backend: str = "auto", rpc: Optional[Sequence[str]] = None,
                  devices: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None,
-                 n_threads: Optional[int] = None,
+                 n_threads: Optional[int] = None, allow_beyond_train_ctx: bool = PoolConfig.allow_beyond_train_ctx,
                  attention: str = PoolConfig.attention,
                  n_batch: int = PoolConfig.n_batch, chat_template: Optional[str] = None, chat_special: bool = False,
                  prefix_cache_dir: Union[None, str, os.PathLike] = None,
@@ -61,8 +78,8 @@ class Model:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.
-        self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=pool_tokens, kv_type=kv_type, attention=attention,
-                               n_batch=n_batch)
+        self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=check_pool_tokens(pool_tokens), kv_type=kv_type,
+                               attention=attention, n_batch=n_batch, allow_beyond_train_ctx=allow_beyond_train_ctx)
         self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
                                          refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
                                          drafter_model=drafter_model)
@@ -81,6 +98,7 @@ class Model:
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
                                        mtp=wants_mtp(self.speculative), rpc=list(rpc or []),
                                        devices=list(devices or []), tensor_split=list(tensor_split or []))
+        check_train_ctx(self._core_model, self.pool)
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
         if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
             fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
@@ -155,6 +173,13 @@ class Model:
     # -- figures and lifetime --------------------------------------------------------------------
     def stats(self) -> dict:
         return self._open_engine().stats()
+
+    @property
+    def devices(self) -> list[dict]:
+        """The layer split: per device in layer order, its name, the layers it holds (n_layer: the output layer)
+        and its weight bytes (_core.Model.devices)."""
+        self._open_engine()
+        return self._core_model.devices
 
     def close(self) -> None:
         """Free the weights, the KV and the drafter; any later call raises ValueError. Idempotent."""
