@@ -2,6 +2,7 @@
 surrogate is named. Tokenizer-level tests use vocab-only loads (no weights); the API tests a tiny random GGUF."""
 import array
 import random
+import time
 from typing import Optional
 
 import pytest
@@ -247,6 +248,23 @@ def test_partition_is_libllamas(which, tiny, phi3_named, smollm2_path):
             got, kept = vocab.tokenize_with_text_spans(text, [], add_special=add_special)
             assert kept == 0
             assert got == vocab.tokenize(text, add_special=add_special, parse_special=True), (which, text)
+            # one span over all of it: parse_special=False (user-defined tokens still parsed, as libllama does)
+            got, _ = vocab.tokenize_with_text_spans(text, [(0, len(text.encode()))], add_special=add_special)
+            assert got == vocab.tokenize(text, add_special=add_special, parse_special=False), (which, text)
+
+
+def test_a_prompt_of_many_control_tokens_tokenizes_in_linear_time(smollm2_path):
+    # Issue 39 items 1 and 3: libllama's special-token partition is quadratic in the special tokens found (a 1 MB
+    # prompt of one control token repeated took ~44 s and froze the server); Tokenizer.encode goes through the
+    # project's partition, linear. 600 KB (50,000 control tokens): ~14 s in libllama, ~0.02 s here; the bound
+    # is generous for a loaded machine, and the tokens are libllama's.
+    tok = Tokenizer(smollm2_path)
+    text = "<|im_start|>" * 50_000
+    t0 = time.perf_counter()
+    tokens = tok.encode(text, add_special=False, parse_special=True)
+    elapsed = time.perf_counter() - t0
+    assert tokens == [tok.encode("<|im_start|>", add_special=False, parse_special=True)[0]] * 50_000
+    assert elapsed < 1.0, elapsed
 
 
 def test_spans_keep_control_text_as_text_in_the_core(smollm2_vocab):
