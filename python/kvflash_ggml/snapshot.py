@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ SnapshotError = _core.SnapshotError   # a ValueError; unreadable or unwritable f
 DEFAULT_PREFIX_CACHE_BYTES = 4 << 30
 SUFFIX = ".kvf"
 STALE_TMP_SECONDS = 3600              # a temporary file this old belongs to a writer that died
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600   # a snapshot's token section is the conversation itself
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,11 @@ class PrefixCache:
     `{session key}-{n_tokens}-{digest of the tokens}.kvf`. The directory is the index (nothing to get out
     of step after a crash); a file's mtime is its last use, and the least recently used files go first
     when the directory holds more than max_bytes. Several processes may share a directory: every file
-    appears by an atomic rename, and a file that vanishes or fails to load is a miss."""
+    appears by an atomic rename, and a file that vanishes or fails to load is a miss.
+
+    A file's tokens are the conversation, so the cache is private: a folder it creates is 0700 and each file
+    it stores (or uses) is made 0600. A folder that exists already keeps its mode (it may be /tmp, or shared
+    on purpose); one that others can enter is a warning."""
 
     def __init__(self, directory: Union[str, os.PathLike], max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         if max_bytes <= 0:
@@ -84,9 +90,14 @@ class PrefixCache:
         self.max_bytes = int(max_bytes)
         self._warned: set = set()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+            mode = stat.S_IMODE(self.dir.stat().st_mode)
         except OSError as e:
             self._warn("create the folder", e)
+        else:
+            if mode & 0o077:
+                log.warning("prefix cache %s: other users may read this folder (mode %o), and its files hold "
+                            "conversations; chmod 700 it, or choose a private folder", self.dir, mode)
 
     def _warn(self, action: str, error: BaseException) -> None:
         """A cache is an optimisation: a folder that cannot be read or written (read-only, full, a path
@@ -139,6 +150,7 @@ class PrefixCache:
                 _touch(path)
                 return path
             session.save(path, prefix_chunks=None if session.has_recurrent_state else n_chunks)
+            os.chmod(path, PRIVATE_FILE)   # the core writes it with the umask's mode
         except (OSError, SnapshotError) as e:
             self._warn("store a snapshot", e)
             return None
@@ -175,10 +187,12 @@ class PrefixCache:
 
 
 def _touch(path: Path) -> None:
+    """Mark a file used, and private (a file an older version stored was 0644)."""
     try:
         os.utime(path)
+        os.chmod(path, PRIVATE_FILE)
     except OSError:
-        pass   # evicted by another process meanwhile (the load reports the miss), or a read-only folder
+        pass   # evicted by another process meanwhile (the load reports the miss), a read-only folder, not ours
 
 
 def _mtime(path: Path) -> float:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional, Union
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -24,6 +28,7 @@ from ..options import SamplingParams
 from ..responses import Responses
 from ..snapshot import SnapshotError
 from ..tokens import token_ids
+from .limits import BodyLimit, Refused, RequestLimits, off_loop, text_bytes
 from .metrics import Metrics, log_request
 from .scheduler import QueueFull, Request as Job, Scheduler, SlotBusy
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, SlotFile, TokenizeRequest
@@ -33,7 +38,12 @@ COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat run
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
              "/slots")
 CLIENT_GONE = object()
+SHUTTING_DOWN = object()
 SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+SHUTDOWN_GRACE_SECONDS = 2   # a stream's last event after SIGTERM; within uvicorn's graceful shutdown (serve: 10 s)
+PRIVATE_FILE = 0o600         # slot files hold a conversation's tokens
+
+log = logging.getLogger("kvflash_ggml.server")
 
 
 class APIError(Exception):
@@ -44,7 +54,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # a message may quote the request's text: a lone surrogate in it must not fail the JSON's UTF-8
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        body = {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -70,11 +82,15 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvflash serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.kvflash = state
     metrics = Metrics(state.scheduler)
-    app.add_middleware(AuthAndCount, api_key=state.api_key, metrics=metrics)
     scheduler = state.scheduler
     engine = scheduler.slots[0].engine   # for what every slot shares: tokenizer, pool, prompt rendering
     tokenizer, n_ctx, pool_tokens = engine.tokenizer, engine.pool.n_ctx, engine.pool.resolved_pool_tokens()
+    limits = RequestLimits.of(tokenizer, n_ctx)
+    # the outermost middleware is the last added: the key and the count see every request, 413s included
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, refuse=_body_too_large)
+    app.add_middleware(AuthAndCount, api_key=state.api_key, metrics=metrics)
     created = int(time.time())
+    _log_storage(state, engine, limits)
 
     def on_finish(slot, job, record, error) -> None:   # the scheduler thread
         if record is not None:
@@ -89,12 +105,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return e.response()
 
+    @app.exception_handler(Refused)
+    async def refused(_: Request, e: Refused) -> JSONResponse:
+        return APIError(e.status, e.message, code=e.code, param=e.param).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return APIError(400, message, param=where or None).response()
+        why = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return APIError(400, f"{where}: {why}" if where else why, param=where or None).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -119,15 +139,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        tokens = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
-        if not body.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": tokenizer.piece(t).decode("utf-8", errors="replace")} for t in tokens]}
+        # at most one context's text: the same bound as a prompt's (tokenizing is quadratic in special tokens)
+        limits.check_text(body.content, "the content", "content")
+        return await off_loop(_tokenized, tokenizer, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         try:
-            return {"content": tokenizer.decode(token_ids(body.tokens, tokenizer.n_vocab))}
+            return {"content": await off_loop(lambda: tokenizer.decode(token_ids(body.tokens, tokenizer.n_vocab)))}
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from None
 
@@ -146,23 +165,31 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"no slot {slot_id} (slots: 0..{len(scheduler.slots) - 1})", code="slot_not_found")
         slot = scheduler.slots[slot_id]
         if action == "erase":
-            return await _on_scheduler(lambda: _erase(slot))
+            return await _on_scheduler(lambda: _erase(slot), f"cannot erase slot {slot_id}")
         if action not in ("save", "restore"):
             raise APIError(400, f"unknown action {action!r} (save, restore, erase)", param="action")
         path = _slot_file(state, body)
         if action == "save":
-            return await _on_scheduler(lambda: _save(slot, path))
+            return await _on_scheduler(lambda: _save(slot, path), f"cannot save slot {slot_id} to {path.name!r}",
+                                       "slot_save_failed", "slot_save_failed")
         if not path.is_file():
             raise APIError(404, f"no saved slot file {path.name!r}", code="file_not_found")
-        return await _on_scheduler(lambda: _restore(slot, path))
+        return await _on_scheduler(lambda: _restore(slot, path), f"cannot restore slot {slot_id} from {path.name!r}",
+                                   "invalid_snapshot", "slot_restore_failed")
 
-    async def _on_scheduler(fn) -> dict:
+    async def _on_scheduler(fn, failed: str, invalid: Optional[str] = None, unwritable: Optional[str] = None) -> dict:
+        """A slot command's result. Its failure is an OpenAI error naming the reason, never a bare 500: 400
+        (code `invalid`) for what the request asked (a file that is no snapshot of this model, a destination
+        that is no regular file), 500 (code `unwritable`) for what the system refused (a directory in the
+        file's place, a full disk)."""
         try:
             return await asyncio.wrap_future(scheduler.call(fn))
         except SlotBusy as e:
             raise APIError(409, str(e), code="slot_busy") from None
         except (SnapshotError, ValueError) as e:
-            raise APIError(400, f"cannot restore: {e}", code="invalid_snapshot") from None
+            raise APIError(400, f"{failed}: {e}", code=invalid) from None
+        except OSError as e:
+            raise APIError(500, f"{failed}: {e}", type="server_error", code=unwritable) from None
 
     # -- generation ---------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -173,19 +200,27 @@ def create_app(state: ServerState) -> FastAPI:
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (got a list of several)", param="prompt")
             prompt = prompt[0]
-        return await _generate(http, body, _prompt_tokens(prompt), chat=False, logprobs=body.logprobs,
-                               params=_params(body, COMPLETION_MAX_TOKENS))
+        if isinstance(prompt, str):
+            limits.check_text(prompt)
+        else:
+            limits.check_token_ids(prompt)
+        params = _params(body, COMPLETION_MAX_TOKENS)
+        return await _generate(http, body, await _prompt_tokens(prompt), chat=False, logprobs=body.logprobs,
+                               params=params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: Request):
         _check_model(state, body.model)
-        return await _generate(http, body, _prompt_tokens(body.message_dicts(), param="messages"), chat=True,
-                               logprobs=body.n_logprobs(), params=_params(body, None))
+        limits.check_messages(body.messages)
+        params = _params(body, None)
+        return await _generate(http, body, await _prompt_tokens(body.message_dicts(), param="messages"), chat=True,
+                               logprobs=body.n_logprobs(), params=params)
 
-    def _prompt_tokens(prompt, param: str = "prompt") -> list[int]:
-        """Text, token ids or chat messages as the engines take them (Engine.prompt_tokens reads no session)."""
+    async def _prompt_tokens(prompt, param: str = "prompt") -> list[int]:
+        """Text, token ids or chat messages as the engines take them (Engine.prompt_tokens reads no session),
+        off the event loop: rendering a chat and tokenizing take time that /health must not wait for."""
         try:
-            return engine.prompt_tokens(prompt)
+            return await off_loop(engine.prompt_tokens, prompt)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
 
@@ -216,7 +251,10 @@ def create_app(state: ServerState) -> FastAPI:
                     _raise_failed(item)
                 if body.stream:   # the first token is out: stream from here (its generator cancels and logs)
                     streaming = True
-                    return EventSourceResponse(_events(job, shape, item, include_usage=body.include_usage), ping=15)
+                    shutdown = anyio.Event()   # set by sse_starlette when uvicorn begins to shut down
+                    return EventSourceResponse(_events(job, shape, item, include_usage=body.include_usage,
+                                                       shutdown=shutdown), ping=15,
+                                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
                 chunks.append(shape.chunk(item))
             outcome = "done"
             return shape.collect(chunks)
@@ -225,26 +263,32 @@ def create_app(state: ServerState) -> FastAPI:
                 scheduler.cancel(job)   # no-op once finished
                 _log_generation(job, shape, outcome)
 
-    async def _events(job: Job, shape: Responses, first: GenerationRecord, *,
-                      include_usage: bool) -> AsyncIterator[dict]:
+    async def _events(job: Job, shape: Responses, first: GenerationRecord, *, include_usage: bool,
+                      shutdown: anyio.Event) -> AsyncIterator[dict]:
+        """The stream's events. A server that shuts down (SIGTERM) ends it with an error event, so the client
+        reads a whole response that says why it stopped rather than a connection cut mid-stream."""
         outcome = "cancelled"
         try:
             if shape.chat:
                 yield {"data": _json(shape.role_chunk())}
-            item: Union[GenerationRecord, BaseException, None] = first
+            item: Union[GenerationRecord, BaseException, None, object] = first
             while True:
+                if item is SHUTTING_DOWN:
+                    outcome = "shutdown"
+                    yield {"data": _json(_error_event(f"the server is shutting down: the generation stopped after "
+                                                      f"{shape.n_generated} tokens", "server_shutting_down"))}
+                    return
                 if isinstance(item, BaseException) or item is None:
                     outcome = "failed"
-                    message = str(item) if item is not None else "the generation was cancelled"
-                    yield {"data": _json({"error": {"message": message, "type": "server_error", "param": None,
-                                                    "code": None}})}
+                    why = str(item) if item is not None else "the generation was cancelled"
+                    yield {"data": _json(_error_event(why))}
                     return
                 chunk = shape.chunk(item)
                 chunk.pop("usage", None)
                 yield {"data": _json(chunk)}
                 if item.finish_reason is not None:
                     break
-                item = await job.out.get()
+                item = await _next_or_shutdown(job, shutdown)
             if include_usage:
                 yield {"data": _json(shape.usage_chunk())}
             yield {"data": "[DONE]"}
@@ -269,11 +313,45 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _tokenized(tokenizer, body: TokenizeRequest) -> dict:
+    tokens = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    return {"tokens": [{"id": t, "piece": tokenizer.piece(t).decode("utf-8", errors="replace")} for t in tokens]}
+
+
 def _params(body, default_max_tokens: Optional[int]) -> SamplingParams:
+    for stop in [body.stop] if isinstance(body.stop, str) else body.stop or []:
+        text_bytes(stop, "stop")
     try:
         return body.sampling_params(default_max_tokens)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+def _body_too_large(limit: int) -> JSONResponse:
+    return APIError(413, f"the request body is larger than {limit} bytes, more than any request that fits the "
+                         f"context can need", code="request_too_large").response()
+
+
+def _log_storage(state: ServerState, engine, limits: RequestLimits) -> None:
+    """Say at startup what the server keeps on disk (conversations: the prefix cache, slot files) and where,
+    and how large a request may be."""
+    cache = engine.prefix_cache
+    if cache is None:
+        log.info("prefix cache off")
+    else:
+        try:
+            mode = f"folder mode {stat.S_IMODE(cache.dir.stat().st_mode):o}, "
+        except OSError:
+            mode = ""   # PrefixCache warned: the cache is then a no-op
+        log.info("prefix cache on: %s keeps the prompts of conversations (their tokens) on disk, across restarts, "
+                 "up to %.0f MiB (%sfiles 600; --prefix-cache off: none)", cache.dir, cache.max_bytes / (1 << 20),
+                 mode)
+    if state.slot_save_path is not None:
+        log.info("slot files (POST /slots/ID?action=save): %s (files 0600)", state.slot_save_path)
+    log.info("requests: at most %d bytes of body, %d bytes of prompt text (the longest token is %d bytes, the "
+             "context %d tokens)", limits.max_body_bytes, limits.max_text_bytes, limits.max_piece_bytes, limits.n_ctx)
 
 
 def _check_model(state: ServerState, name: Optional[str]) -> None:
@@ -292,6 +370,24 @@ async def _next_or_disconnect(job: Job, http: Request):
         return get.result()
     get.cancel()
     return CLIENT_GONE
+
+
+async def _next_or_shutdown(job: Job, shutdown: anyio.Event):
+    """The job's next item, or SHUTTING_DOWN if the server begins to shut down first."""
+    if shutdown.is_set():
+        return SHUTTING_DOWN
+    get = asyncio.ensure_future(job.out.get())
+    stop = asyncio.ensure_future(shutdown.wait())
+    done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if get in done:
+        return get.result()
+    get.cancel()
+    return SHUTTING_DOWN
+
+
+def _error_event(message: str, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 async def _disconnected(http: Request) -> None:
@@ -329,6 +425,7 @@ def _save(slot, path: Path) -> dict:
     _idle(slot)
     t0 = time.perf_counter()
     slot.engine.save_state(path)
+    os.chmod(path, PRIVATE_FILE)   # its token section is the conversation
     return {"id_slot": slot.id, "filename": path.name, "n_saved": len(slot.held_tokens),
             "n_written": path.stat().st_size, "timings": {"save_ms": _ms(t0, time.perf_counter())}}
 
@@ -384,8 +481,28 @@ class AuthAndCount:
                                 type="authentication_error", code="invalid_api_key").response()
             await response(scope, receive, send_status)
         else:
-            await self.app(scope, receive, send_status)
+            await self._serve(scope, receive, send_status)
         endpoint = "/slots/{id}" if path.startswith("/slots/") else path if path in ENDPOINTS else "other"
         self.metrics.requests.labels(endpoint, str(status[0])).inc()
         if not scope.get("state", {}).get("logs_itself"):
             log_request(path=path, status=status[0], ms=_ms(t0, time.perf_counter()))
+
+    async def _serve(self, scope, receive, send) -> None:
+        """The app; an error nothing else caught is answered as an OpenAI-shaped 500 naming it, here rather
+        than by Starlette's outermost handler, which answers plain text and then re-raises, so that uvicorn
+        closes the client's keep-alive connection."""
+        started = False
+
+        async def send_started(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as e:   # noqa: BLE001 - answered and logged
+            if started:
+                raise   # the response is under way: nothing to answer with
+            log.exception("%s %s failed", scope.get("method"), scope["path"])
+            await APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()(
+                scope, receive, send)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..options import SamplingParams
 
@@ -62,10 +62,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
 
-    def text(self) -> str:
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # as OpenAI's API: only an assistant message that calls tools may go without content
+        calls = any((self.model_extra or {}).get(k) for k in ("tool_calls", "function_call"))
+        if self.content is None and (self.role != "assistant" or not calls):
+            needs = "'content' or 'tool_calls'" if self.role == "assistant" else "'content'"
+            raise ValueError(f"a {self.role} message needs {needs}")
+        return self
+
+    def texts(self) -> list[str]:
+        """The content's text parts (one for a plain string)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+            return [part.text for part in self.content]
+        return [self.content or ""]
+
+    def text(self) -> str:
+        return "".join(self.texts())
 
 
 class ChatRequest(Sampling):
