@@ -265,7 +265,7 @@ def test_command_lines(paths, capsys):
     from kvflash_ggml.bench.retrieval import cli
     rc = generate.main(["--model", paths["target"], "--n-ctx", "2048", "--kvflash", "448", "--policy", "drafter",
                         "--drafter-model", paths["same"], "--threads", "1", "--backend", "cpu", "--max-tokens", "4",
-                        "--prompt", TEXT * 8, "--stats"])
+                        "--prompt", TEXT * 8, "--stats", "--json"])
     assert rc == 0 and '"policy": "drafter"' in capsys.readouterr().err
     rc = generate.main(["--model", paths["target"], "--kvflash", "448", "--policy", "drafter", "--prompt", "x"])
     assert rc == 2 and "drafter_model" in capsys.readouterr().err

@@ -136,7 +136,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     # is made, and the transient workspace stays far below the full cache's KV.
     pool = PoolConfig(n_ctx=2048, pool_tokens=448, attention="matmul")
     exact = kvf.Engine(llm._core_model, llm.tokenizer, pool, kvf.ResidencyConfig(policy=policy))
-    full = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, attention="matmul"))
+    full = kvf.Engine(llm._core_model, llm.tokenizer, PoolConfig(n_ctx=2048, pool_tokens=None, attention="matmul"))
     made = []
     real_make_session = kvf.engine.make_session
     monkeypatch.setattr(kvf.engine, "make_session", lambda *a, **k: made.append(1) or real_make_session(*a, **k))
@@ -205,7 +205,7 @@ def test_non_gguf_and_truncated_files_raise(tmp_path, smollm2_path):
 @pytest.mark.slow
 def test_cli_generate_prints_a_continuation():
     proc = subprocess.run([sys.executable, "-m", "kvflash_ggml", "generate", "--model", "smollm2", "--prompt",
-                           "The capital of France is", "--max-tokens", "8", "--kvflash", "448", "--stats"],
+                           "The capital of France is", "--max-tokens", "8", "--kvflash", "448", "--stats", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("The capital of France is") and "Paris" in proc.stdout

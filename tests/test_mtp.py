@@ -290,7 +290,7 @@ def test_cli_generate_with_draft_mtp(path, capsys):
     from kvflash_ggml.commands.generate import main
 
     assert main(["--model", path("echo"), "--prompt", "one two three four", "--max-tokens", "12", "--draft", "mtp",
-                 "--threads", "1", "--stats"]) == 0
+                 "--threads", "1", "--stats", "--json"]) == 0
     err = capsys.readouterr().err
     assert '"spec_mode": "mtp"' in err and '"spec_acceptance": 1.0' in err
 

@@ -303,7 +303,7 @@ def test_cli_generate_with_a_draft(tiny, capsys):
     from kvflash_ggml.commands.generate import main
 
     assert main(["--model", tiny("llama"), "--prompt", "one two one two one two one", "--max-tokens", "12",
-                 "--draft", "prompt_lookup", "--draft-max", "4", "--threads", "1", "--stats"]) == 0
+                 "--draft", "prompt_lookup", "--draft-max", "4", "--threads", "1", "--stats", "--json"]) == 0
     assert '"spec_mode": "prompt_lookup"' in capsys.readouterr().err
 
 

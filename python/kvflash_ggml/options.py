@@ -20,6 +20,7 @@ TAU_CONTEXT_DIVISOR = 45
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
 PREFILL_MODES = ("exact", "pooled")
+KV_TYPES = ("f16", "q8_0", "q4_0")
 # How the post-prompt reselect scores chunks after an exact prefill: "attention", the attention the prompt's
 # last tokens paid each chunk, captured during the prefill (the target model's own attention: no second
 # model), or "policy", the residency policy's scores. "auto": attention for the built-in policies, the
@@ -31,10 +32,14 @@ PROMPT_SCORES = ("auto", "attention", "policy")
 class PoolConfig:
     """Where the KV cache lives. pool_tokens=None is full-cache mode (every position resident);
     an int or "auto" is KVFlash with that many device slots. "auto" resolves here to min(n_ctx, 4096); a Model
-    (and the server) on a GPU replaces it with what the free device memory holds (fit.py)."""
+    (and the server) on a GPU replaces it with what the free device memory holds (fit.py).
+
+    "auto" is the default: a context the pool holds runs as the full cache would (nothing is paged, and the
+    output is the full cache's), and a longer one pages instead of holding it all on the device; a prompt larger
+    than the pool is computed exactly (ResidencyConfig.prefill). None asks for the full cache."""
 
     n_ctx: int = 4096
-    pool_tokens: Union[None, int, str] = None
+    pool_tokens: Union[None, int, str] = "auto"
     kv_type: str = "f16"
     attention: str = "auto"        # "auto" | "flash" | "matmul"
     n_batch: int = 512

@@ -12,7 +12,10 @@ from typing import Optional, Union
 
 from .. import _core
 from ..engine import POLICY_NAMES
-from ..options import PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from ..options import (AUTO_POOL_TOKENS, KV_TYPES, PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig,
+                       SamplingParams, SpeculativeConfig)
+from .gguf_facts import GgufFacts
+from .llama_flags import resolve_backend
 
 def parse_pool(value: str) -> Union[None, int, str]:
     if value in ("off", "none", "full"):
@@ -60,39 +63,64 @@ def parse_tensor_split(value: str) -> list[float]:
     return shares
 
 
-def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = None) -> None:
-    ap.add_argument("--model", default="smollm2", help="GGUF path or a known short name (default: smollm2)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rpc"],
-                    help="auto: the RPC servers' devices, then this host's GPU if any, else the CPU; rpc: the "
-                         "servers alone")
+def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = None, llama: bool = False) -> None:
+    """llama: also llama.cpp's spellings (-m, -t, -ts, -ngl; see llama_flags.py, which resolves -ngl)."""
+    ap.add_argument("--model", *(["-m"] if llama else []), default="smollm2",
+                    help="GGUF path or a known short name (default: smollm2)")
+    ap.add_argument("--backend", default=None if llama else "auto", choices=["auto", "cpu", "cuda", "rpc"],
+                    help="auto (the default): the RPC servers' devices, then this host's GPU if any, else the CPU; "
+                         "rpc: the servers alone")
     ap.add_argument("--rpc", type=parse_rpc, default=None, metavar="HOST:PORT[,...]",
                     help="split the layers across the first device of each ggml-rpc-server (and this host's GPU, "
                          "as llama.cpp does). No authentication: trusted networks only (see README)")
     ap.add_argument("--devices", type=parse_devices, default=None, metavar="DEV[,...]",
                     help="the devices in layer order instead: cpu, cudaN, rpc:HOST:PORT")
-    ap.add_argument("--tensor-split", type=parse_tensor_split, default=None, metavar="N[,...]",
-                    help="each device's share of the layers (llama.cpp's -ts; default: by free memory)")
-    ap.add_argument("--threads", type=int, default=threads,
+    ap.add_argument("--tensor-split", *(["-ts"] if llama else []), type=parse_tensor_split, default=None,
+                    metavar="N[,...]", help="each device's share of the layers (llama.cpp's -ts; default: by free memory)")
+    ap.add_argument("--threads", *(["-t"] if llama else []), type=int, default=threads,
                     help=f"CPU threads (default: {threads or 'all cores'})")
+    if llama:
+        ap.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="N",
+                        help="llama.cpp's layers on the GPU: 0 = --backend cpu; all, auto or at least the model's "
+                             "layer count = --backend auto (every layer on the GPU if there is one); a part of the "
+                             "layers is refused (no partial offload by count: --devices cpu,cuda0 --tensor-split A,B)")
 
 
 def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Optional[int] = 4096,
-                   several: bool = False) -> None:
-    """pool: the --kvflash default; n_ctx None: the command sets the context itself (no --n-ctx);
-    several: --kvflash is a comma list of pool sizes (a grid), --pools its alias."""
+                   several: bool = False, llama: bool = False) -> None:
+    """pool: the --kvflash default; n_ctx None: the command sets the context itself (no --n-ctx), 0: the model's
+    trained context by default (resolve_model_flags); several: --kvflash is a comma list of pool sizes (a grid), --pools
+    its alias; llama: also llama.cpp's spellings (-c, -ub, -b, -fa, -ctk, -ctv; see llama_flags.py)."""
     if n_ctx is not None:
-        ap.add_argument("--n-ctx", type=int, default=n_ctx, help=f"logical context in tokens (default {n_ctx})")
+        ap.add_argument("--n-ctx", *(["-c", "--ctx-size"] if llama else []), type=int, default=n_ctx, metavar="N",
+                        help=f"logical context in tokens; 0: the context the model was trained for (default: "
+                             f"{n_ctx or 'the trained context'})")
     if several:
         ap.add_argument("--kvflash", "--pools", dest="pools", default=pool,
                         help=f"comma-separated KV pool sizes in tokens, one grid column each ('' = none; --pools "
                              f"is an alias; default {pool})")
     else:
         ap.add_argument("--kvflash", default=pool, type=parse_pool,
-                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto', or 'off' for full "
-                             f"cache (default {pool})")
-    ap.add_argument("--kv-type", default=PoolConfig.kv_type, choices=["f16", "q8_0", "q4_0"], help="KV cache type")
-    ap.add_argument("--attention", default=PoolConfig.attention, choices=["auto", "flash", "matmul"],
-                    help="attention path")
+                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto' (on a GPU what its "
+                             f"free memory holds, else min(n_ctx, {AUTO_POOL_TOKENS})), or 'off' for the full cache "
+                             f"(default {pool})")
+    ap.add_argument("--kv-type", default=None if llama else PoolConfig.kv_type, choices=list(KV_TYPES),
+                    help=f"KV cache type (default {PoolConfig.kv_type})")
+    ap.add_argument("--attention", default=None if llama else PoolConfig.attention, choices=["auto", "flash", "matmul"],
+                    help=f"attention path (default {PoolConfig.attention})")
+    if llama:
+        ap.add_argument("-ctk", "--cache-type-k", dest="kv_type_k", default=None, metavar="TYPE",
+                        help="llama.cpp's K cache type: kvflash keeps K and V in one type (--kv-type), so -ctk and "
+                             "-ctv must be equal")
+        ap.add_argument("-ctv", "--cache-type-v", dest="kv_type_v", default=None, metavar="TYPE",
+                        help="llama.cpp's V cache type (see -ctk)")
+        ap.add_argument("-fa", "--flash-attn", dest="flash_attn", default=None, metavar="on|off|auto",
+                        help="llama.cpp's flash attention switch: on = --attention flash, off = matmul, auto = auto")
+        ap.add_argument("--n-batch", "-ub", "--ubatch-size", dest="n_batch", type=int, default=None, metavar="N",
+                        help=f"tokens per forward step of a prompt (default {PoolConfig.n_batch})")
+        ap.add_argument("-b", "--batch-size", dest="llama_batch", type=int, default=None, metavar="N",
+                        help="llama.cpp's logical batch (tokens handed to one llama_decode): accepted; kvflash hands "
+                             "a prompt over whole and steps it by --n-batch (-ub)")
 
 
 def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> None:
@@ -127,27 +155,47 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                          f"{ResidencyConfig.refresh_tokens})")
 
 
-def add_speculative_flags(ap: argparse.ArgumentParser) -> None:
+def add_speculative_flags(ap: argparse.ArgumentParser, *, llama: bool = False) -> None:
+    """llama: llama-server's -md/--model-draft (the draft model) and --draft N / --draft-n N (its draft count)."""
     ap.add_argument("--draft", default=None,
                     help="speculative decoding: 'prompt_lookup' (n-gram lookup in the context), 'mtp' (the GGUF's own "
-                         "multi-token-prediction layers), or a smaller GGUF of the same vocabulary (path or short name)")
-    ap.add_argument("--draft-max", type=int, default=None,
+                         "multi-token-prediction layers), or a smaller GGUF of the same vocabulary (path or short name)"
+                         + ("; a number N is llama-server's --draft N: --draft-max N" if llama else ""))
+    ap.add_argument("--draft-max", *(["--draft-n"] if llama else []), type=int, default=None,
                     help=f"most tokens drafted per step (default {SpeculativeConfig.max_draft}; adapts to the acceptance)")
+    if llama:
+        ap.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft", default=None, metavar="FNAME",
+                        help="llama-server's draft model: --draft FNAME")
 
 
 def speculative_config(args: argparse.Namespace, **overrides: object) -> Optional[SpeculativeConfig]:
-    if args.draft is None:
+    draft, max_draft = args.draft, args.draft_max
+    if hasattr(args, "model_draft"):   # llama.cpp's spellings: --draft N is a count, -md FNAME the draft model
+        if draft is not None and draft.lstrip("-").isdigit():
+            if max_draft is not None and max_draft != int(draft):
+                raise ValueError(f"--draft {draft} and --draft-max {max_draft} give two draft counts")
+            draft, max_draft = None, int(draft)
+        if args.model_draft is not None:
+            if draft is not None and draft != args.model_draft:
+                raise ValueError(f"-md {args.model_draft} and --draft {draft} name two drafters")
+            draft = args.model_draft
+    if draft is None:
         return None
-    return SpeculativeConfig(**{**given(draft=args.draft, max_draft=args.draft_max), **overrides})
+    return SpeculativeConfig(**{**given(draft=draft, max_draft=max_draft), **overrides})
 
 
-def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
-    ap.add_argument("--max-tokens", type=int, default=max_tokens)
-    ap.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64, llama: bool = False) -> None:
+    """llama: also llama-cli's spellings (-n/--predict with -1 = no limit, --temperature, -s)."""
+    ap.add_argument("--max-tokens", *(["-n", "--predict", "--n-predict"] if llama else []), type=int,
+                    default=max_tokens, metavar="N",
+                    help=f"most tokens to generate (default {max_tokens}" + ("; -1 or -2: until an end-of-generation "
+                                                                             "token or a full context)" if llama else ")"))
+    ap.add_argument("--temp", *(["--temperature"] if llama else []), type=float, default=0.0,
+                    help="temperature (0 = greedy, the default)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--min-p", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", *(["-s"] if llama else []), type=int, default=None, help="-1 or none: a random seed")
 
 
 def given(**options: object) -> dict:
@@ -156,8 +204,10 @@ def given(**options: object) -> dict:
 
 
 def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
-    options = given(n_ctx=getattr(args, "n_ctx", None), pool_tokens=getattr(args, "kvflash", None),
-                    kv_type=args.kv_type, attention=args.attention)
+    options = given(n_ctx=getattr(args, "n_ctx", None), kv_type=args.kv_type, attention=args.attention,
+                    n_batch=getattr(args, "n_batch", None))
+    if hasattr(args, "kvflash"):   # --kvflash off is None: the full cache, not the dataclass's default
+        options["pool_tokens"] = args.kvflash
     return PoolConfig(**{**options, **overrides})
 
 
@@ -170,20 +220,33 @@ def residency_config(args: argparse.Namespace, **overrides: object) -> Residency
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**given(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
-                                  top_p=args.top_p, min_p=args.min_p, seed=args.seed))
+    # -1 / -2 are llama.cpp's "no limit" / "until the context is full": both end at a full context here
+    max_tokens = None if args.max_tokens in (-1, -2) else args.max_tokens
+    return SamplingParams(**given(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  seed=args.seed, stop=getattr(args, "stop", None) or None), max_tokens=max_tokens)
 
 
 def device_keywords(args: argparse.Namespace) -> dict:
     """_core.Model(...) keywords for where the layers go (--backend, --rpc, --devices, --tensor-split)."""
-    return dict(backend=args.backend, rpc=getattr(args, "rpc", None) or [],
+    return dict(backend=args.backend or "auto", rpc=getattr(args, "rpc", None) or [],
                 devices=getattr(args, "devices", None) or [], tensor_split=getattr(args, "tensor_split", None) or [])
 
 
 def model_keywords(args: argparse.Namespace) -> dict:
     """Model(...) keywords for the parsed model, pool and residency flags (Model builds the dataclasses)."""
     return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, **device_keywords(args),
+                      n_batch=getattr(args, "n_batch", None),
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
                       refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),
                 pool_tokens=args.kvflash, speculative=speculative_config(args))
+
+
+def resolve_model_flags(args: argparse.Namespace, facts: GgufFacts) -> None:
+    """The flags whose value depends on the model: --n-ctx 0 (llama.cpp's -c 0) is the trained context, and
+    llama.cpp's -ngl N picks the backend (llama_flags.resolve_backend)."""
+    if getattr(args, "n_ctx", None) is not None:
+        if args.n_ctx < 0:
+            raise ValueError(f"--n-ctx must be positive, or 0 for the model's trained context; got {args.n_ctx}")
+        args.n_ctx = args.n_ctx or facts.n_ctx_train
+    resolve_backend(args, facts.n_layer)

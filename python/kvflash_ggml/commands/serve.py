@@ -18,29 +18,38 @@ from ..model import cpu_threads
 from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
+from ..options import SamplingParams
 from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, device_keywords,
-                    pool_config, residency_config, speculative_config)
-from .generate import USER_ERRORS
+                    pool_config, resolve_model_flags, residency_config, speculative_config)
+from .gguf_facts import read_gguf_facts
+from .generate import BASE_MODELS, USER_ERRORS
+from .llama_flags import (SERVER_SAMPLING, Refuse, add_llama_flags, chat_template_source, epilog, read_api_key_file,
+                          resolve_parsed, warn_llama_env)
 
 log = logging.getLogger("kvflash_ggml.server")
 DEFAULT_PREFIX_CACHE = "~/.cache/kvflash_ggml/prefix-cache"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvflash serve", description=__doc__)
-    add_model_flags(ap)
-    add_pool_flags(ap, pool="auto")
+    ap = argparse.ArgumentParser(prog="kvflash serve", description=__doc__, epilog=epilog("llama-server"),
+                                 allow_abbrev=False)
+    add_model_flags(ap, llama=True)
+    add_pool_flags(ap, pool="auto", llama=True)
     add_residency_flags(ap)
-    add_speculative_flags(ap)
-    ap.add_argument("--parallel", "-np", type=int, default=4, help="slots: conversations computed at once (default 4)")
+    add_speculative_flags(ap, llama=True)
+    ap.add_argument("--parallel", "-np", type=int, default=4,
+                    help="slots: conversations computed at once (default 4; -1: llama-server's auto, 4)")
     ap.add_argument("--queue", type=int, default=64,
                     help="requests that may wait for a free slot; more get HTTP 503 with Retry-After (default 64)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--api-key", default=os.environ.get("KVFLASH_API_KEY"),
+    ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' (default: $KVFLASH_API_KEY, else none)")
-    ap.add_argument("--alias", default=None, help="the model's name in the API (default: the GGUF's file name stem)")
-    ap.add_argument("--chat-template", default=None, help="a Jinja chat template file, instead of the GGUF's own")
+    ap.add_argument("--api-key-file", default=None, metavar="FNAME", help="read the API key from a file (one key)")
+    ap.add_argument("--alias", "-a", default=None, help="the model's name in the API (default: the GGUF's file name stem)")
+    ap.add_argument("--chat-template", default=None, metavar="JINJA",
+                    help="a Jinja chat template (its text, or a file) instead of the GGUF's own")
+    ap.add_argument("--chat-template-file", default=None, metavar="FNAME", help="a Jinja chat template file")
     ap.add_argument("--prefix-cache", default=DEFAULT_PREFIX_CACHE,
                     help=f"folder of the on-disk prefix cache that slots store to when taken over and at shutdown, "
                          f"and resume conversations from ('off': none; default {DEFAULT_PREFIX_CACHE})")
@@ -48,19 +57,45 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the prefix cache's cap in bytes (default {DEFAULT_PREFIX_CACHE_BYTES})")
     ap.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore (default: off)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("-v", "--verbose", "--log-verbose", dest="log_level", action="store_const", const="debug",
+                    help="llama-server's verbose logs: --log-level debug")
+    ap.add_argument("--log-disable", dest="log_level", action="store_const", const="error",
+                    help="llama-server's quiet logs: --log-level error")
+    add_server_sampling_flags(ap)
+    add_llama_flags(ap, "llama-server")
     return ap
+
+
+def add_server_sampling_flags(ap: argparse.ArgumentParser) -> None:
+    """llama-server's server-wide sampling defaults: a request here takes its own (OpenAI's fields), and one
+    that gives none gets SamplingParams' defaults, which are llama-server's. So these are accepted at those
+    values (and -n at -1, no server-wide limit), and refused at any other."""
+    p = SamplingParams
+    for names, value, what in (("--temp --temperature", p.temperature, f"temperature {p.temperature}"),
+                               ("--top-k", p.top_k, f"top_k {p.top_k}"), ("--top-p", p.top_p, f"top_p {p.top_p}"),
+                               ("--min-p", p.min_p, f"min_p {p.min_p}"), ("-s --seed", -1, "a random seed"),
+                               ("-n --predict --n-predict", -1,
+                                "OpenAI's max_tokens default (completions) or no limit (chats)")):
+        ap.add_argument(*names.split(), action=Refuse, tool="llama-server", neutral=float(value),
+                        instead=f"{SERVER_SAMPLING}; a request that gives none gets {what}")
 
 
 def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     """The slots' engines over one copy of the weights (and of a drafter's), the model's name in the API, and
     why the pool has its size."""
+    if args.parallel == -1:   # llama-server's auto: 4 slots
+        args.parallel = 4
     if args.parallel < 1:
-        raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
+        raise ValueError(f"--parallel must be at least 1 (or -1: 4), got {args.parallel}")
     path = resolve_model_path(args.model)
+    if args.n_ctx == 0 or args.gpu_layers is not None:
+        resolve_model_flags(args, read_gguf_facts(path))
     pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
     speculative = speculative_config(args)
+    template = chat_template_source(args.chat_template, args.chat_template_file)
     model = _core.Model(path, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative), **device_keywords(args))
     tokenizer = Tokenizer(path)
+    warn_chat(args.model, tokenizer, template)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
     why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
@@ -68,7 +103,6 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
         fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative),
                               mtp=wants_mtp(speculative))
         pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
     engines = slot_engines(args.parallel, model, tokenizer, pool, residency, prefix_cache_dir=cache,
                            prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,
@@ -76,8 +110,31 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     return engines, args.alias or Path(path).stem, why
 
 
+def api_key(args: argparse.Namespace) -> Optional[str]:
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        return read_api_key_file(args.api_key_file)
+    return args.api_key if args.api_key is not None else os.environ.get("KVFLASH_API_KEY")
+
+
+def warn_chat(name: str, tokenizer: Tokenizer, template: Optional[str]) -> None:
+    """/v1/chat/completions on a model without a chat template, or on a known base model, answers noise: say so
+    at startup (completions are fine)."""
+    if template is None and not tokenizer.chat_template:
+        fallback = getattr(tokenizer, "builtin_template", None)
+        log.warning("the GGUF has no chat template (tokenizer.chat_template), which usually means a base model: "
+                    "/v1/chat/completions %s; give one with --chat-template-file FILE",
+                    f"renders chats with libllama's built-in {fallback!r} template" if fallback else "answers 400")
+    if str(name).lower() in BASE_MODELS:
+        log.warning("%s: it completes text and does not follow chat turns", BASE_MODELS[str(name).lower()])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    resolve_parsed(args, ap)
+    warn_llama_env("serve")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvicorn
@@ -91,6 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.queue < 0:
             raise ValueError(f"--queue must be >= 0, got {args.queue}")
+        args.api_key = api_key(args)
         slot_dir = Path(args.slot_save_path).expanduser() if args.slot_save_path else None
         if slot_dir is not None:
             slot_dir.mkdir(parents=True, exist_ok=True)
