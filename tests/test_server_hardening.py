@@ -260,6 +260,57 @@ def test_the_prefix_cache_folder_is_0700_and_its_files_0600(tiny_model, tmp_path
     assert stat.S_IMODE(shared.stat().st_mode) == 0o755
 
 
+# -- item 7: an error nothing expected is still an OpenAI error --------------------------------------------------
+
+@pytest.fixture
+def tiny_app(tiny_model, tiny_gguf):
+    from starlette.testclient import TestClient
+
+    from kvflash_ggml.options import PoolConfig, ResidencyConfig
+    from kvflash_ggml.server.app import ServerState, create_app
+    from kvflash_ggml.server.scheduler import Scheduler, slot_engines
+    from kvflash_ggml.tokenizer import Tokenizer
+    engines = slot_engines(1, tiny_model, Tokenizer(tiny_gguf()), PoolConfig(n_ctx=512, pool_tokens=None),
+                           ResidencyConfig(), store_each_turn=False)
+    state = ServerState(scheduler=Scheduler(engines, max_queue=1), model_name="tiny")
+    with TestClient(create_app(state), raise_server_exceptions=False) as client:
+        yield client, engines[0]
+
+
+def test_an_unexpected_error_is_an_openai_500(tiny_app, monkeypatch):
+    # Issue 39 item 7: an error no handler expected (then: pybind11's TypeError for a lone surrogate) was
+    # answered by Starlette's outermost handler as a plain-text 500, which then re-raised, so uvicorn closed the
+    # client's keep-alive connection. Now an OpenAI-shaped 500 naming the error, answered like any other.
+    client, engine = tiny_app
+
+    def broken(*_a, **_k):
+        raise TypeError("incompatible function arguments")
+
+    monkeypatch.setattr(engine.tokenizer, "decode", broken)
+    r = client.post("/detokenize", json={"tokens": [1, 2]})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "TypeError: incompatible function arguments" in error["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_a_body_larger_than_any_fitting_request_is_a_413_before_parsing(tiny_app):
+    # Issue 39 item 1: the body is capped before JSON parsing, at what the largest request that fits can need,
+    # by its Content-Length or, sent in chunks, as it arrives; a body within the cap reaches the endpoint whole.
+    from kvflash_ggml.server.limits import RequestLimits
+    client, engine = tiny_app
+    limit = RequestLimits.of(engine.tokenizer, 512).max_body_bytes
+    junk = b"[" + b" " * limit + b"]"   # not even JSON: refused before anything reads it
+    r = client.post("/tokenize", content=junk, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    r = client.post("/tokenize", content=iter([junk[:1000], junk[1000:]]), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    body = json.dumps({"content": "hello"}).encode()
+    padded = body[:-1] + b" " * (limit - len(body)) + b"}"   # exactly the cap: served
+    r = client.post("/tokenize", content=padded, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["tokens"], r.text
+
+
 # -- item 7: SIGTERM during a stream ---------------------------------------------------------------------------
 
 @pytest.mark.slow

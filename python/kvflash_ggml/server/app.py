@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -41,6 +42,8 @@ CLIENT_GONE = object()
 SHUTTING_DOWN = object()
 SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 SHUTDOWN_GRACE_SECONDS = 2   # a stream's last event after SIGTERM; within uvicorn's graceful shutdown (serve: 10 s)
+# sse-starlette >= 3.3 tells a stream that the server shuts down (before it, the stream is cut: pyproject asks 3.3)
+COOPERATIVE_SHUTDOWN = "shutdown_event" in inspect.signature(EventSourceResponse.__init__).parameters
 PRIVATE_FILE = 0o600         # slot files hold a conversation's tokens
 
 log = logging.getLogger("kvflash_ggml.server")
@@ -252,9 +255,10 @@ def create_app(state: ServerState) -> FastAPI:
                 if body.stream:   # the first token is out: stream from here (its generator cancels and logs)
                     streaming = True
                     shutdown = anyio.Event()   # set by sse_starlette when uvicorn begins to shut down
+                    told = dict(shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS) \
+                        if COOPERATIVE_SHUTDOWN else {}
                     return EventSourceResponse(_events(job, shape, item, include_usage=body.include_usage,
-                                                       shutdown=shutdown), ping=15,
-                                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
+                                                       shutdown=shutdown), ping=15, **told)
                 chunks.append(shape.chunk(item))
             outcome = "done"
             return shape.collect(chunks)
