@@ -64,7 +64,7 @@ def test_help_goes_to_stdout_and_a_missing_command_is_a_usage_error():
         proc = kvflash(flag)
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
         assert all(f"  {c} " in proc.stdout for c in ("generate", "serve", "convert", "bench"))
-        assert all(b in proc.stdout for b in ("decode", "prefill", "restore", "niah", "ruler", "serve", "spec", "merge"))
+        assert all(b in proc.stdout for b in ("decode", "prefill", "restore", "niah", "ruler", "spec", "merge"))
     for argv in ((), ("frobnicate",)):
         proc = kvflash(*argv)
         assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith("usage: kvflash"), proc
@@ -111,7 +111,8 @@ def test_stats_is_a_short_summary_with_speeds_memory_and_paging(tiny):
     assert re.search(r"\d+ tokens in [\d.]+ s \([\d.]+ tok/s\)", fields["generated"])
     assert "pool of 448 tokens (--kvflash 448) for a context of 2048" in fields["KV"] and "policy lru" in fields["KV"]
     assert re.search(r"[1-9]\d* chunks paged out", fields["paging"])   # the prompt is larger than the pool
-    assert re.search(r"CPU: weights [\d.]+ MiB, KV pool [\d.]+ MiB", fields["memory"]) and "host KV store" in fields["memory"]
+    assert re.search(r"CPU: weights [\d.]+ MiB, KV pool [\d.]+ MiB", fields["memory"])
+    assert "host KV store" in fields["memory"]
 
 
 def test_stats_json_on_request_and_the_full_cache_shows_no_pool(tiny):
@@ -226,14 +227,15 @@ def test_llama_spellings_map_onto_kvflash_options(tiny, capsys):
     # -c 0 is the trained context, -ngl 0 the CPU and -ngl all (or >= the layer count) every layer where the
     # backend goes, -fa on/off the attention path, -ctk/-ctv the one KV type, -n -1 no limit.
     facts = read_gguf_facts(tiny)   # 2 layers, trained for 4096
-    args = parsed(generate, ["-m", tiny, "-c", "0", "-n", "-1", "-p", "hi", "-t", "1", "-s", "7", "--temperature", "0.5",
-                             "--top-k", "5", "-ngl", "0", "-fa", "off", "-ctk", "q8_0", "-ctv", "q8_0", "-ub", "128",
-                             "-b", "2048", "-r", "STOP", "-md", tiny, "--draft", "6"])
+    args = parsed(generate, ["-m", tiny, "-c", "0", "-n", "-1", "-p", "hi", "-t", "1", "-s", "7", "--temperature",
+                             "0.5", "--top-k", "5", "-ngl", "0", "-fa", "off", "-ctk", "q8_0", "-ctv", "q8_0",
+                             "-ub", "128", "-b", "2048", "-r", "STOP", "-md", tiny, "--draft", "6"])
     flags.resolve_model_flags(args, facts)
     assert (args.model, args.n_ctx, args.threads, args.prompt) == (tiny, 4096, 1, "hi")
     assert (args.backend, args.attention, args.kv_type, args.n_batch) == ("cpu", "matmul", "q8_0", 128)
     params = flags.sampling_params(args)
-    assert (params.max_tokens, params.seed, params.temperature, params.top_k, params.stop) == (None, 7, 0.5, 5, ("STOP",))
+    assert (params.max_tokens, params.seed, params.temperature, params.top_k) == (None, 7, 0.5, 5)
+    assert params.stop == ("STOP",)
     spec = flags.speculative_config(args)
     assert (spec.draft, spec.max_draft) == (tiny, 6)
     for ngl in ("99", "all", "2", "-1"):
@@ -347,3 +349,26 @@ def test_the_header_read_agrees_with_libllama(tiny, long_trained, smollm2_path, 
     junk.write_bytes(b"ggml" + b"\x00" * 40)
     with pytest.raises(ValueError, match="not a GGUF file of version 2 or 3"):
         read_gguf_facts(str(junk))
+
+
+def test_chat_special_and_beyond_the_trained_context_have_flags(tiny, capsys, monkeypatch):
+    # item 16 (with issue items 3 and 12): Model's chat_special (llama-server's parsing of control-token text in chat
+    # messages; text by default) and allow_beyond_train_ctx reach both commands: --parse-special-content and
+    # --allow-beyond-train-ctx (llama.cpp runs past the trained context with a warning; kvflash on request).
+    argv = ["-m", tiny, "--backend", "cpu", "-t", "1", "-n", "1", "-p", "x"]
+    assert generate.main([*argv, "-c", "8192"]) == 2
+    assert "exceeds the model's trained context 4096" in capsys.readouterr().err
+    made = []
+    real = generate.Model
+    monkeypatch.setattr(generate, "Model", lambda *a, **k: made.append(k) or real(*a, **k))
+    assert generate.main([*argv, "-c", "8192", "--allow-beyond-train-ctx", "--parse-special-content"]) == 0
+    assert made[-1]["allow_beyond_train_ctx"] is True and made[-1]["chat_special"] is True
+    assert generate.main(argv) == 0 and made[-1]["chat_special"] is False
+    args = serve.build_parser().parse_args(["-m", tiny, "-np", "1", "-c", "8192", "--allow-beyond-train-ctx",
+                                            "--parse-special-content", "--prefix-cache", "off", "-t", "1"])
+    engines, _, _ = serve.build_engines(args)
+    try:
+        assert engines[0].tokenizer.chat_special and engines[0].pool.n_ctx == 8192
+    finally:
+        for e in engines:
+            e.close()

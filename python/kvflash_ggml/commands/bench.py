@@ -11,7 +11,8 @@ BENCHES = {
     "prefill": ("kvflash_ggml.bench.prefill", "prompt tok/s and device memory vs prompt length, beside llama-bench"),
     "restore": ("kvflash_ggml.bench.restore", "restoring a snapshot vs computing the prompt again"),
     "niah": ("kvflash_ggml.bench.niah", "needle-in-a-haystack recall vs residency (pool size, policy)"),
-    "ruler": ("kvflash_ggml.bench.ruler", "RULER-style recall vs residency (multi-key, multi-value, variable tracking)"),
+    "ruler": ("kvflash_ggml.bench.ruler", "RULER-style recall vs residency (multi-key, multi-value, variable "
+                                          "tracking)"),
     "serve": ("kvflash_ggml.bench.serve", "the server under load (streams, soak), beside llama-server"),
     "spec": ("kvflash_ggml.bench.spec", "speculative decoding vs plain decoding: tok/s and acceptance"),
     "merge": ("kvflash_ggml.bench.merge", "merge the JSON reports of niah / ruler runs into one table"),
@@ -20,7 +21,8 @@ BENCHES = {
 
 def usage() -> str:
     lines = "\n".join(f"  {name:<9} {helptext}" for name, (_, helptext) in BENCHES.items())
-    return f"usage: kvflash bench <name> [options]\n\nbenchmarks:\n{lines}\n\n`kvflash bench <name> --help` lists its options."
+    return (f"usage: kvflash bench <name> [options]\n\nbenchmarks:\n{lines}\n\n"
+            f"`kvflash bench <name> --help` lists its options.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

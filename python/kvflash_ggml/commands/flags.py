@@ -76,7 +76,8 @@ def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = Non
     ap.add_argument("--devices", type=parse_devices, default=None, metavar="DEV[,...]",
                     help="the devices in layer order instead: cpu, cudaN, rpc:HOST:PORT")
     ap.add_argument("--tensor-split", *(["-ts"] if llama else []), type=parse_tensor_split, default=None,
-                    metavar="N[,...]", help="each device's share of the layers (llama.cpp's -ts; default: by free memory)")
+                    metavar="N[,...]",
+                    help="each device's share of the layers (llama.cpp's -ts; default: by free memory)")
     ap.add_argument("--threads", *(["-t"] if llama else []), type=int, default=threads,
                     help=f"CPU threads (default: {threads or 'all cores'})")
     if llama:
@@ -109,6 +110,9 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
     ap.add_argument("--attention", default=None if llama else PoolConfig.attention, choices=["auto", "flash", "matmul"],
                     help=f"attention path (default {PoolConfig.attention})")
     if llama:
+        ap.add_argument("--allow-beyond-train-ctx", action="store_const", const=True, default=None,
+                        help="allow --n-ctx past the context the model was trained for (positions it never saw in "
+                             "training; llama.cpp warns, kvflash refuses unless this is given)")
         ap.add_argument("-ctk", "--cache-type-k", dest="kv_type_k", default=None, metavar="TYPE",
                         help="llama.cpp's K cache type: kvflash keeps K and V in one type (--kv-type), so -ctk and "
                              "-ctv must be equal")
@@ -155,6 +159,17 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                          f"{ResidencyConfig.refresh_tokens})")
 
 
+def add_chat_flags(ap: argparse.ArgumentParser) -> None:
+    """How a chat is rendered: the template, and whether its messages may write control tokens."""
+    ap.add_argument("--chat-template", default=None, metavar="JINJA",
+                    help="a Jinja chat template (its text, or a file) instead of the GGUF's own")
+    ap.add_argument("--chat-template-file", default=None, metavar="FNAME", help="a Jinja chat template file")
+    ap.add_argument("--parse-special-content", action="store_true",
+                    help="parse control-token text in chat messages into the control tokens, as llama-server does "
+                         "(a user can then write a turn of another role); by default a message's content is text, as "
+                         "OpenAI's API reads it")
+
+
 def add_speculative_flags(ap: argparse.ArgumentParser, *, llama: bool = False) -> None:
     """llama: llama-server's -md/--model-draft (the draft model) and --draft N / --draft-n N (its draft count)."""
     ap.add_argument("--draft", default=None,
@@ -186,10 +201,9 @@ def speculative_config(args: argparse.Namespace, **overrides: object) -> Optiona
 
 def add_sampling_flags(ap: argparse.ArgumentParser, *, max_tokens: int = 64, llama: bool = False) -> None:
     """llama: also llama-cli's spellings (-n/--predict with -1 = no limit, --temperature, -s)."""
+    no_limit = "; -1 or -2: until an end-of-generation token or a full context" if llama else ""
     ap.add_argument("--max-tokens", *(["-n", "--predict", "--n-predict"] if llama else []), type=int,
-                    default=max_tokens, metavar="N",
-                    help=f"most tokens to generate (default {max_tokens}" + ("; -1 or -2: until an end-of-generation "
-                                                                             "token or a full context)" if llama else ")"))
+                    default=max_tokens, metavar="N", help=f"most tokens to generate (default {max_tokens}{no_limit})")
     ap.add_argument("--temp", *(["--temperature"] if llama else []), type=float, default=0.0,
                     help="temperature (0 = greedy, the default)")
     ap.add_argument("--top-k", type=int, default=None)
@@ -205,7 +219,8 @@ def given(**options: object) -> dict:
 
 def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
     options = given(n_ctx=getattr(args, "n_ctx", None), kv_type=args.kv_type, attention=args.attention,
-                    n_batch=getattr(args, "n_batch", None))
+                    n_batch=getattr(args, "n_batch", None),
+                    allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None))
     if hasattr(args, "kvflash"):   # --kvflash off is None: the full cache, not the dataclass's default
         options["pool_tokens"] = args.kvflash
     return PoolConfig(**{**options, **overrides})
@@ -236,6 +251,7 @@ def model_keywords(args: argparse.Namespace) -> dict:
     """Model(...) keywords for the parsed model, pool and residency flags (Model builds the dataclasses)."""
     return dict(given(n_ctx=args.n_ctx, kv_type=args.kv_type, attention=args.attention, **device_keywords(args),
                       n_batch=getattr(args, "n_batch", None),
+                      allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None),
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
                       refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),

@@ -14,8 +14,8 @@ from ..known_models import resolve_model_path
 from ..model import Model
 from ..options import PoolConfig
 from . import INTERRUPTED
-from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags, add_speculative_flags,
-                    model_keywords, resolve_model_flags, sampling_params)
+from .flags import (add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags,
+                    add_speculative_flags, model_keywords, resolve_model_flags, sampling_params)
 from .gguf_facts import read_gguf_facts
 from .llama_flags import add_llama_flags, chat_template_source, epilog, resolve_parsed, unescape, warn_llama_env
 from .stats import Timing, json_stats, summary
@@ -47,20 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_prompt_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
-    ap.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FNAME", help="read the prompt from a file")
+    ap.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FNAME",
+                    help="read the prompt from a file")
     ap.add_argument("--chat", "-st", "--single-turn", dest="chat", action="store_true",
                     help="wrap the prompt as a user message in the chat template (-st: llama-cli's one chat turn)")
     ap.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
                     help="a system message before the prompt (implies --chat)")
     ap.add_argument("-sysf", "--system-prompt-file", default=None, metavar="FNAME",
                     help="read the system message from a file (implies --chat)")
-    ap.add_argument("--chat-template", default=None, metavar="JINJA",
-                    help="a Jinja chat template (its text, or a file) instead of the GGUF's own")
-    ap.add_argument("--chat-template-file", default=None, metavar="FNAME", help="a Jinja chat template file")
+    add_chat_flags(ap)
     ap.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=None, metavar="TEXT",
                     help="stop before this text (repeatable)")
     ap.add_argument("-e", "--escape", action="store_true",
-                    help="turn \\n, \\r, \\t, \\', \\\", \\\\ and \\xHH in the prompt into the characters (llama.cpp's -e)")
+                    help="turn \\n, \\r, \\t, \\', \\\", \\\\ and \\xHH in the prompt into the characters "
+                         "(llama.cpp's -e)")
     ap.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                     help="write only the generated text (a completion writes its prompt first by default)")
 
@@ -135,7 +135,7 @@ def load(args: argparse.Namespace, template: Optional[str]) -> Model:
     if args.kvflash == "auto" and (args.rpc or args.devices or args.backend == "rpc"):
         # 'auto' measures one local GPU's free memory (fit.py); across devices it is the CPU's rule
         args.kvflash = PoolConfig(n_ctx=args.n_ctx, pool_tokens="auto").resolved_pool_tokens()
-    return Model(path, chat_template=template, **model_keywords(args))
+    return Model(path, chat_template=template, chat_special=args.parse_special_content, **model_keywords(args))
 
 
 def chat_problem(name: str, llm: Model, template: Optional[str]) -> Optional[str]:

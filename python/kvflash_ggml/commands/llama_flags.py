@@ -179,8 +179,9 @@ def add_llama_flags(ap: argparse.ArgumentParser, tool: str) -> None:
 
 
 def epilog(tool: str) -> str:
+    own = "-np, -a, --api-key-file" if tool == "llama-server" else "-p, -f, -sys, -r, -e"
     return (f"{tool}'s spellings work too (-m, -c/--ctx-size, -n, -t, -ngl, -fa, -ctk/-ctv, -ub, -s, --temperature, "
-            f"...{', -np, -a, --api-key-file, --chat-template-file' if tool == 'llama-server' else ', -p, -f, -sys, -r, -e'}); "
+            f"--chat-template-file, {own}, ...); "
             f"{tool}'s switches that ask for what kvflash does anyway (--jinja, -cb, --metrics, ...) are accepted, and "
             f"its other flags are refused by name with what to use instead.")
 

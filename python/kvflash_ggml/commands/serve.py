@@ -19,8 +19,8 @@ from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
 from ..options import SamplingParams
-from .flags import (add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags, device_keywords,
-                    pool_config, resolve_model_flags, residency_config, speculative_config)
+from .flags import (add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags,
+                    device_keywords, pool_config, resolve_model_flags, residency_config, speculative_config)
 from .gguf_facts import read_gguf_facts
 from .generate import BASE_MODELS, USER_ERRORS
 from .llama_flags import (SERVER_SAMPLING, Refuse, add_llama_flags, chat_template_source, epilog, read_api_key_file,
@@ -46,10 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' (default: $KVFLASH_API_KEY, else none)")
     ap.add_argument("--api-key-file", default=None, metavar="FNAME", help="read the API key from a file (one key)")
-    ap.add_argument("--alias", "-a", default=None, help="the model's name in the API (default: the GGUF's file name stem)")
-    ap.add_argument("--chat-template", default=None, metavar="JINJA",
-                    help="a Jinja chat template (its text, or a file) instead of the GGUF's own")
-    ap.add_argument("--chat-template-file", default=None, metavar="FNAME", help="a Jinja chat template file")
+    ap.add_argument("--alias", "-a", default=None,
+                    help="the model's name in the API (default: the GGUF's file name stem)")
+    add_chat_flags(ap)
     ap.add_argument("--prefix-cache", default=DEFAULT_PREFIX_CACHE,
                     help=f"folder of the on-disk prefix cache that slots store to when taken over and at shutdown, "
                          f"and resume conversations from ('off': none; default {DEFAULT_PREFIX_CACHE})")
@@ -94,7 +93,7 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     speculative = speculative_config(args)
     template = chat_template_source(args.chat_template, args.chat_template_file)
     model = _core.Model(path, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative), **device_keywords(args))
-    tokenizer = Tokenizer(path)
+    tokenizer = Tokenizer(path, chat_special=args.parse_special_content)
     warn_chat(args.model, tokenizer, template)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     speculative = with_loaded_draft(speculative, model)   # one draft model for all slots

@@ -53,13 +53,12 @@ def kv_line(stats: dict, pool_flag: Union[None, int, str]) -> str:
 
 def memory_line(stats: dict) -> str:
     """Device bytes by kind (the CPU backend's 'device' is this host's memory), then the host KV store."""
-    kinds = [("weights", stats.get("device_weight_bytes", 0)), ("KV pool" if not is_full_cache(stats) else "KV cache",
-             stats.get("device_kv_bytes", 0)), ("rings", stats.get("device_ring_bytes", 0)),
-             ("recurrent state", stats.get("device_recurrent_bytes", 0)), ("compute", stats.get("device_compute_bytes", 0)),
-             ("prefill workspace", stats.get("device_prefill_peak_bytes", 0)),
-             ("second model", stats.get("device_drafter_bytes", 0))]
+    kinds = [("weights", "device_weight_bytes"), ("KV cache" if is_full_cache(stats) else "KV pool", "device_kv_bytes"),
+             ("rings", "device_ring_bytes"), ("recurrent state", "device_recurrent_bytes"),
+             ("compute", "device_compute_bytes"), ("prefill workspace", "device_prefill_peak_bytes"),
+             ("second model", "device_drafter_bytes")]
     names = "+".join(d["name"] for d in stats.get("devices", [])) or "device"
-    parts = ", ".join(f"{name} {mib(n)}" for name, n in kinds if n)
+    parts = ", ".join(f"{name} {mib(stats[key])}" for name, key in kinds if stats.get(key))
     line = f"{names}: {parts}; peak {mib(stats.get('device_peak_bytes', 0))}"
     if stats.get("device_driver_bytes") is not None:
         line += f" (the driver counts {mib(stats['device_driver_bytes'])})"
