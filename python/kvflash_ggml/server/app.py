@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -212,7 +213,13 @@ def create_app(state: ServerState) -> FastAPI:
                                params=params)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, http: Request):
+    async def chat_completions(http: Request):
+        # parsed here rather than by FastAPI, to count the messages before pydantic validates each one (300,000
+        # messages take it seconds, on the event loop)
+        data = await _json_body(http)
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            limits.check_message_count(len(data["messages"]))
+        body = _validated(ChatRequest, data)
         _check_model(state, body.model)
         limits.check_messages(body.messages)
         params = _params(body, None)
@@ -315,6 +322,21 @@ def create_app(state: ServerState) -> FastAPI:
                     total_ms=_ms(job.t_submit, time.perf_counter()), page_ins=kv.get("page_ins"))
 
     return app
+
+
+async def _json_body(http: Request):
+    try:
+        return json.loads(await http.body())
+    except ValueError as e:   # not JSON, or not UTF-8
+        raise APIError(400, f"the body is not JSON: {e}") from None
+
+
+def _validated(model, data):
+    """data as `model`, or the RequestValidationError FastAPI raises for a body it parses itself."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
 
 
 def _tokenized(tokenizer, body: TokenizeRequest) -> dict:

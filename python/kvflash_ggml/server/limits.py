@@ -85,13 +85,16 @@ class RequestLimits:
             raise Refused(413, f"the prompt has {len(tokens)} tokens, more than the context of {self.n_ctx}",
                           code="context_length_exceeded", param=param)
 
+    def check_message_count(self, n_messages: int) -> None:
+        if n_messages > self.n_ctx:
+            raise Refused(413, f"the chat has {n_messages} messages, more than the context of {self.n_ctx} "
+                               f"tokens can hold (each message takes at least one token)",
+                          code="context_length_exceeded", param="messages")
+
     def check_messages(self, messages: Sequence[Any]) -> None:
         """Chat messages (schemas.ChatMessage): their number, and the bytes of the content a template writes
         whole (an assistant's may be rewritten: some templates drop earlier turns' reasoning)."""
-        if len(messages) > self.n_ctx:
-            raise Refused(413, f"the chat has {len(messages)} messages, more than the context of {self.n_ctx} "
-                               f"tokens can hold (each message takes at least one token)",
-                          code="context_length_exceeded", param="messages")
+        self.check_message_count(len(messages))
         total = 0
         for i, m in enumerate(messages):
             for j, text in enumerate(m.texts()):
