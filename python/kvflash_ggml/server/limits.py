@@ -3,12 +3,13 @@
 A prompt that fits has at most n_ctx tokens, and no token stands for more than `max_piece_bytes` bytes of text
 (the longest piece of the vocabulary, special tokens' text included): the two tokenizer kinds the core loads
 (byte-level BPE, SentencePiece) make every byte of the text part of some token. So a text of more than
-max_piece_bytes * n_ctx bytes cannot fit, and is refused (413) before it is tokenized: libllama's special-token
-partition is quadratic in the number of special-token occurrences, and a 1 MB prompt of control tokens held the
-server for 44 s. A chat of more messages than n_ctx cannot fit either (each message's turn takes at least one
-token of the template's markup). The raw body is capped before it is parsed as JSON, at what the largest
-request that could fit takes (JSON may spell one byte of text in 6: "\\u0001"). What is accepted is tokenized off
-the event loop (`off_loop`), so that /health and a SIGTERM are answered meanwhile.
+max_piece_bytes * n_ctx bytes cannot fit, and is refused (413) before it is tokenized (tokenizing first, on the
+event loop, let a 1 MB prompt of control tokens hold the server for 44 s: libllama's special-token partition is
+quadratic in them). A chat of more messages than n_ctx cannot fit either (each message's turn takes at least one
+token of the template's markup): they are counted before pydantic validates each. The raw body is capped before
+it is parsed as JSON, at what the largest request that could fit takes (JSON may spell one byte of text in 6:
+"\\u0001"). What is accepted is rendered and tokenized off the event loop (`off_loop`), so that /health and a
+SIGTERM are answered meanwhile.
 
 The byte bound assumes the template writes a user's, system's or tool's content whole (perhaps trimmed) and that
 no token strips the whitespace beside it (libllama sets that only for a few vocabularies by model name: phi-3,
