@@ -34,6 +34,10 @@ def rate(tokens: int, seconds: Optional[float], per_s: Optional[float]) -> str:
     return f"{tokens} tokens in {seconds:.2f} s" + (f" ({per_s:.1f} tok/s)" if per_s is not None else "")
 
 
+def count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
@@ -48,7 +52,7 @@ def kv_line(stats: dict, pool_flag: Union[None, int, str]) -> str:
     held = -(-stats["tokens"] // _core.CHUNK_TOKENS)
     how = "--kvflash auto" if pool_flag == "auto" else f"--kvflash {pool_flag}"
     return (f"pool of {stats['pool_tokens']} tokens ({how}) for a context of {stats['n_ctx']}: {stats['tokens']} "
-            f"tokens held in {held} chunks, {stats['resident_chunks']} resident; policy {stats['policy']}")
+            f"tokens held in {count(held, 'chunk')}, {stats['resident_chunks']} resident; policy {stats['policy']}")
 
 
 def memory_line(stats: dict) -> str:
@@ -71,8 +75,8 @@ def summary(stats: dict, timing: Timing, pool_flag: Union[None, int, str]) -> st
                                 timing.decode_rate())),
              ("KV", kv_line(stats, pool_flag))]
     if not is_full_cache(stats):
-        lines.append(("paging", f"{stats['page_outs']} chunks paged out, {stats['page_ins']} paged in "
-                                f"({mib(stats['bytes_moved'])} moved) in {stats['reselects']} reselects"))
+        lines.append(("paging", f"{count(stats['page_outs'], 'chunk')} paged out, {stats['page_ins']} paged in "
+                                f"({mib(stats['bytes_moved'])} moved) in {count(stats['reselects'], 'reselect')}"))
     lines.append(("memory", memory_line(stats)))
     if stats.get("spec_drafted") is not None:
         lines.append(("speculation", f"{stats['spec_accepted']} of {stats['spec_drafted']} drafted tokens kept "
