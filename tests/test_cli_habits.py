@@ -256,7 +256,7 @@ def test_llama_spellings_map_onto_kvflash_options(tiny, capsys):
     (generate, ["-ctk", "q4_1", "-ctv", "q4_1"], r"kvflash keeps K and V in one type, one of f16, q8_0, q4_0"),
     (generate, ["-fa", "sometimes"], r"-fa/--flash-attn takes on, off or auto, got 'sometimes'"),
     (generate, ["-fa", "on", "--attention", "matmul"], r"-fa on \(--attention flash\) contradicts --attention matmul"),
-    (generate, ["--mirostat", "2"], r"--mirostat 2 \(llama-cli's\) is not supported: kvflash samples with --temp"),
+    (generate, ["--mirostat", "2"], r"--mirostat 2 \(llama-cli's\) is not supported: kvflash samples with a temperature"),
     (generate, ["--repeat-penalty", "1.1"], r"--repeat-penalty 1\.1 \(llama-cli's\) is not supported"),
     (generate, ["-hf", "org/model"], r"-hf org/model \(llama-cli's\) is not supported: kvflash downloads nothing"),
     (generate, ["-cnv"], r"-cnv \(llama-cli's\) is not supported: kvflash generate answers one prompt"),

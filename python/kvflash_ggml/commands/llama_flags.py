@@ -18,7 +18,8 @@ from typing import Optional
 from .. import _core
 from ..options import KV_TYPES
 
-SAMPLING = "kvflash samples with --temp, --top-k, --top-p, --min-p and --seed"
+SAMPLING = ("kvflash samples with a temperature, top-k, top-p, min-p and a seed (generate's --temp, --top-k, --top-p, "
+            "--min-p, --seed; a server request's fields)")
 SERVER_SAMPLING = ("kvflash serve takes sampling per request (temperature, top_p, top_k, min_p, seed, max_tokens in "
                    "the request body)")
 LOGS = "kvflash serve logs at --log-level debug|info|warning|error, to stderr"
