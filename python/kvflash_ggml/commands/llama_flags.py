@@ -104,9 +104,11 @@ REFUSED = (
     ("-cnv --conversation -i --interactive -if --interactive-first -mli --multiline-input --in-prefix "
      "--in-prefix-bos --in-suffix", "kvflash generate answers one prompt (--chat or -st: one chat turn); kvflash "
                                     "serve holds conversations"),
-    ("--verbose-prompt -ptc --print-token-count -sp --special --perf -bf --binary-file -o --output --output-file "
-     "--list-devices --completion-bash --usage --warmup", "kvflash generate writes the prompt and the generated "
-                                                          "text to stdout, and with --stats its timings and memory"),
+    ("--verbose-prompt -ptc --print-token-count -sp --special --perf -bf --binary-file -o --output --output-file",
+     "kvflash generate writes the prompt and the generated text to stdout, and with --stats its timings and memory"),
+    ("--warmup", "kvflash runs no warm-up step"),
+    ("--usage --completion-bash", "kvflash <command> --help lists the options"),
+    ("--list-devices", "python -c \"import kvflash_ggml; print(kvflash_ggml._core.gpu_devices())\" lists the GPUs"),
 )
 
 # llama.cpp flags with a value, accepted at the one value that asks for what kvflash does anyway
