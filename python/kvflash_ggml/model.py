@@ -20,24 +20,11 @@ from .mtp import wants_mtp
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
+from .threads import cpu_threads  # noqa: F401  (also the CLI's, for --threads)
 from .tokenizer import Tokenizer, check_messages
 from .tokens import text_if_bytes
 
 log = logging.getLogger(__name__)
-
-def cpu_threads(n_threads: Optional[int]) -> int:
-    """0 (the core's default: every core) for None / 0; more threads than cores are clamped, with a
-    warning: ggml's threads spin-wait on each other, so oversubscribing a CPU slows every step 10-70x."""
-    if n_threads is None or n_threads == 0:
-        return 0
-    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 0:
-        raise ValueError(f"n_threads must be a positive integer or None (all cores), got {n_threads!r}")
-    cores = os.cpu_count() or 1
-    if n_threads > cores:
-        log.warning("n_threads=%d is more than the %d CPU cores; using %d (oversubscribed threads are many "
-                    "times slower)", n_threads, cores, cores)
-        return cores
-    return n_threads
 
 
 def check_pool_tokens(pool_tokens: Union[None, int, str]) -> Union[None, int, str]:
