@@ -27,27 +27,33 @@ from ..engine import Engine
 from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
 from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
-                        median_ts, open_model, reference_binary)
+                        median_ts, open_model, progress, reference_binary)
 
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
 REPS = 5     # default --reps: timed windows of --n-gen tokens per measurement (llama-bench -r); tok/s = their median
 
 
 def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, residency: ResidencyConfig, seed: int,
-                reps: int = REPS) -> dict:
+                reps: int = REPS, label: str = "") -> dict:
     """Prefill `depth` random tokens, then WARMUP untimed steps, then `reps` timed windows of n_gen decode
     steps through the Engine (so the policy's reselects at its cadence are part of the timed loop, as in
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
-    reruns its last token, untimed); tok/s is the median of the windows' rates."""
+    reruns its last token, untimed); tok/s is the median of the windows' rates. label: what the progress
+    lines call this measurement ("" = none)."""
     C = _core.CHUNK_TOKENS
     pool = dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
     free0 = gpu_free_bytes() if model.on_gpu else None
     engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32).tolist()
+    if label:
+        progress(f"depth {depth}, {label}: prefilling {depth + 1} tokens")
     t0 = time.perf_counter()
     token = int(engine.prefill(prompt).argmax())   # depth tokens of context + the first decode input
     t_prefill = time.perf_counter() - t0
+    if label:
+        progress(f"depth {depth}, {label}: prefill {(depth + 1) / t_prefill:.1f} tok/s; timing {reps} windows of "
+                 f"{n_gen} decode steps")
     for _ in range(WARMUP):
         token = engine.decode_one_greedy(token)
     rates, reselect_ms = [], []
@@ -123,14 +129,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
     # initialisation (llama-bench warms up before each test too).
     full, full_residency = dataclasses.replace(pooled, pool_tokens=None), ResidencyConfig(tau=residency.tau)
+    progress(f"kvflash bench decode: depths {','.join(map(str, depths))}, {args.reps} windows of {args.n_gen} "
+             f"tokens each, full cache and pooled; progress on stderr, the report on stdout")
     time_decode(model, tokenizer, 0, 8, full, full_residency, seed=0)
     rows = []
     for d in depths:
         row = {"depth": d}
         skip_full = args.full_up_to is not None and d > args.full_up_to
         row["full"] = None if skip_full else time_decode(model, tokenizer, d, args.n_gen, full, full_residency,
-                                                          seed=d, reps=args.reps)
-        row["pooled"] = time_decode(model, tokenizer, d, args.n_gen, pooled, residency, seed=d, reps=args.reps)
+                                                          seed=d, reps=args.reps, label="full cache")
+        row["pooled"] = time_decode(model, tokenizer, d, args.n_gen, pooled, residency, seed=d, reps=args.reps,
+                                    label=f"pool {pooled.resolved_pool_tokens()}")
         rows.append(row)
         print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)

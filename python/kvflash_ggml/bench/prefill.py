@@ -27,7 +27,7 @@ from ..commands.flags import add_model_flags, add_pool_flags, pool_config
 from ..engine import Engine
 from ..options import PoolConfig, ResidencyConfig
 from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
-                        median_ts, open_model, reference_binary)
+                        median_ts, open_model, progress, reference_binary)
 
 REPS = 3
 MODES = ("full", "exact", "pooled")
@@ -127,6 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row = {"length": n}
         for mode in modes:
             pool = dataclasses.replace(pooled, pool_tokens=None) if mode == "full" else pooled
+            progress(f"length {n}: {mode}: {args.reps} prefills")
             row[mode] = time_prefill(model, tokenizer, n, pool, "pooled" if mode == "pooled" else "exact",
                                      args.reps, seed=n)
             print(f"length {n}: {mode} {row[mode]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)

@@ -20,31 +20,91 @@ from ..known_models import resolve_model_path
 from ..tokenizer import Tokenizer
 
 
-def _first_executable(candidates: Sequence[Optional[str]]) -> Optional[str]:
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+# The same variables switch the tools on in a build (KVFLASH_LLAMA_BENCH=ON pip install .): such a value is not a path.
+BUILD_SWITCHES = {"on", "off", "1", "0", "true", "false", "yes", "no", ""}
+
+
+def _path_from_env(name: str) -> Optional[str]:
+    """$name as a tool's path (None when unset or a build switch); a path that is not an executable is an error,
+    never a reason to look elsewhere."""
+    value = os.environ.get(name)
+    if value is None or value.strip().lower() in BUILD_SWITCHES:
+        return None
+    if not _is_executable(value):
+        raise FileNotFoundError(f"${name} {value} is not an executable file")
+    return value
+
+
+def source_trees() -> list[Path]:
+    """The checkouts whose build/ folder may hold tools built for this package, wherever the command runs: the
+    tree this package's sources sit in (PYTHONPATH=python, an editable install), the folder `pip install .` was
+    run in (the distribution's direct_url.json), then the working directory."""
+    trees = [Path(__file__).resolve().parents[3]]
+    try:
+        from importlib.metadata import distribution
+        url = json.loads(distribution("kvflash-ggml").read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            trees.append(Path(url[len("file://"):]))
+    except Exception:   # not installed, or installed from an index: nothing recorded
+        pass
+    trees.append(Path.cwd())
+    out: list[Path] = []
+    for t in trees:
+        if (t / "build").is_dir() and t.resolve() not in out:
+            out.append(t.resolve())
+    return out
+
+
+def locate_llama_bench(explicit: Optional[str]) -> Optional[tuple[str, str]]:
+    """(path, where it was found): --llama-bench, $KVFLASH_LLAMA_BENCH (either must be an executable: a wrong
+    path is an error, not a reason to look elsewhere; ON/OFF is the build switch), the one installed beside the package's libraries
+    (KVFLASH_LLAMA_BENCH=ON builds), the one scripts/build_llama_bench.sh built in a source tree's build folder
+    (source_trees), or llama-bench on PATH. None when there is none."""
+    if explicit:
+        if not _is_executable(explicit):
+            raise FileNotFoundError(f"--llama-bench {explicit} is not an executable file")
+        return explicit, "--llama-bench"
+    from_env = _path_from_env("KVFLASH_LLAMA_BENCH")
+    if from_env:
+        return from_env, "$KVFLASH_LLAMA_BENCH"
+    candidates = [(Path(__file__).resolve().parent.parent / "llama-bench", "installed beside the package")]
+    for tree in source_trees():
+        candidates += [(p, f"built in {tree / 'build'}") for p in sorted(tree.glob("build/llama-bench/**/llama-bench"))]
+    on_path = shutil.which("llama-bench")
+    if on_path:
+        candidates.append((Path(on_path), "on PATH"))
+    for path, where in candidates:
+        if _is_executable(str(path)):
+            return str(path), where
     return None
 
 
 def find_llama_bench(explicit: Optional[str]) -> Optional[str]:
-    """--llama-bench, $KVFLASH_LLAMA_BENCH, the one installed in the package beside its libraries and CPU
-    variants (KVFLASH_LLAMA_BENCH=ON builds), a build made by scripts/build_llama_bench.sh, or llama-bench on
-    PATH."""
-    candidates = [explicit, os.environ.get("KVFLASH_LLAMA_BENCH"),
-                  str(Path(__file__).resolve().parent.parent / "llama-bench")]
-    candidates += [str(p) for p in sorted(Path.cwd().glob("build/llama-bench/**/llama-bench"))]
-    candidates.append(shutil.which("llama-bench"))
-    return _first_executable(candidates)
+    """The path locate_llama_bench finds, or None."""
+    found = locate_llama_bench(explicit)
+    return found[0] if found else None
 
 
 def find_llama_server() -> Optional[str]:
-    """The llama-server installed in the package (KVFLASH_LLAMA_SERVER=ON builds), or one in a build folder
-    under the working directory (build/*/bin/llama-server). Not PATH: `kvflash bench serve` runs what this
-    finds without being asked, and only one from our tree and ggml build compares like with like."""
-    candidates = [str(Path(__file__).resolve().parent.parent / "llama-server")]
-    candidates += [str(p) for p in sorted(Path.cwd().glob("build/*/bin/llama-server"))]
-    return _first_executable(candidates)
+    """$KVFLASH_LLAMA_SERVER, the llama-server installed in the package (KVFLASH_LLAMA_SERVER=ON builds), or one
+    in a source tree's build folder (build/*/bin/llama-server, see source_trees). Not PATH: `kvflash bench serve`
+    runs what this finds without being asked, and only one from our tree and ggml build compares like with like."""
+    given = _path_from_env("KVFLASH_LLAMA_SERVER")
+    if given:
+        return given
+    candidates = [Path(__file__).resolve().parent.parent / "llama-server"]
+    for tree in source_trees():
+        candidates += sorted(tree.glob("build/*/bin/llama-server"))
+    return next((str(c) for c in candidates if _is_executable(str(c))), None)
+
+
+def progress(message: str) -> None:
+    """A bench's progress: on stderr, so stdout stays the report."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def gpu_free_bytes() -> Optional[int]:
@@ -59,6 +119,8 @@ def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threa
     the CUDA backend prefers and what our backend="auto" runs. A record's tok/s: median_ts(record)."""
     cmd = [binary, "-m", model_path, *test, "-t", str(threads), "-r", str(reps), "-o", "json"]
     cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
+    progress(f"llama-bench {' '.join(test)} -r {reps} ({'-fa 1' if on_gpu else '-fa 0,1'}): running, no output "
+             "until it ends")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
@@ -97,15 +159,21 @@ def int_list(ap: argparse.ArgumentParser, text: str, flag: str) -> list[int]:
 
 
 def reference_binary(args: argparse.Namespace, prog: str) -> Optional[str]:
-    """llama-bench, or None with --no-llama-bench; a missing one ends the command."""
+    """llama-bench, or None with --no-llama-bench; a missing one ends the command. Says on stderr which one runs
+    and where it was found."""
     if args.no_llama_bench:
         return None
-    binary = find_llama_bench(args.llama_bench)
-    if binary is None:
-        print(f"{prog}: llama-bench not found; build it with scripts/build_llama_bench.sh, pass --llama-bench PATH, "
-              "or run with --no-llama-bench", file=sys.stderr)
+    try:
+        found = locate_llama_bench(args.llama_bench)
+    except FileNotFoundError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2)
-    return binary
+    if found is None:
+        print(f"{prog}: llama-bench not found; build it with scripts/build_llama_bench.sh (in the source tree), "
+              "set KVFLASH_LLAMA_BENCH or pass --llama-bench PATH, or run with --no-llama-bench", file=sys.stderr)
+        raise SystemExit(2)
+    print(f"{prog}: llama-bench {found[0]} ({found[1]})", file=sys.stderr, flush=True)
+    return found[0]
 
 
 def open_model(args: argparse.Namespace, prog: str, *, mtp: bool = False) -> tuple[str, _core.Model, Tokenizer]:

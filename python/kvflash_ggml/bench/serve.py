@@ -209,7 +209,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.llama_server == "none":
         args.llama_server = None
     elif args.llama_server is None and not args.soak:
-        args.llama_server = find_llama_server()
+        try:
+            args.llama_server = find_llama_server()
+        except FileNotFoundError as e:
+            ap.error(str(e))
         print(f"llama-server: {args.llama_server or 'none built (KVFLASH_LLAMA_SERVER=ON builds one); ours only'}",
               flush=True)
     result = soak(args) if args.soak else throughput(args)
