@@ -218,18 +218,20 @@ def runner_sigint(request):
         signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_in_a_long_prompt_exits_130_at_once(tmp_path, runner_sigint):
+@pytest.mark.parametrize("kvflash", ["off", "1024"])
+def test_ctrl_c_in_a_long_prompt_exits_130_at_once(tmp_path, runner_sigint, kvflash):
     # Issue 39 item 17: this test failed whenever the runner was started with SIGINT ignored (the child inherited
     # it); the child now installs SIGINT's handler itself, and the "ignored" case runs the test that way.
+    # kvflash=1024: the pool (on by default since item 10) prefills a prompt larger than it exactly, layer-major;
+    # it checked for Ctrl-C only between layers (~10 s each here), and now after every step too.
     path = rg.write_preset(tmp_path / "long.gguf", "tiny-llama", n_ctx_train=16384)
     words = np.random.default_rng(0).choice(TEXT.split(), 5500)
-    # ~15K tokens: the prompt alone runs ~20 s on two cores, in the full cache's 512-token steps (a pool's exact
-    # prefill of a prompt larger than it checks for Ctrl-C between layers: 2 here)
+    # ~15K tokens: the prompt alone runs ~20 s on two cores, in 512-token steps
     prompt = " ".join(words)
     out = tmp_path / "stdout"
     with open(out, "wb") as stdout:
         proc = subprocess.Popen([sys.executable, "-c", WITH_SIGINT, "generate", "--model", str(path), "--n-ctx",
-                                 "16384", "--kvflash", "off", "--threads", "2", "--backend", "cpu", "--prompt", "-"],
+                                 "16384", "--kvflash", kvflash, "--threads", "2", "--backend", "cpu", "--prompt", "-"],
                                 stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.PIPE)
         proc.stdin.write(prompt.encode())
         proc.stdin.close()

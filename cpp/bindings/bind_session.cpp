@@ -170,7 +170,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
-             "attention_block_bytes (0: 64 MiB); between() runs after each layer and may "
+             "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
         .def("memory", [](const Session & s) {

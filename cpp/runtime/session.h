@@ -164,8 +164,8 @@ public:
     // in steps of n_batch, attending a one-layer staging copy of every position's K/V (held chunks come
     // from the pool or the host store), the hidden states waiting in host memory between layers, and the
     // layer's new K/V go to their blocks or host images. start must equal n_tokens(). n_batch: tokens per step (0: the session's; a pooled session's steps are small to keep the
-    // pool's window wide, which exactness does not need). between() runs after each layer (the caller's
-    // interrupt point); if anything throws, the session forgets the new positions and holds its first
+    // pool's window wide, which exactness does not need). between() runs after each layer and after each
+    // step that ran to its end (the caller's interrupt point); if anything throws, the session forgets the new positions and holds its first
     // `start` tokens again.
     // attention_block_bytes: what each attention call's mask (and, without flash attention, its attention
     // matrix) may hold; a step attends its queries in blocks that fit (0: k_attention_block_bytes).

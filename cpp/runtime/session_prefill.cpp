@@ -503,6 +503,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 timings_.t_prefill_io_ms += ms_since(t_io);
                 if (final_step) check_rpc_connections(sched.get());   // per layer: a lost RPC device reads as zeros
                 queued_ctx = std::move(sg.ctx);
+                // A step that ran to its end is an interrupt point too (every CPU step does), so that Ctrl-C does
+                // not wait for a whole layer of a long prompt; a device's queued steps wait for the layer's end.
+                if (between && !final_step && !hidden.overlaps()) between();
             }
 
             if (il == 0) {
