@@ -150,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.api_key = api_key(args)
         slot_dir = Path(args.slot_save_path).expanduser() if args.slot_save_path else None
         if slot_dir is not None:
-            slot_dir.mkdir(parents=True, exist_ok=True)
+            slot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # slot files hold conversations
         engines, name, why = build_engines(args)
     except USER_ERRORS as e:
         print(f"kvflash serve: {e}", file=sys.stderr)
