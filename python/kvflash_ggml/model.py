@@ -80,14 +80,19 @@ class Model:
         # memory). Each endpoint is checked first (ValueError: spelling, ConnectionError: no answer within 5 s).
         if isinstance(rpc, str):
             rpc = [e.strip() for e in rpc.split(",") if e.strip()]
-        if pool_tokens == "auto" and (rpc or devices or backend == "rpc"):
-            raise ValueError("pool_tokens='auto' fits one local GPU's free memory; give a split model a number")
+        split = bool(rpc or devices or backend == "rpc")
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
                                        mtp=wants_mtp(self.speculative), rpc=list(rpc or []),
                                        devices=list(devices or []), tensor_split=list(tensor_split or []))
         check_train_ctx(self._core_model, self.pool)
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
-        if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
+        if pool_tokens == "auto" and split:
+            # fit.py measures one local GPU's free memory, not a split's devices: the CPU's rule here (the default
+            # is 'auto', so a split model must load without a number; the CLI resolves it the same way)
+            self.pool = dataclasses.replace(self.pool, pool_tokens=self.pool.resolved_pool_tokens())
+            log.info("pool_tokens='auto' on a split model: %d (min(n_ctx, 4096); give a number to fit its devices)",
+                     self.pool.pool_tokens)
+        elif pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
             fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
                                   mtp=wants_mtp(self.speculative))
             log.info("pool_tokens='auto': %s", fit.reason)
