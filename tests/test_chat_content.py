@@ -323,6 +323,7 @@ def test_a_memoryview_prompt_is_text(llm):
         n_prompt = len(llm.tokenize(b"The quick brown fox"))
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] == n_prompt
     assert llm.tokenize(memoryview(b"fox")) == llm.tokenize(b"fox") == llm.tokenize("fox")
+    assert llm.engine.prompt_tokens(memoryview(b"fox")) == llm.engine.prompt_tokens("fox")   # the Engine's own door
     with pytest.raises(ValueError, match="memoryview prompt is UTF-8 text.*format 'i'"):
         llm.create_completion(memoryview(array.array("i", [1, 2, 3])), **greedy)
 

@@ -34,7 +34,7 @@ from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .speculative import DraftModel, PromptLookup, Speculator, TextMappedDraft, accept
 from .tokenizer import TextStream, Tokenizer, check_messages
-from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, token_ids, utf8_text
+from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, text_if_bytes, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -459,9 +459,8 @@ class Engine:
             self.prefix_cache.store(self._cache_key, self.session)
 
     def prompt_tokens(self, prompt: Union[str, bytes, Sequence[int], Sequence[Mapping[str, str]]]) -> list[int]:
-        """Token ids for a prompt: text (str; bytes are UTF-8 text), chat messages, or token ids."""
-        if isinstance(prompt, (bytes, bytearray)):
-            prompt = utf8_text(prompt)
+        """Token ids for a prompt: text (str; bytes-like objects are UTF-8 text), chat messages, or token ids."""
+        prompt = text_if_bytes(prompt)   # a memoryview too: it was read as token ids (issue 39 item 6)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, parse_special=True)
         prompt = list(prompt)
