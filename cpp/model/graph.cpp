@@ -249,10 +249,16 @@ struct QueryBlock {
     int64_t row0, n;
 };
 
-// The blocks of a step's n queries: one unless the mask is made per block; then as many queries per block as
-// block_bytes allows at bytes_per_key per query and key, the last block whole (it holds the captured queries).
+// The blocks of a step's n queries: one unless the mask is made per block (or one_query: a block per query);
+// then as many queries per block as block_bytes allows at bytes_per_key per query and key, the last block whole
+// (it holds the captured queries).
 std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t n_kv, int64_t bytes_per_key,
-                                     int64_t block_bytes) {
+                                     int64_t block_bytes, bool one_query) {
+    if (!in.band && one_query) {
+        std::vector<QueryBlock> blocks;
+        for (int64_t row0 = 0; row0 < n; ++row0) blocks.push_back({row0, 1});
+        return blocks;
+    }
     if (!in.band) return {{0, n}};
     const int64_t per_block = std::max(k_min_query_block, block_bytes / (n_kv * bytes_per_key));
     const int64_t first = n - (n - 1) / per_block * per_block;   // the short block goes first
@@ -274,13 +280,34 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
     const int64_t bytes_per_key = sizeof(ggml_fp16_t) + (g.flash_attn ? 0 : 2 * n_head * sizeof(float));
+    // The pool's views for the keys a block sees, made once for every block that sees as many (a position-ordered
+    // pool gathers its rows, and V rows are transposed, in each view).
+    struct Views {
+        int64_t n_kv = -1;
+        ggml_tensor * k = nullptr, * v = nullptr;   // [head_dim_k, n_kv, n_head_kv]; V as flash or mul_mat reads it
+    } views;
+    const auto views_for = [&](int64_t nk) -> const Views & {
+        if (views.n_kv == nk) return views;
+        views.n_kv = nk;
+        views.k = ggml_permute(ctx, get_k(ctx, kv, in, kl, nk, head_dim_k), 0, 2, 1, 3);
+        views.v = g.flash_attn ? ggml_permute(ctx, get_v(ctx, kv, in, kl, nk, head_dim_v), 0, 2, 1, 3)   // [head_dim_v, n_kv, n_head_kv]
+                               : get_v_trans(ctx, kv, in, kl, nk, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
+        return views;
+    };
+    // One-token kernels (GraphCtx::one_token_kernels): the mul_mat path's F16 products go through f16_mul_mat
+    // (ggml's one-column dot product, several columns per pass); flash attention, and pools it cannot read,
+    // attend a query at a time.
+    const bool one_token = g.one_token_kernels && !capture_attn && !in.band && n > 1;
+    const bool f16_products = one_token && !g.flash_attn && kv.k(kl)->type == GGML_TYPE_F16 &&
+                              kv.v(kl)->type == GGML_TYPE_F16 && f16_mul_mat_usable();
     ggml_tensor * out = nullptr;
-    for (const QueryBlock & b : query_blocks(in, n, n_kv, bytes_per_key, g.attention_block_bytes)) {
+    for (const QueryBlock & b : query_blocks(in, n, n_kv, bytes_per_key, g.attention_block_bytes, one_token && !f16_products)) {
         const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
         const bool last = b.row0 + b.n == n;
         if (capture_attn && last && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");
         ggml_tensor * qb = b.n == n ? qp : ggml_view_3d(ctx, qp, head_dim_k, b.n, n_head, qp->nb[1], qp->nb[2], b.row0 * qp->nb[1]);
-        ggml_tensor * kp = ggml_permute(ctx, get_k(ctx, kv, in, kl, mr.n_kv, head_dim_k), 0, 2, 1, 3);   // [head_dim_k, n_kv, n_head_kv]
+        const Views & kv_views = views_for(mr.n_kv);
+        ggml_tensor * kp = kv_views.k;
         ggml_tensor * o;
         if (g.flash_attn) {
             if (capture_attn && last) {
@@ -288,17 +315,18 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
                 capture_flash(g, qb, kp, mr.mask, kq_scale,
                               in.band ? std::max<int64_t>(k_min_key_block, g.attention_block_bytes / per_key) : n_kv);
             }
-            ggml_tensor * vp = ggml_permute(ctx, get_v(ctx, kv, in, kl, mr.n_kv, head_dim_v), 0, 2, 1, 3);   // [head_dim_v, n_kv, n_head_kv]
-            o = ggml_flash_attn_ext(ctx, qb, kp, vp, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
+            o = ggml_flash_attn_ext(ctx, qb, kp, kv_views.v, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
             ggml_prec_set_acc(o, GGML_PREC_F32);
             o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, b.n);
         } else {
-            ggml_tensor * kq = ggml_mul_mat(ctx, kp, qb);   // [n_kv, b.n, n_head]
+            const auto product = [&](ggml_tensor * a, ggml_tensor * b) {
+                return f16_products ? f16_mul_mat(ctx, a, b) : ggml_mul_mat(ctx, a, b);
+            };
+            ggml_tensor * kq = product(kp, qb);   // [n_kv, b.n, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             kq = ggml_soft_max_ext(ctx, kq, mr.mask, kq_scale, 0.0f);
             if (capture_attn && last) capture_head_max(g, kq);
-            ggml_tensor * vt = get_v_trans(ctx, kv, in, kl, mr.n_kv, head_dim_v);   // [n_kv, head_dim_v, n_head_kv]
-            ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                 // [head_dim_v, b.n, n_head]
+            ggml_tensor * kqv = product(kv_views.v, kq);                 // [head_dim_v, b.n, n_head]
             o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, b.n);
         }
         out = out ? ggml_concat(ctx, out, o, 1) : o;

@@ -52,6 +52,14 @@ struct GraphCtx {
     int64_t n_kv = 0;          // pool slots attended (a prefix of the pool)
     int64_t n_outputs = 0;
     bool flash_attn = false;
+    // Attend a step's queries with the kernels a one-token step takes, so that every row of the step is bit for
+    // bit what the same token computes alone, and so are the K/V the next layers write from it (speculation's
+    // verify step then keeps plain greedy decoding's tokens). ggml's CPU backend computes several queries with
+    // other kernels than one: the mul_mat path's F16 products go through tinyBLAS (llamafile's sgemm), flash
+    // attention tiles queries and splits a lone query's keys across threads; a verify step's rows differed from
+    // plain decoding's by up to ~0.9 in a logit on SmolLM2 (2 threads or 1), flipping greedy near-ties. Set by
+    // Session::build_graph for short steps on the CPU; graph.cpp: attend.
+    bool one_token_kernels = false;
     // What one attention call of a step whose mask is made per block of queries (KvStepInputs::band) may hold
     // for that block's mask and, on the mul_mat path, its attention matrix (graph.cpp: query_blocks).
     int64_t attention_block_bytes = k_attention_block_bytes;

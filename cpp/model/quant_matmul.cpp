@@ -312,7 +312,281 @@ const KernelTable * checked_kernels(ggml_type type) {
     return nullptr;
 }
 
+// ---- F16 products (f16_mul_mat) ------------------------------------------------------------------------------
+
+constexpr int k_f16_tile_rows = 4;     // a tile: 4 rows x 2 columns, one accumulator per output (8 registers),
+constexpr int k_f16_tile_cols = 2;     // 4 converted rows and 2 columns in registers: 6 loads per 8 FMAs
+constexpr int64_t k_f16_rows = 8;      // rows summed up together (one transpose: f16_hsum8)
+constexpr int64_t k_f16_chunk = 8;     // 32-value steps per pass when a row is longer: every tile's chunk stays in L1
+
+// ggml_vec_dot_f16 (AVX, FMA, F16C) sums x . y in 4 chains: chain j (0..3) takes values 32 t + 8 j .. + 8 for
+// t = 0, 1, ... in order, one 8-lane FMA each; then chain 0 + chain 2, 1 + 3, their sum, and a horizontal sum.
+// The chains are independent, so a tile runs one chain at a time for all its outputs.
+//
+// One pass: rows x[r] (F16, NR of them) against columns y[c] (floats: F16 values, exact; n_cols of them), steps
+// [t0, t1), in tiles of NR rows x 2 columns. acc: per output (r, c) at acc + r * row_stride + c * 32 its 4 chains
+// of 8 floats, read first when load, written back.
+using F16Pass = void (*)(int64_t t0, int64_t t1, const ggml_fp16_t * const * x, const float * const * y, int64_t n_cols,
+                         float * acc, int64_t row_stride, bool load);
+// out[r] = the horizontal sum of s[r * stride .. + 8) as ggml_vec_dot_f16 ends it, for r < 8.
+using F16Hsum = void (*)(const float * s, int64_t stride, float * out);
+struct F16Kernels {
+    F16Pass pass[k_f16_tile_rows];   // [rows - 1]
+    F16Hsum hsum8;
+};
+
+#ifdef KVF_QUANT_MATMUL_X86
+
+template <int NR, int NC>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void f16_tile_avx2(
+    int64_t t0, int64_t t1, const ggml_fp16_t * const * x, const float * const * y, float * acc, int64_t row_stride,
+    bool load) {
+    for (int j = 0; j < 4; ++j) {
+        __m256 a[NR][NC];
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < NC; ++c) a[r][c] = load ? _mm256_load_ps(acc + r * row_stride + c * 32 + j * 8) : _mm256_setzero_ps();
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t i = 32 * t + 8 * j;
+            __m256 xv[NR], yv[NC];
+            for (int r = 0; r < NR; ++r) xv[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(x[r] + i)));
+            for (int c = 0; c < NC; ++c) yv[c] = _mm256_loadu_ps(y[c] + i);
+            for (int r = 0; r < NR; ++r)
+                for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(xv[r], yv[c], a[r][c]);
+        }
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + r * row_stride + c * 32 + j * 8, a[r][c]);
+    }
+}
+
+template <int NR>
+__attribute__((target("avx2,fma,f16c"))) void f16_pass_avx2(int64_t t0, int64_t t1, const ggml_fp16_t * const * x,
+                                                              const float * const * y, int64_t n_cols, float * acc,
+                                                              int64_t row_stride, bool load) {
+    int64_t c = 0;
+    for (; c + k_f16_tile_cols <= n_cols; c += k_f16_tile_cols) {
+        f16_tile_avx2<NR, k_f16_tile_cols>(t0, t1, x, y + c, acc + c * 32, row_stride, load);
+    }
+    if (c < n_cols) f16_tile_avx2<NR, 1>(t0, t1, x, y + c, acc + c * 32, row_stride, load);
+}
+
+// The end of ggml_vec_dot_f16's AVX reduction for 8 outputs at once: chains (0 + 2) + (1 + 3), the 128-bit halves
+// added, two hadds, i.e. ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) over the lanes s: the same additions
+// on the lanes of a transpose. s: output r's 4 chains at s + r * stride.
+__attribute__((target("avx2"))) void f16_hsum8_avx2(const float * s, int64_t stride, float * out) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) {
+        const float * c = s + i * stride;
+        r[i] = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(c), _mm256_load_ps(c + 16)),
+                             _mm256_add_ps(_mm256_load_ps(c + 8), _mm256_load_ps(c + 24)));
+    }
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);       // lanes 0, 1 of rows i, i + 1 | lanes 4, 5
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);   // lanes 2, 3 | 6, 7
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);           // lane 0 of rows i..i+3 | lane 4
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);       // lane 1 | lane 5
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);   // lane 2 | lane 6
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);   // lane 3 | lane 7
+    }
+    __m256 lane[8];   // lane[l][i] = r[i][l]
+    for (int l = 0; l < 4; ++l) {
+        lane[l] = _mm256_permute2f128_ps(u[l], u[l + 4], 0x20);
+        lane[l + 4] = _mm256_permute2f128_ps(u[l], u[l + 4], 0x31);
+    }
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[1], lane[5]));
+    const __m256 b = _mm256_add_ps(_mm256_add_ps(lane[2], lane[6]), _mm256_add_ps(lane[3], lane[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(a, b));
+}
+
+// b's F32 values as ggml's mul_mat rounds them to F16 (ggml_cpu_fp32_to_fp16: round to nearest even), widened back.
+__attribute__((target("avx2,f16c"))) void round_to_f16(const float * from, float * to, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(from + i), 0)));
+    for (; i < n; ++i) to[i] = _cvtsh_ss(_cvtss_sh(from[i], 0));
+}
+
+const F16Kernels k_f16_avx2 = {{f16_pass_avx2<1>, f16_pass_avx2<2>, f16_pass_avx2<3>, f16_pass_avx2<4>}, f16_hsum8_avx2};
+
+const F16Kernels * f16_cpu_kernels() {
+    __builtin_cpu_init();
+    const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return ok ? &k_f16_avx2 : nullptr;
+}
+
+#else
+
+const F16Kernels * f16_cpu_kernels() { return nullptr; }
+void round_to_f16(const float *, float *, int64_t) { throw std::logic_error("f16_mul_mat: no kernels on this CPU"); }
+
+#endif
+
+// Rows [r0, r1) of a's matrix h against n_cols columns ys (rounded to F16, widened), writing outs[c][row]:
+// k_f16_rows rows at a time in tiles, in passes of k_f16_chunk steps when a row is longer; then their chains
+// (acc: 4 x 8 floats per row and column) summed up 8 rows at a time, and the values past the last multiple of 32
+// added in double one product at a time, as ggml_vec_dot_f16 ends.
+void f16_rows(const F16Kernels & k, const ggml_tensor * a, int64_t h, int64_t r0, int64_t r1, const float * const * ys,
+              float * const * outs, int64_t n_cols, float * acc) {
+    const int64_t K = a->ne[0], np = K & ~int64_t(31), n_steps = np / 32;
+    const auto row = [&](int64_t r) {
+        return reinterpret_cast<const ggml_fp16_t *>(static_cast<const char *>(a->data) + r * a->nb[1] + h * a->nb[2]);
+    };
+    const int64_t row_floats = n_cols * 32;
+    for (int64_t rb = r0; rb < r1; rb += k_f16_rows) {
+        const int64_t re = std::min(r1, rb + k_f16_rows);
+        if (n_steps == 0) std::fill(acc, acc + k_f16_rows * row_floats, 0.0f);
+        for (int64_t t0 = 0; t0 < n_steps; t0 += k_f16_chunk) {
+            const int64_t t1 = std::min(n_steps, t0 + k_f16_chunk);
+            for (int64_t r = rb; r < re; r += k_f16_tile_rows) {
+                const int nr = (int) std::min<int64_t>(k_f16_tile_rows, re - r);
+                const ggml_fp16_t * x[k_f16_tile_rows];
+                for (int i = 0; i < nr; ++i) x[i] = row(r + i);
+                k.pass[nr - 1](t0, t1, x, ys, n_cols, acc + (r - rb) * row_floats, row_floats, t0 > 0);
+            }
+        }
+        for (int64_t c = 0; c < n_cols; ++c) {
+            alignas(32) float sums[k_f16_rows];
+            k.hsum8(acc + c * 32, row_floats, sums);   // rows past re: stale floats, never written out
+            if (np == K) {
+                std::memcpy(outs[c] + rb, sums, (size_t) (re - rb) * sizeof(float));
+                continue;
+            }
+            for (int64_t r = rb; r < re; ++r) {
+                double sum = sums[r - rb];
+                const ggml_fp16_t * x = row(r);
+                for (int64_t i = np; i < K; ++i) sum += (double) (ggml_fp16_to_fp32(x[i]) * ys[c][i]);
+                outs[c][r] = (float) sum;
+            }
+        }
+    }
+}
+
+// The custom op, per thread: an even share of the rows of every matrix of a (head-major), each against every
+// column of the matrices of b that use it. Each thread rounds b's columns for itself (a custom op has no barrier
+// to share them after): N x B x K values, a small part of the M x N x B x K products.
+void f16_mul_mat_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const F16Kernels & k = *static_cast<const F16Kernels *>(userdata);
+    const ggml_tensor * a = dst->src[0];
+    const ggml_tensor * b = dst->src[1];
+    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1], B = b->ne[2], r = B / a->ne[2], n_cols = r * N;
+    // Work in blocks of k_f16_rows rows of one matrix, an even share of them per thread.
+    const int64_t blocks_per_matrix = (M + k_f16_rows - 1) / k_f16_rows, blocks = blocks_per_matrix * a->ne[2];
+    const int64_t per = (blocks + nth - 1) / nth, b0 = std::min(blocks, ith * per), b1 = std::min(blocks, b0 + per);
+    if (b0 >= b1) return;
+    thread_local std::vector<float> y_buf, acc_buf;
+    y_buf.resize((size_t) (K * N * B));
+    acc_buf.resize((size_t) (k_f16_rows * n_cols * 32 + 8));
+    float * y = y_buf.data();
+    float * acc = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(acc_buf.data()) + 31) & ~uintptr_t(31));
+    for (int64_t i2 = 0; i2 < B; ++i2) {
+        for (int64_t i1 = 0; i1 < N; ++i1) {
+            const auto * col = reinterpret_cast<const float *>(static_cast<const char *>(b->data) + i1 * b->nb[1] + i2 * b->nb[2]);
+            round_to_f16(col, y + (i2 * N + i1) * K, K);
+        }
+    }
+    std::vector<const float *> ys((size_t) n_cols);
+    std::vector<float *> outs((size_t) n_cols);
+    for (int64_t blk = b0; blk < b1;) {
+        const int64_t h = blk / blocks_per_matrix, first = blk % blocks_per_matrix;
+        const int64_t last = std::min(blocks_per_matrix, first + (b1 - blk));   // this matrix's blocks [first, last)
+        for (int64_t c = 0; c < n_cols; ++c) {   // column c: matrix h * r + c / N, column c % N
+            const int64_t i2 = h * r + c / N, i1 = c % N;
+            ys[(size_t) c] = y + (i2 * N + i1) * K;
+            outs[(size_t) c] = reinterpret_cast<float *>(static_cast<char *>(dst->data) + i1 * dst->nb[1] + i2 * dst->nb[2]);
+        }
+        f16_rows(k, a, h, first * k_f16_rows, std::min(M, last * k_f16_rows), ys.data(), outs.data(), n_cols, acc);
+        blk += last - first;
+    }
+}
+
+ggml_tensor * f16_custom_op(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, const F16Kernels * kernels) {
+    ggml_tensor * args[2] = {a, b};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, a->ne[1], b->ne[1], b->ne[2], 1, args, 2, f16_mul_mat_op, GGML_N_TASKS_MAX,
+                          const_cast<F16Kernels *>(kernels));
+}
+
+// ggml_mul_mat of each column alone (its one-column path) and the custom op over every column at once, on small
+// products through a CPU backend of this process: true when every output is bit for bit the same. K = 80 (two
+// 32-value steps and a leftover of 16) and K = 600 (passes of k_f16_chunk steps and a leftover of 24), 11 rows (a
+// block of k_f16_rows, tiles of 4 and 3), 5 columns (tiles of 2 and 1), 2 matrices broadcast to 4, b permuted
+// as attention's queries are.
+bool f16_same_as_ggml(const F16Kernels * kernels) {
+    constexpr int64_t M = 11, N = 5, A = 2, B = 4;
+    ggml_backend_t backend = cpu_backend_init();
+    set_backend_threads(backend, 1);
+    ggml_init_params params = {ggml_tensor_overhead() * 64 + ggml_graph_overhead(), nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    struct Case {
+        int64_t K;
+        ggml_tensor * a, * x, * ours;
+        std::vector<ggml_tensor *> ref;
+    } cases[2] = {{80, nullptr, nullptr, nullptr, {}}, {600, nullptr, nullptr, nullptr, {}}};
+    for (Case & t : cases) {
+        t.a = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, t.K, M, A);
+        t.x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, t.K, B, N);   // [K, B, N]: columns permuted in
+        ggml_tensor * xp = ggml_permute(ctx, t.x, 0, 2, 1, 3);    // [K, N, B], not contiguous
+        t.ours = f16_custom_op(ctx, t.a, xp, kernels);
+        ggml_build_forward_expand(gf, t.ours);
+        for (int64_t i1 = 0; i1 < N; ++i1) {   // column i1 of every matrix: [K, 1, B]
+            t.ref.push_back(ggml_mul_mat(ctx, t.a, ggml_view_3d(ctx, xp, t.K, 1, B, xp->nb[1], xp->nb[2], i1 * xp->nb[1])));
+            ggml_build_forward_expand(gf, t.ref.back());
+        }
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    bool same = buf != nullptr;
+    if (buf) {
+        for (Case & t : cases) {
+            const std::vector<float> af = noise((size_t) (t.K * M * A), 2.0f, 3), xf = noise((size_t) (t.K * N * B), 2.0f, 4);
+            std::vector<ggml_fp16_t> ah(af.size());
+            for (size_t i = 0; i < af.size(); ++i) ah[i] = ggml_fp32_to_fp16(af[i]);
+            ggml_backend_tensor_set(t.a, ah.data(), 0, ah.size() * sizeof(ggml_fp16_t));
+            ggml_backend_tensor_set(t.x, xf.data(), 0, xf.size() * sizeof(float));
+        }
+        same = ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS;
+        for (Case & t : cases) {
+            std::vector<float> got((size_t) (M * N * B)), want(got.size()), col((size_t) (M * B));
+            ggml_backend_tensor_get(t.ours, got.data(), 0, got.size() * sizeof(float));
+            for (int64_t i1 = 0; i1 < N; ++i1) {   // ref[i1]: [M, 1, B] -> want[i2][i1][:]
+                ggml_backend_tensor_get(t.ref[i1], col.data(), 0, col.size() * sizeof(float));
+                for (int64_t i2 = 0; i2 < B; ++i2) std::memcpy(&want[(size_t) ((i2 * N + i1) * M)], &col[(size_t) (i2 * M)], M * sizeof(float));
+            }
+            same = same && std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0;
+        }
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(ctx);
+    ggml_backend_free(backend);
+    return same;
+}
+
+const F16Kernels * checked_f16_kernels() {
+    static const F16Kernels * kernels = []() -> const F16Kernels * {
+        const F16Kernels * k = f16_cpu_kernels();
+        if (!k) return nullptr;
+        try {
+            return f16_same_as_ggml(k) ? k : nullptr;
+        } catch (const std::exception &) {   // no CPU backend: nothing computes on one anyway
+            return nullptr;
+        }
+    }();
+    return kernels;
+}
+
 }  // namespace
+
+bool f16_mul_mat_usable() { return g_mode.load() != 0 && checked_f16_kernels() != nullptr; }
+
+ggml_tensor * f16_mul_mat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b) {
+    const F16Kernels * kernels = checked_f16_kernels();
+    if (!kernels) throw std::logic_error("f16_mul_mat: not usable in this process (check f16_mul_mat_usable)");
+    if (a->type != GGML_TYPE_F16 || b->type != GGML_TYPE_F32 || a->ne[0] != b->ne[0] || a->nb[0] != sizeof(ggml_fp16_t) ||
+        b->nb[0] != sizeof(float) || a->ne[3] != 1 || b->ne[3] != 1 || b->ne[2] % a->ne[2] != 0) {
+        throw std::invalid_argument("f16_mul_mat: needs F16 a [K, M, A] and F32 b [K, N, B] with rows along K, B a multiple of A");
+    }
+    return f16_custom_op(ctx, a, b, kernels);
+}
 
 bool quant_mul_mat_usable(ggml_type type) { return g_mode.load() != 0 && checked_kernels(type) != nullptr; }
 

@@ -39,4 +39,20 @@ ggml_type quant_mul_mat_input_type(ggml_type type);
 // (a ggml_cpy of the F32 activations). Returns F32 [M, N]: what ggml_mul_mat(w, x) returns.
 ggml_tensor * quant_mul_mat(ggml_context * ctx, ggml_tensor * w, ggml_tensor * xq);
 
+// F16 matrices times a few columns on the CPU: attention's products in a short step (a speculative verify step).
+// ggml's CPU backend computes a product of one column with ggml_vec_dot_f16 for each output (the column rounded to
+// F16 first), and one of several columns with llamafile's tinyBLAS, whose sums run in another order: a verify
+// step's rows then differed from plain decoding's (by up to ~0.9 in a SmolLM2 logit), and greedy near-ties
+// flipped. f16_mul_mat computes each output with exactly ggml_vec_dot_f16's operations (its AVX2 path: four 8-lane
+// FMA chains over 32 values at a time, the same reduction, the leftover in double), on the columns rounded as ggml
+// rounds them, three columns per pass over a row (long rows in chunks that stay in L1). Checked bit for bit
+// against ggml_mul_mat of one column once per process (the ggml variant loaded decides how its dot product
+// sums); f16_mul_mat_usable() is false where it differs, where the CPU lacks AVX2, FMA or F16C, or in mode 0.
+bool f16_mul_mat_usable();
+
+// a: F16 [K, M, A] (rows contiguous along K, any other strides); b: F32 [K, N, B] (likewise), B a multiple of A
+// (b's matrix i uses a's matrix i / (B / A), as ggml_mul_mat broadcasts). Returns F32 [M, N, B]: what
+// ggml_mul_mat(a, b) computes for one column of b at a time.
+ggml_tensor * f16_mul_mat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b);
+
 }  // namespace kvf

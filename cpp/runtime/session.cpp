@@ -17,6 +17,14 @@ constexpr int64_t k_kv_pad = 256;   // CUDA FA prefers n_kv % 256 == 0; also bou
 // masked ones): attend in chunk steps there, one graph rebuild per 64 tokens while the context grows.
 // Masked slots add exact zeros to its sums, so this padding changes no result.
 constexpr int64_t k_kv_pad_cpu_matmul = 64;
+// A step on the CPU that computes every row's logits and has at most this many tokens (a speculative verify step:
+// the pending token and its drafts, at most 31 on the CPU: speculative.py CPU_VERIFY_TOKENS) attends with
+// one-token steps' kernels (GraphCtx::one_token_kernels), so its rows are bit for bit one-token steps' and greedy
+// speculation keeps plain greedy decoding's tokens. Other steps keep ggml's several-query kernels: prompt steps
+// (the exact prefill's layer-major steps run those too, and write a full cache's bytes), and every-row steps of a
+// prompt's size (libllama's, the reference they are compared with, are those: 64-token steps differed by 1.9
+// in a SmolLM2 logit between the two).
+constexpr int64_t k_one_token_kernels_max_tokens = 32;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -132,7 +140,11 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
     sched_ = new_sched();
 }
 
-size_t Session::graph_size() const { return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * 64); }
+size_t Session::graph_size() const {
+    // A step that attends one query at a time adds about 8 nodes per query and layer (GraphCtx::one_token_kernels).
+    const size_t per_layer = 64 + (model_->on_gpu() ? 0 : 8 * (size_t) k_one_token_kernels_max_tokens);
+    return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * per_layer);
+}
 
 ggml_backend_sched_t Session::new_sched(size_t n_nodes) const {
     if (n_nodes == 0) n_nodes = graph_size();
@@ -272,6 +284,8 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     g.n_kv = n_kv;
     g.n_outputs = n_outputs;
     g.flash_attn = flash_attn_;
+    g.one_token_kernels = !model_->on_gpu() && n_outputs == n_tokens && n_tokens > 1 &&
+                          n_tokens <= k_one_token_kernels_max_tokens;
     // Queries are captured only for sessions whose scorers read them: on CUDA the capture is 32 more
     // kernels and outputs per 8B decode step (~2% of it), for nothing under lru.
     g.n_query_tokens = cfg_.track_summaries ? std::min(n_tokens, k_capture_tokens) : 0;

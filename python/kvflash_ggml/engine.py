@@ -138,23 +138,24 @@ def make_speculator(config: SpeculativeConfig, model: _core.Model, tokenizer: To
     """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built);
     a draft model of another vocabulary is mapped through text. "mtp" drafts with the head of `session`, the
     session that verifies (made with mtp=True)."""
+    on_cpu = not model.on_gpu   # verify steps short enough to run plain decoding's kernels (CPU_VERIFY_TOKENS)
     if wants_mtp(config):
         check_mtp(model)
         if session is None:
             raise ValueError("speculative draft 'mtp' drafts in the verifying session: pass session=")
-        return Speculator(config, MtpDraft(session))
+        return Speculator(config, MtpDraft(session), on_cpu=on_cpu)
     if config.draft == "prompt_lookup":
-        return Speculator(config, PromptLookup(config.ngram))
+        return Speculator(config, PromptLookup(config.ngram), on_cpu=on_cpu)
     draft_model = load_like(config.draft, model)
     own = tokenizer if draft_model is model else Tokenizer(draft_model.path)
     if same_vocabulary(tokenizer, own):
-        return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool))
+        return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool), on_cpu=on_cpu)
     # Its vocabulary may split the same text into more tokens: room for half as many again, as trained for.
     C = _core.CHUNK_TOKENS
     room = max(pool.n_ctx, min(-(-pool.n_ctx * 3 // 2 // C) * C, draft_model.hparams.n_ctx_train))
     draft_pool = dataclasses.replace(pool, n_ctx=room)
     drafter = DraftModel(draft_model, make_session(draft_model, draft_pool), draft_pool)
-    return Speculator(config, TextMappedDraft(drafter, own, tokenizer))
+    return Speculator(config, TextMappedDraft(drafter, own, tokenizer), on_cpu=on_cpu)
 
 
 def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
@@ -668,7 +669,9 @@ class Generation:
         kept, own = accept(drafts, rows, q, self.sampler)
         if len(kept) < len(drafts) and s.has_recurrent_state:
             s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
-            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0)
+            # every row's logits: a step that computes them runs plain decoding's kernels (Session: one-token
+            # kernels), so the K/V and state it writes are the one-token steps' too
+            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0, all_logits=True)
         elif len(kept) < len(drafts):
             s.truncate(n0 + 1 + len(kept))
         e.speculator.record(len(drafts), len(kept))

@@ -266,15 +266,24 @@ def _one_hot(i: int, n: int) -> np.ndarray:
     return v
 
 
+# On the CPU a verify step of at most this many tokens computes each row with plain decoding's kernels (the
+# session's one-token kernels for a step that reads every row's logits: cpp/runtime/session.cpp,
+# k_one_token_kernels_max_tokens), so greedy speculation returns plain greedy decoding's tokens bit for bit; a
+# longer step's rows differed by up to ~0.9 in a SmolLM2 logit and flipped near-ties. So at most 31 drafts there.
+CPU_VERIFY_TOKENS = 32
+
+
 class Speculator:
     """The drafter of a SpeculativeConfig, the draft length and what it achieved. The length adapts: after a
-    step that kept every draft it grows by 2 (up to max_draft); otherwise it becomes what was kept plus one
-    (at least 1), so a drafter that misses costs one wasted draft per step."""
+    step that kept every draft it grows by 2 (up to max_draft, and on the CPU CPU_VERIFY_TOKENS - 1); otherwise
+    it becomes what was kept plus one (at least 1), so a drafter that misses costs one wasted draft per step."""
 
-    def __init__(self, config: SpeculativeConfig, drafter: Union[PromptLookup, DraftModel, TextMappedDraft]) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Union[PromptLookup, DraftModel, TextMappedDraft], *,
+                 on_cpu: bool = False) -> None:
         self.config = config
         self.drafter = drafter
-        self.k = max(1, config.max_draft // 2)
+        self.max_draft = min(config.max_draft, CPU_VERIFY_TOKENS - 1) if on_cpu else config.max_draft
+        self.k = max(1, self.max_draft // 2)
         self.drafted = self.accepted = self.steps = 0
 
     @property
@@ -299,7 +308,7 @@ class Speculator:
         self.drafted += n_drafted
         self.accepted += n_kept
         self.steps += 1
-        self.k = min(self.config.max_draft, self.k + 2) if n_kept == n_drafted else max(1, n_kept + 1)
+        self.k = min(self.max_draft, self.k + 2) if n_kept == n_drafted else max(1, n_kept + 1)
 
     def stats(self) -> dict:
         mode = getattr(self.drafter, "mode", None) or \
