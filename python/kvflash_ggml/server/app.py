@@ -386,30 +386,28 @@ def _check_model(state: ServerState, name: Optional[str]) -> None:
                        code="model_not_found", param="model")
 
 
-async def _next_or_disconnect(job: Job, http: Request):
-    """The job's next item, or CLIENT_GONE if the client disconnects first (the caller cancels the job)."""
+async def _next_or(job: Job, other, otherwise):
+    """The job's next item, or `otherwise` if the awaitable `other` completes first."""
     get = asyncio.ensure_future(job.out.get())
-    gone = asyncio.ensure_future(_disconnected(http))
-    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
+    other = asyncio.ensure_future(other)
+    done, _ = await asyncio.wait({get, other}, return_when=asyncio.FIRST_COMPLETED)
+    other.cancel()
     if get in done:
         return get.result()
     get.cancel()
-    return CLIENT_GONE
+    return otherwise
+
+
+async def _next_or_disconnect(job: Job, http: Request):
+    """The job's next item, or CLIENT_GONE if the client disconnects first (the caller cancels the job)."""
+    return await _next_or(job, _disconnected(http), CLIENT_GONE)
 
 
 async def _next_or_shutdown(job: Job, shutdown: anyio.Event):
     """The job's next item, or SHUTTING_DOWN if the server begins to shut down first."""
     if shutdown.is_set():
         return SHUTTING_DOWN
-    get = asyncio.ensure_future(job.out.get())
-    stop = asyncio.ensure_future(shutdown.wait())
-    done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    if get in done:
-        return get.result()
-    get.cancel()
-    return SHUTTING_DOWN
+    return await _next_or(job, shutdown.wait(), SHUTTING_DOWN)
 
 
 def _error_event(message: str, code: Optional[str] = None) -> dict:
