@@ -60,6 +60,20 @@ def test_a_verify_step_computes_one_token_steps_rows_on_tiny_models(tmp_path, ar
     assert np.abs(rows - steps).max() == 0.0
 
 
+@pytest.mark.parametrize("weight_type", ["f16", "q4_0"])
+def test_a_verify_step_computes_one_token_steps_rows_with_other_weight_types(tmp_path, weight_type):
+    # Issue 39 item 5, the weight products: ggml multiplies F16 weights by several tokens with tinyBLAS, whose sums
+    # differ from the one-token dot product (up to 1e-4 in a tiny model's logit before), so a verify step takes
+    # f16_mul_mat for them; Q4_0 (tinyBLAS too) computes the dot product's sums already.
+    path = str(rg.write_preset(tmp_path / "llama.gguf", "tiny-llama", weight_type=weight_type))
+    model = _core.Model(path, backend="cpu", n_threads=2)
+    rng = np.random.default_rng(4)
+    for attention in ("matmul", "flash"):
+        rows, steps = verify_rows_and_steps(model, attention, rng.integers(0, 1000, 300).astype(np.int32),
+                                            rng.integers(0, 1000, 12).astype(np.int32))
+        assert np.abs(rows - steps).max() == 0.0, attention
+
+
 def test_a_verify_step_on_the_cpu_holds_at_most_cpu_verify_tokens(tmp_path):
     # Issue 39 item 5: only steps of up to CPU_VERIFY_TOKENS rows run the one-token kernels, so on the CPU the drafts
     # of a step stop at CPU_VERIFY_TOKENS - 1 whatever draft_max says (up to 64), and the tokens stay plain greedy's.

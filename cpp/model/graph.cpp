@@ -15,16 +15,55 @@ ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, floa
     return ggml_mul(g.ctx, ggml_rms_norm(g.ctx, x, eps), weight);
 }
 
-ggml_tensor * mul_mat_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x) {
-    if ((w->type != GGML_TYPE_Q4_1 && w->type != GGML_TYPE_Q8_0) || x->type != GGML_TYPE_F32 || x->ne[1] < 2 ||
-        x->ne[2] != 1 || x->ne[3] != 1 || x->nb[0] != sizeof(float) || w->ne[2] != 1 || w->ne[3] != 1 ||
-        !w->buffer || !ggml_backend_buffer_is_host(w->buffer) || w->extra || !quant_mul_mat_usable(w->type)) {
-        return ggml_mul_mat(g.ctx, w, x);
+namespace {
+
+// Types whose ggml CPU product takes its tiled kernels from 8 columns on (ggml-cpu/tiled: ggml_tiled_supported), with
+// other sums than the dot product it takes for fewer.
+bool tiled_from_8_columns(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+        case GGML_TYPE_IQ4_XS: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ2_S:
+        case GGML_TYPE_IQ3_XXS: case GGML_TYPE_IQ3_S: case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ1_M:
+            return true;
+        default:
+            return false;
     }
-    const ggml_type type = quant_mul_mat_input_type(w->type);
-    ggml_tensor *& xq = g.quantized_inputs[{x, type}];
-    if (!xq) xq = ggml_cpy(g.ctx, x, ggml_new_tensor_2d(g.ctx, type, x->ne[0], x->ne[1]));
-    return quant_mul_mat(g.ctx, w, xq);
+}
+
+// A weight product of a step with one-token kernels (GraphCtx::one_token_kernels): each output as a one-token step
+// computes it where ggml's several-column kernels sum otherwise. F16 weights go through f16_mul_mat (ggml takes
+// tinyBLAS from 2 columns); the tiled types 7 columns at a time (ggml's dot product below 8: Gemma 3 270M's Q4_K
+// and Q6_K layers differed by up to 1.0 in a logit at 8 tokens and more). The other types' products are the dot
+// product's already at any column count (Q4_1 and Q8_0 through quant_mul_mat; tinyBLAS's Q4_0 and Q5_0 measured
+// equal) or are left as ggml computes them (F32 and BF16 weights: tinyBLAS from 2 columns).
+ggml_tensor * one_token_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x) {
+    if (w->type == GGML_TYPE_F16 && f16_mul_mat_usable()) return f16_mul_mat(g.ctx, w, x);
+    constexpr int64_t k_cols = 7;
+    if (!tiled_from_8_columns(w->type) || x->ne[1] <= k_cols) return ggml_mul_mat(g.ctx, w, x);
+    ggml_tensor * out = nullptr;
+    for (int64_t c0 = 0; c0 < x->ne[1]; c0 += k_cols) {
+        const int64_t nc = std::min(k_cols, x->ne[1] - c0);
+        ggml_tensor * o = ggml_mul_mat(g.ctx, w, ggml_view_2d(g.ctx, x, x->ne[0], nc, x->nb[1], c0 * x->nb[1]));
+        out = out ? ggml_concat(g.ctx, out, o, 1) : o;
+    }
+    return out;
+}
+
+}  // namespace
+
+ggml_tensor * mul_mat_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x) {
+    // several tokens' F32 activations times 2-D weights in host memory (plain blocks, not repacked)
+    const bool several = x->type == GGML_TYPE_F32 && x->ne[1] >= 2 && x->ne[2] == 1 && x->ne[3] == 1 &&
+                         x->nb[0] == sizeof(float) && w->ne[2] == 1 && w->ne[3] == 1 && w->buffer &&
+                         ggml_backend_buffer_is_host(w->buffer) && !w->extra;
+    if (several && (w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q8_0) && quant_mul_mat_usable(w->type)) {
+        const ggml_type type = quant_mul_mat_input_type(w->type);
+        ggml_tensor *& xq = g.quantized_inputs[{x, type}];
+        if (!xq) xq = ggml_cpy(g.ctx, x, ggml_new_tensor_2d(g.ctx, type, x->ne[0], x->ne[1]));
+        return quant_mul_mat(g.ctx, w, xq);
+    }
+    if (several && g.one_token_kernels) return one_token_weights(g, w, x);
+    return ggml_mul_mat(g.ctx, w, x);
 }
 
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) {

@@ -58,7 +58,8 @@ struct GraphCtx {
     // other kernels than one: the mul_mat path's F16 products go through tinyBLAS (llamafile's sgemm), flash
     // attention tiles queries and splits a lone query's keys across threads; a verify step's rows differed from
     // plain decoding's by up to ~0.9 in a logit on SmolLM2 (2 threads or 1), flipping greedy near-ties. Set by
-    // Session::build_graph for short steps on the CPU; graph.cpp: attend.
+    // Session::build_graph on the CPU for a step that reads every row's logits, of up to 32 tokens; graph.cpp:
+    // attend (f16_mul_mat, or a query at a time).
     bool one_token_kernels = false;
     // What one attention call of a step whose mask is made per block of queries (KvStepInputs::band) may hold
     // for that block's mask and, on the mul_mat path, its attention matrix (graph.cpp: query_blocks).

@@ -463,8 +463,8 @@ void f16_rows(const F16Kernels & k, const ggml_tensor * a, int64_t h, int64_t r0
 }
 
 // The custom op, per thread: an even share of the rows of every matrix of a (head-major), each against every
-// column of the matrices of b that use it. Each thread rounds b's columns for itself (a custom op has no barrier
-// to share them after): N x B x K values, a small part of the M x N x B x K products.
+// column of the matrices of b that use it. Each thread rounds the columns it needs for itself (a custom op has no
+// barrier to share them after): at most N x B x K values, a small part of the M x N x B x K products.
 void f16_mul_mat_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const F16Kernels & k = *static_cast<const F16Kernels *>(userdata);
     const ggml_tensor * a = dst->src[0];
@@ -479,7 +479,8 @@ void f16_mul_mat_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     acc_buf.resize((size_t) (k_f16_rows * n_cols * 32 + 8));
     float * y = y_buf.data();
     float * acc = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(acc_buf.data()) + 31) & ~uintptr_t(31));
-    for (int64_t i2 = 0; i2 < B; ++i2) {
+    // only the columns of the matrices this thread's rows meet
+    for (int64_t i2 = b0 / blocks_per_matrix * r; i2 < ((b1 - 1) / blocks_per_matrix + 1) * r; ++i2) {
         for (int64_t i1 = 0; i1 < N; ++i1) {
             const auto * col = reinterpret_cast<const float *>(static_cast<const char *>(b->data) + i1 * b->nb[1] + i2 * b->nb[2]);
             round_to_f16(col, y + (i2 * N + i1) * K, K);

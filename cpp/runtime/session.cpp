@@ -141,7 +141,8 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
 }
 
 size_t Session::graph_size() const {
-    // A step that attends one query at a time adds about 8 nodes per query and layer (GraphCtx::one_token_kernels).
+    // A step that attends one query at a time (GraphCtx::one_token_kernels on the flash path) adds about 8 nodes per
+    // query and layer.
     const size_t per_layer = 64 + (model_->on_gpu() ? 0 : 8 * (size_t) k_one_token_kernels_max_tokens);
     return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * per_layer);
 }
