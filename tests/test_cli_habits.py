@@ -375,8 +375,9 @@ def test_chat_special_and_beyond_the_trained_context_have_flags(tiny, capsys, mo
 
 
 def test_the_default_pool_of_a_split_model_is_the_cpus_rule(long_trained, monkeypatch):
-    # item 10: with 'auto' the default, `kvflash generate --rpc HOST:PORT` (README) met Model's refusal of 'auto' on a
-    # split ('auto' measures one local GPU); across devices the default is the CPU's rule, min(n_ctx, 4096)
+    # item 10: with 'auto' the default, `kvflash generate --rpc HOST:PORT` (docs/devices.md) met Model's refusal of
+    # 'auto' on a split ('auto' measures one local GPU); across devices the default is the CPU's rule,
+    # min(n_ctx, 4096)
     made = []
     monkeypatch.setattr(generate, "Model", lambda *a, **k: made.append(k) or (_ for _ in ()).throw(ValueError("x")))
     assert generate.main(["-m", long_trained, "--rpc", "127.0.0.1:1", "-p", "x"]) == 2

@@ -54,7 +54,7 @@ def test_n_ctx_past_the_trained_context_names_a_keyword_model_takes(short_ctx):
 
 
 def test_model_devices_shows_the_split(tiny_gguf):
-    # regression: the README documents Model.devices; Model had no such attribute
+    # regression: docs/devices.md (then the README) documents Model.devices; Model had no such attribute
     m = kvf.Model(tiny_gguf(), n_ctx=256, backend="cpu", n_threads=1)
     n_layer = m._core_model.hparams.n_layer
     devices = m.devices
