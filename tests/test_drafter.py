@@ -13,7 +13,7 @@ from kvflash_ggml.testing import random_gguf as rg
 from kvflash_ggml.companion import Companion
 from kvflash_ggml.drafter import DrafterPolicy
 from kvflash_ggml.options import PoolConfig
-from kvflash_ggml.engine import make_policy
+from kvflash_ggml.engine_parts import make_policy
 from kvflash_ggml.policy import SessionView
 
 N_THREADS = 1

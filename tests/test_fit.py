@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvflash_ggml import _core
-from kvflash_ggml.engine import make_session
+from kvflash_ggml.engine_parts import make_session
 from kvflash_ggml.fit import MIN_HEADROOM, SlotCosts, fit_pool_tokens, measure, solve
 from kvflash_ggml.options import PoolConfig
 from kvflash_ggml.tokens import forward_in_steps

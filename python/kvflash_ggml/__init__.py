@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from . import _core
-from .engine import Engine, GenerationRecord, StreamSuperseded
+from .engine import Engine, StreamSuperseded
+from .generation import GenerationRecord
 from .known_models import resolve_model_path
 from .model import Model
 from .options import PoolConfig, ResidencyConfig, SamplingParams

@@ -13,27 +13,24 @@ from another prompt's context. Streams on one Engine therefore cannot interleave
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from .companion import Companion, same_vocabulary
-from .drafter import DrafterPolicy, prompt_attention_scores
-from .known_models import resolve_model_path
-from .mtp import MtpDraft, check_mtp, wants_mtp
-from .options import SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
-from .policy import LRU, BuiltinScorer, CallablePolicy, Policy, SessionView
-from .sampling import Sampler, TokenLogprobs, token_logprobs
+from .drafter import prompt_attention_scores
+from .engine_parts import (POLICY_NAMES, make_companion, make_policy, make_session, make_speculator,
+                           session_device_bytes)
+from .generation import Generation
+from .mtp import check_mtp, wants_mtp
+from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
-from .speculative import DraftModel, PromptLookup, Speculator, TextMappedDraft, accept
-from .tokenizer import TextStream, Tokenizer, check_messages
+from .tokenizer import Tokenizer, check_messages
 from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, text_if_bytes, token_ids
 
 log = logging.getLogger(__name__)
@@ -47,124 +44,6 @@ class StreamSuperseded(RuntimeError):
     def __init__(self) -> None:
         super().__init__("this stream was superseded by a later call on the same Model; streams on one Model "
                          "cannot interleave (finish a stream before the next call, or use one Model per stream)")
-
-
-@dataclass
-class GenerationRecord:
-    token: Optional[int]          # None on the closing record
-    text: str                     # text this record makes visible ("" while bytes are incomplete)
-    finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
-    stats: Optional[dict] = None  # the closing record: stats() as the stream left them
-    logprobs: Optional[TokenLogprobs] = None   # generate(..., logprobs=N): the token's and the top N's
-
-
-def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False,
-                 n_batch: Optional[int] = None, arena: Optional[_core.PoolArena] = None,
-                 mtp: bool = False) -> _core.Session:
-    """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch). arena: keep the
-    pool in a lane of it (a server's slots: their batched decode steps then attend all pools at once). mtp: run
-    the model's multi-token-prediction head too (its K/V in the pool; the drafter of draft="mtp")."""
-    config = _core.SessionConfig(
-        max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
-        attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
-        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
-        track_summaries=track_summaries, mtp=mtp)
-    return _core.Session(model, config, arena=arena)
-
-
-POLICY_NAMES = ("lru", "qk", "quest", "drafter")
-
-
-def session_device_bytes(session: _core.Session) -> int:
-    """A session's device bytes besides the weights: pool, rings, recurrent state, compute buffer."""
-    m = session.memory()
-    return m["pool_bytes"] + m["ring_bytes"] + m["recurrent_bytes"] + m["compute_bytes"]
-
-
-def make_policy(spec: Union[str, Policy, Callable], *, companion: Optional[Companion] = None) -> Policy:
-    """companion: the drafter's full-cache session, for spec="drafter" (unused by the others)."""
-    if spec == "drafter":
-        if companion is None:
-            raise ValueError("policy 'drafter' needs a drafter model: pass drafter_model=PATH (a smaller GGUF "
-                             "with the same tokenizer, or the model itself)")
-        return DrafterPolicy(companion)
-    if isinstance(spec, Policy):
-        return spec
-    if callable(spec):
-        return CallablePolicy(spec)
-    if spec == "lru":
-        return LRU()
-    if spec in ("qk", "quest"):
-        return BuiltinScorer(spec)
-    raise ValueError(f"policy {spec!r} is not available (available: {', '.join(POLICY_NAMES)}, or a callable "
-                     "view -> scores per chunk)")
-
-
-def load_like(spec: Union[str, os.PathLike, _core.Model], model: _core.Model) -> _core.Model:
-    """A second model (a drafter's, a draft model) on the same backend and threads as `model`; `model` itself
-    when spec names its GGUF, and spec itself when it is loaded already."""
-    if isinstance(spec, _core.Model):
-        return spec
-    path = resolve_model_path(spec)
-    return model if path == model.path else \
-        _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
-
-
-def with_loaded_draft(speculative: Optional[SpeculativeConfig], model: _core.Model) -> Optional[SpeculativeConfig]:
-    """The configuration with its draft model loaded (as make_speculator would load it): Engines built from the
-    result share its weights (the server's slots), and pool_tokens="auto" sees them loaded."""
-    if speculative is None or speculative.draft in SPECULATIVE_MODES:
-        return speculative
-    return dataclasses.replace(speculative, draft=load_like(speculative.draft, model))
-
-
-def draft_model_of(speculative: Optional[SpeculativeConfig]) -> Optional[_core.Model]:
-    """The draft model a speculative configuration holds loaded (None: none, or not loaded yet)."""
-    draft = speculative.draft if speculative is not None else None
-    return draft if isinstance(draft, _core.Model) else None
-
-
-def with_loaded_drafter(residency: ResidencyConfig, model: _core.Model) -> ResidencyConfig:
-    """The residency with its drafter model loaded (as make_companion would load it), or the model itself when
-    it names the same GGUF: Engines built from the result share those weights (a Model's own drafter, the
-    server's slots)."""
-    if residency.drafter_model is None:
-        return residency
-    return dataclasses.replace(residency, drafter_model=load_like(residency.drafter_model, model))
-
-
-def make_speculator(config: SpeculativeConfig, model: _core.Model, tokenizer: Tokenizer,
-                    pool: PoolConfig, session: Optional[_core.Session] = None) -> Speculator:
-    """The drafter a SpeculativeConfig names, checked against the model (clear errors for what is not built);
-    a draft model of another vocabulary is mapped through text. "mtp" drafts with the head of `session`, the
-    session that verifies (made with mtp=True)."""
-    on_cpu = not model.on_gpu   # verify steps short enough to run plain decoding's kernels (CPU_VERIFY_TOKENS)
-    if wants_mtp(config):
-        check_mtp(model)
-        if session is None:
-            raise ValueError("speculative draft 'mtp' drafts in the verifying session: pass session=")
-        return Speculator(config, MtpDraft(session), on_cpu=on_cpu)
-    if config.draft == "prompt_lookup":
-        return Speculator(config, PromptLookup(config.ngram), on_cpu=on_cpu)
-    draft_model = load_like(config.draft, model)
-    own = tokenizer if draft_model is model else Tokenizer(draft_model.path)
-    if same_vocabulary(tokenizer, own):
-        return Speculator(config, DraftModel(draft_model, make_session(draft_model, pool), pool), on_cpu=on_cpu)
-    # Its vocabulary may split the same text into more tokens: room for half as many again, as trained for.
-    C = _core.CHUNK_TOKENS
-    room = max(pool.n_ctx, min(-(-pool.n_ctx * 3 // 2 // C) * C, draft_model.hparams.n_ctx_train))
-    draft_pool = dataclasses.replace(pool, n_ctx=room)
-    drafter = DraftModel(draft_model, make_session(draft_model, draft_pool), draft_pool)
-    return Speculator(config, TextMappedDraft(drafter, own, tokenizer), on_cpu=on_cpu)
-
-
-def make_companion(model: _core.Model, tokenizer: Tokenizer, pool: PoolConfig,
-                   residency: ResidencyConfig) -> Optional[Companion]:
-    """The full-cache session of the drafter model that policy="drafter" scores from (None for the others)."""
-    if residency.policy != "drafter" or residency.drafter_model is None:
-        return None
-    return Companion(residency.drafter_model, tokenizer, n_ctx=pool.n_ctx,
-                     backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
 
 
 class Engine:
@@ -553,152 +432,3 @@ class Engine:
             "policy": self.policy.name,
             **(self.speculator.stats() if self.speculator else {}),
         }
-
-
-class Generation:
-    """One generate() call, an iterator of records: the first next() runs the prompt and picks the first
-    token; each later one feeds the last token and picks the next (a decode step), until an end-of-generation
-    token, a stop string, max_tokens or a full context; then a closing record with the stats.
-
-    A server steps many at once: while needs_decode_step(), its decode step is feeding `token` and reading the
-    argmax (or the logits, if wants_logits), which the caller may run for several sessions in one batched
-    forward (_core.BatchDecoder) and hand back with advance(...), in place of next().
-
-    With an engine that speculates, a decode step verifies drafts and yields several tokens: the records after it
-    come from the queue of kept tokens (with their logprobs, from the verify step's rows), without a step; such a
-    generation steps alone (needs_decode_step() is False)."""
-
-    def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams, owner: int,
-                 n_logprobs: Optional[int]) -> None:
-        self.engine, self.tokens, self.params, self.owner, self.n_logprobs = engine, tokens, params, owner, n_logprobs
-        self.sampler, self.stream = Sampler(params), TextStream(params.stop)
-        self.token: Optional[int] = None   # the last token picked (fed by the next decode step)
-        self.n_generated = 0               # token records given
-        self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
-        self._speculate = engine.speculator is not None
-        self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
-        # speculation: tokens verified, not yet given, with their logprobs (if asked)
-        self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
-
-    def __iter__(self) -> "Generation":
-        return self
-
-    def __next__(self) -> GenerationRecord:
-        if self._state == "closed":
-            raise StopIteration
-        e = self.engine
-        with e._turn(self.owner):
-            if self._state == "prompt":
-                self._state = "decoding"
-                token, logprobs = self._choose(e._prefill(self.tokens))
-                if self._speculate:
-                    e.speculator.follow(self.tokens)
-                return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
-            if self._state == "stopped" or self._at_limit():
-                return self._close("stop" if self._state == "stopped" else "length")
-            if self._speculate:
-                if not self._queue:
-                    self._queue = self._verify_drafts()
-                return self._emit(*self._queue.pop(0))
-            if not self.wants_logits:
-                return self._emit(e._decode_one_greedy(self.token), None)
-            return self._emit(*self._choose(e._decode_one(self.token)))
-
-    @property
-    def started(self) -> bool:
-        """The prompt has run (the first record was given)."""
-        return self._state != "prompt"
-
-    def needs_decode_step(self) -> bool:
-        """The next record needs a decode step: `token` fed to the session at its n_tokens (one the caller may
-        batch: never a speculative one)."""
-        return self._state == "decoding" and not self._at_limit() and not self._speculate
-
-    @property
-    def wants_logits(self) -> bool:
-        """Its decode step must read the logits back (sampling, logprobs); else the argmax is enough."""
-        return not (self.sampler.greedy and self.n_logprobs is None)
-
-    def advance(self, next_token: Optional[int] = None, logits: Optional[np.ndarray] = None) -> GenerationRecord:
-        """The next record, its decode step run by the caller: `token` was fed to the session, and next_token
-        is the argmax after it, or logits are the logits after it (needed when wants_logits)."""
-        e = self.engine
-        with e._turn(self.owner):
-            if not self.needs_decode_step():
-                raise RuntimeError("advance() without a pending decode step")
-            if logits is None and self.wants_logits:
-                raise ValueError("this generation samples or reports logprobs: advance() needs the logits")
-            e._after_decode()
-            if logits is not None:
-                return self._emit(*self._choose(logits))
-            return self._emit(int(next_token), None)
-
-    def close(self) -> None:
-        self._state = "closed"
-
-    def _at_limit(self) -> bool:
-        p = self.params
-        return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
-            (not self._queue and self.engine.session.n_tokens >= self.engine.pool.n_ctx)
-
-    def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
-        """One speculative step: `token` and the drafts after it through the session at once; the drafts the
-        model keeps and its own next token (each with its logprobs from its row, if asked), the rejected
-        positions truncated. Falls back to a plain step when the drafter has nothing to propose."""
-        e, s = self.engine, self.engine.session
-        p = self.params
-        left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
-        room = min(left, e.pool.n_ctx - s.n_tokens) - 1   # the pending token and the model's own take one each
-        if not s.full_cache:
-            # Plain decoding pages once per token; a verify step places all its tokens first. So that every
-            # kept token sees the pool it would have seen, a step ends before a chunk boundary (a new chunk
-            # may evict one) and, with a policy that reselects, where a reselect falls due (it then runs after
-            # the same token; lru never reselects).
-            C = _core.CHUNK_TOKENS
-            room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1)
-            if e.policy.reselects:
-                room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
-        drafts, q = e.speculator.propose(self._history, room, self.sampler)
-        if not drafts:
-            return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
-                [(e._decode_one_greedy(self.token), None)]
-        n0 = s.n_tokens
-        if s.has_recurrent_state:
-            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
-        rows = s.forward(np.asarray([self.token, *drafts], dtype=np.int32), n0, all_logits=True)
-        kept, own = accept(drafts, rows, q, self.sampler)
-        if len(kept) < len(drafts) and s.has_recurrent_state:
-            s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
-            # every row's logits: a step that computes them runs plain decoding's kernels (Session: one-token
-            # kernels), so the K/V and state it writes are the one-token steps' too
-            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0, all_logits=True)
-        elif len(kept) < len(drafts):
-            s.truncate(n0 + 1 + len(kept))
-        e.speculator.record(len(drafts), len(kept))
-        e._after_decode(1 + len(kept))
-        chosen = [*kept, own]   # token i was chosen from row i
-        if self.n_logprobs is None:
-            return [(t, None) for t in chosen]
-        return [(t, token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)]
-
-    def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
-        token = self.sampler(logits)
-        return token, (None if self.n_logprobs is None else token_logprobs(logits, token, self.n_logprobs))
-
-    def _emit(self, token: int, logprobs: Optional[TokenLogprobs]) -> GenerationRecord:
-        self.token = token
-        self._history.append(token)
-        if self.engine.tokenizer.is_eog(token):
-            return self._close("stop")
-        text = self.stream.push(self.engine.tokenizer.piece(token))
-        self.n_generated += 1
-        if self.stream.stopped:
-            self._state = "stopped"
-        return GenerationRecord(token, text, None, logprobs=logprobs)
-
-    def _close(self, finish: str) -> GenerationRecord:
-        e = self.engine
-        self._state = "closed"
-        if e.store_each_turn:   # before the closing record: a consumer may stop after it
-            e._store_prefix()
-        return GenerationRecord(None, self.stream.flush(), finish, e._stats())

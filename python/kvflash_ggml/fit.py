@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from .engine import make_session
+from .engine_parts import make_session
 from .options import PoolConfig
 from .tokens import forward_in_steps
 

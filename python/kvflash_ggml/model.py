@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _core
-from .engine import CLOSED, Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
+from .engine import CLOSED, Engine
+from .engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
 from .fit import fit_pool_tokens
 from .known_models import resolve_model_path
 from .mtp import wants_mtp

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Iterable, Optional
 
-from .engine import GenerationRecord
+from .generation import GenerationRecord
 from .sampling import TokenLogprobs
 from .tokenizer import Tokenizer
 

@@ -59,7 +59,6 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     rates, reselect_ms = [], []
     for _ in range(reps):   # like llama-bench -r: `reps` windows of n_gen tokens; the median of their rates
         token = int(engine.prefill(prompt).argmax())
-        before = engine.stats()
         t0 = time.perf_counter()
         for _ in range(n_gen):   # greedy, as generate() decodes at temperature 0
             token = engine.decode_one_greedy(token)

@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..engine import Engine, with_loaded_draft
+from ..engine import Engine
+from ..engine_parts import with_loaded_draft
 from ..mtp import wants_mtp
 from ..options import SpeculativeConfig
 from ..testing.prose import prose

@@ -11,7 +11,7 @@ import argparse
 from typing import Optional, Union
 
 from .. import _core
-from ..engine import POLICY_NAMES
+from ..engine_parts import POLICY_NAMES
 from ..options import (AUTO_POOL_TOKENS, KV_TYPES, PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig,
                        SamplingParams, SpeculativeConfig)
 from .gguf_facts import GgufFacts
@@ -72,7 +72,7 @@ def add_model_flags(ap: argparse.ArgumentParser, *, threads: Optional[int] = Non
                          "rpc: the servers alone")
     ap.add_argument("--rpc", type=parse_rpc, default=None, metavar="HOST:PORT[,...]",
                     help="split the layers across the first device of each ggml-rpc-server (and this host's GPU, "
-                         "as llama.cpp does). No authentication: trusted networks only (see README)")
+                         "as llama.cpp does). No authentication: trusted networks only (see docs/devices.md)")
     ap.add_argument("--devices", type=parse_devices, default=None, metavar="DEV[,...]",
                     help="the devices in layer order instead: cpu, cudaN, rpc:HOST:PORT")
     ap.add_argument("--tensor-split", *(["-ts"] if llama else []), type=parse_tensor_split, default=None,

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import _core
-from ..engine import Engine, draft_model_of, with_loaded_draft, with_loaded_drafter
+from ..engine import Engine
+from ..engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
 from ..server.scheduler import slot_engines
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import GenerationRecord
+from ..generation import GenerationRecord
 from ..options import SamplingParams
 from ..responses import Responses
 from ..snapshot import SnapshotError

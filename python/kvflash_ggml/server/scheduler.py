@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .. import _core
-from ..engine import Engine, Generation, GenerationRecord
+from ..engine import Engine
+from ..generation import Generation, GenerationRecord
 from ..options import SamplingParams
 from ..tokens import common_prefix
 

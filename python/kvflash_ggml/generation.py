@@ -1,0 +1,175 @@
+"""One generate() call as an iterator of GenerationRecords (Generation): the prompt, then a decode step per
+record, or a speculative verify step whose kept tokens the next records give; a server may run its decode step
+batched with other sessions' and hand the result back (advance). The Engine owns the session and the loop's
+state; a Generation only steps it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _core
+from .options import SamplingParams
+from .sampling import Sampler, TokenLogprobs, token_logprobs
+from .speculative import accept
+from .tokenizer import TextStream
+
+
+@dataclass
+class GenerationRecord:
+    token: Optional[int]          # None on the closing record
+    text: str                     # text this record makes visible ("" while bytes are incomplete)
+    finish_reason: Optional[str]  # None while generating; "stop" or "length" on the closing record
+    stats: Optional[dict] = None  # the closing record: stats() as the stream left them
+    logprobs: Optional[TokenLogprobs] = None   # generate(..., logprobs=N): the token's and the top N's
+
+
+class Generation:
+    """One generate() call, an iterator of records: the first next() runs the prompt and picks the first
+    token; each later one feeds the last token and picks the next (a decode step), until an end-of-generation
+    token, a stop string, max_tokens or a full context; then a closing record with the stats.
+
+    A server steps many at once: while needs_decode_step(), its decode step is feeding `token` and reading the
+    argmax (or the logits, if wants_logits), which the caller may run for several sessions in one batched
+    forward (_core.BatchDecoder) and hand back with advance(...), in place of next().
+
+    With an engine that speculates, a decode step verifies drafts and yields several tokens: the records after it
+    come from the queue of kept tokens (with their logprobs, from the verify step's rows), without a step; such a
+    generation steps alone (needs_decode_step() is False)."""
+
+    def __init__(self, engine, tokens: list[int], params: SamplingParams, owner: int,
+                 n_logprobs: Optional[int]) -> None:
+        # engine: the Engine that made this generation (untyped here: engine.py imports this module)
+        self.engine, self.tokens, self.params, self.owner, self.n_logprobs = engine, tokens, params, owner, n_logprobs
+        self.sampler, self.stream = Sampler(params), TextStream(params.stop)
+        self.token: Optional[int] = None   # the last token picked (fed by the next decode step)
+        self.n_generated = 0               # token records given
+        self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
+        self._speculate = engine.speculator is not None
+        self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
+        # speculation: tokens verified, not yet given, with their logprobs (if asked)
+        self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> GenerationRecord:
+        if self._state == "closed":
+            raise StopIteration
+        e = self.engine
+        with e._turn(self.owner):
+            if self._state == "prompt":
+                self._state = "decoding"
+                token, logprobs = self._choose(e._prefill(self.tokens))
+                if self._speculate:
+                    e.speculator.follow(self.tokens)
+                return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
+            if self._state == "stopped" or self._at_limit():
+                return self._close("stop" if self._state == "stopped" else "length")
+            if self._speculate:
+                if not self._queue:
+                    self._queue = self._verify_drafts()
+                return self._emit(*self._queue.pop(0))
+            if not self.wants_logits:
+                return self._emit(e._decode_one_greedy(self.token), None)
+            return self._emit(*self._choose(e._decode_one(self.token)))
+
+    @property
+    def started(self) -> bool:
+        """The prompt has run (the first record was given)."""
+        return self._state != "prompt"
+
+    def needs_decode_step(self) -> bool:
+        """The next record needs a decode step: `token` fed to the session at its n_tokens (one the caller may
+        batch: never a speculative one)."""
+        return self._state == "decoding" and not self._at_limit() and not self._speculate
+
+    @property
+    def wants_logits(self) -> bool:
+        """Its decode step must read the logits back (sampling, logprobs); else the argmax is enough."""
+        return not (self.sampler.greedy and self.n_logprobs is None)
+
+    def advance(self, next_token: Optional[int] = None, logits: Optional[np.ndarray] = None) -> GenerationRecord:
+        """The next record, its decode step run by the caller: `token` was fed to the session, and next_token
+        is the argmax after it, or logits are the logits after it (needed when wants_logits)."""
+        e = self.engine
+        with e._turn(self.owner):
+            if not self.needs_decode_step():
+                raise RuntimeError("advance() without a pending decode step")
+            if logits is None and self.wants_logits:
+                raise ValueError("this generation samples or reports logprobs: advance() needs the logits")
+            e._after_decode()
+            if logits is not None:
+                return self._emit(*self._choose(logits))
+            return self._emit(int(next_token), None)
+
+    def close(self) -> None:
+        self._state = "closed"
+
+    def _at_limit(self) -> bool:
+        p = self.params
+        return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
+            (not self._queue and self.engine.session.n_tokens >= self.engine.pool.n_ctx)
+
+    def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
+        """One speculative step: `token` and the drafts after it through the session at once; the drafts the
+        model keeps and its own next token (each with its logprobs from its row, if asked), the rejected
+        positions truncated. Falls back to a plain step when the drafter has nothing to propose."""
+        e, s = self.engine, self.engine.session
+        p = self.params
+        left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
+        room = min(left, e.pool.n_ctx - s.n_tokens) - 1   # the pending token and the model's own take one each
+        if not s.full_cache:
+            # Plain decoding pages once per token; a verify step places all its tokens first. So that every
+            # kept token sees the pool it would have seen, a step ends before a chunk boundary (a new chunk
+            # may evict one) and, with a policy that reselects, where a reselect falls due (it then runs after
+            # the same token; lru never reselects).
+            C = _core.CHUNK_TOKENS
+            room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1)
+            if e.policy.reselects:
+                room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
+        drafts, q = e.speculator.propose(self._history, room, self.sampler)
+        if not drafts:
+            return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
+                [(e._decode_one_greedy(self.token), None)]
+        n0 = s.n_tokens
+        if s.has_recurrent_state:
+            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
+        rows = s.forward(np.asarray([self.token, *drafts], dtype=np.int32), n0, all_logits=True)
+        kept, own = accept(drafts, rows, q, self.sampler)
+        if len(kept) < len(drafts) and s.has_recurrent_state:
+            s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
+            # every row's logits: a step that computes them runs plain decoding's kernels (Session: one-token
+            # kernels), so the K/V and state it writes are the one-token steps' too
+            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0, all_logits=True)
+        elif len(kept) < len(drafts):
+            s.truncate(n0 + 1 + len(kept))
+        e.speculator.record(len(drafts), len(kept))
+        e._after_decode(1 + len(kept))
+        chosen = [*kept, own]   # token i was chosen from row i
+        if self.n_logprobs is None:
+            return [(t, None) for t in chosen]
+        return [(t, token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)]
+
+    def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
+        token = self.sampler(logits)
+        return token, (None if self.n_logprobs is None else token_logprobs(logits, token, self.n_logprobs))
+
+    def _emit(self, token: int, logprobs: Optional[TokenLogprobs]) -> GenerationRecord:
+        self.token = token
+        self._history.append(token)
+        if self.engine.tokenizer.is_eog(token):
+            return self._close("stop")
+        text = self.stream.push(self.engine.tokenizer.piece(token))
+        self.n_generated += 1
+        if self.stream.stopped:
+            self._state = "stopped"
+        return GenerationRecord(token, text, None, logprobs=logprobs)
+
+    def _close(self, finish: str) -> GenerationRecord:
+        e = self.engine
+        self._state = "closed"
+        if e.store_each_turn:   # before the closing record: a consumer may stop after it
+            e._store_prefix()
+        return GenerationRecord(None, self.stream.flush(), finish, e._stats())
