@@ -347,7 +347,7 @@ def test_the_header_read_agrees_with_libllama(tiny, long_trained, smollm2_path, 
     with pytest.raises(ValueError, match="junk.gguf: not a readable GGUF header"):
         read_gguf_facts(str(junk))
     junk.write_bytes(b"ggml" + b"\x00" * 40)
-    with pytest.raises(ValueError, match="not a GGUF file of version 2 or 3"):
+    with pytest.raises(ValueError, match="junk.gguf: not a readable GGUF header .*not .GGUF."):
         read_gguf_facts(str(junk))
 
 

@@ -1,6 +1,7 @@
 #include "bindings/bindings.h"
 
 #include "model/backends.h"
+#include "model/gguf_meta.h"
 #include "model/quant_matmul.h"
 #include "model/model.h"
 #include "model/rpc.h"
@@ -216,6 +217,19 @@ void register_model(py::module_ & m, py::module_ & testing) {
         }
         return out;
     }, "GPU devices of the compiled-in ggml backends: [{name, description, memory_free, memory_total}]");
+    m.def("gguf_header", [](const std::string & path) {
+        // What the CLI's flags need before weights or vocabulary load (--n-ctx 0, -ngl N): the same checked reads
+        // as a Model's, without libllama's vocabulary (2.6 s for Gemma 3's 262K tokens).
+        const std::unique_ptr<GgufFile> f = open_gguf(path, false);
+        std::string arch;
+        if (!meta_str(f->gguf, "general.architecture", arch)) throw std::runtime_error("GGUF has no general.architecture key");
+        py::dict out;
+        out["architecture"] = arch;
+        out["context_length"] = meta_require_int(f->gguf, arch + ".context_length", 1, INT32_MAX);
+        out["block_count"] = meta_require_int(f->gguf, arch + ".block_count", 1, INT32_MAX);
+        return out;
+    }, py::arg("path"), "{architecture, context_length, block_count} from a GGUF's metadata (RuntimeError naming "
+       "the reason for a file that is not a valid GGUF or lacks them)");
     m.def("device_bytes_taken", [] {
         py::dict out;
         for (const kvf::DeviceTaken & d : kvf::device_bytes_taken()) out[py::str(d.name)] = d.bytes;
