@@ -12,6 +12,7 @@ Tokenizer(chat_special=True) parses them everywhere, as llama-server does.
 from __future__ import annotations
 
 import codecs
+import functools
 import re
 from datetime import datetime
 from typing import Callable, Iterable, Mapping, Optional, Sequence
@@ -239,17 +240,26 @@ def check_messages(messages: object) -> list[Mapping[str, str]]:
     return list(messages)
 
 
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> jinja2.Template:
+    """A template compiled once: a chat is rendered twice (apply_chat_template's content_spans) and every
+    request renders the same template."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
 def render_chat_template(source: str, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
                          bos_token: str, eos_token: str, now: Optional[datetime] = None) -> str:
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: (now or datetime.now()).strftime(fmt)
     try:
-        return env.from_string(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                              bos_token=bos_token, eos_token=eos_token)
+        # strftime_now as a render variable (it shadows nothing else), so one compiled template serves every clock
+        return _compiled(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                        bos_token=bos_token, eos_token=eos_token,
+                                        strftime_now=lambda fmt: (now or datetime.now()).strftime(fmt))
     except jinja2.TemplateError as e:   # raise_exception() in a template, or a template that does not parse
         raise ValueError(f"chat template: {e}") from None
 
