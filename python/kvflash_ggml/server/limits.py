@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ..tokenizer import LoneSurrogateError, utf8
+
 JSON_BYTES_PER_TEXT_BYTE = 6      # the longest JSON spelling of one byte of text: "\u0001"
 JSON_BYTES_PER_MESSAGE = 256      # a message's JSON besides its content: role, name, a tool call id, ...
 BODY_SLACK_BYTES = 1 << 20        # the other fields (sampling, stop strings, tools, ...)
@@ -41,13 +43,12 @@ class Refused(ValueError):
 
 def text_bytes(text: str, where: str) -> int:
     """UTF-8 bytes of a request's text; a lone surrogate (a JSON escape \\ud800-\\udfff that is not half of a
-    pair) is no Unicode text and no tokenizer takes it: 400 naming the field and the index."""
+    pair) is no Unicode text and no tokenizer takes it: 400 naming the field and the index (the tokenizer's
+    own check and message)."""
     try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise Refused(400, f"{where} has a lone surrogate (U+{ord(text[e.start]):04X}) at index {e.start}: not "
-                           f"Unicode text (a \\ud800-\\udfff escape must be half of a surrogate pair)",
-                      code="invalid_text", param=where) from None
+        return len(utf8(text, where))
+    except LoneSurrogateError as e:
+        raise Refused(400, str(e), code="invalid_text", param=where) from None
 
 
 @dataclass(frozen=True)
