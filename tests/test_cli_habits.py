@@ -374,13 +374,18 @@ def test_chat_special_and_beyond_the_trained_context_have_flags(tiny, capsys, mo
             e.close()
 
 
-def test_the_default_pool_of_a_split_model_is_the_cpus_rule(long_trained, monkeypatch):
+def test_the_default_pool_of_a_split_model_is_the_cpus_rule(long_trained, rpc_binary, capsys):
     # item 10: with 'auto' the default, `kvflash generate --rpc HOST:PORT` (docs/devices.md) met Model's refusal of
     # 'auto' on a split ('auto' measures one local GPU); across devices the default is the CPU's rule,
-    # min(n_ctx, 4096)
-    made = []
-    monkeypatch.setattr(generate, "Model", lambda *a, **k: made.append(k) or (_ for _ in ()).throw(ValueError("x")))
-    assert generate.main(["-m", long_trained, "--rpc", "127.0.0.1:1", "-p", "x"]) == 2
-    assert made[-1]["pool_tokens"] == 4096 and made[-1]["n_ctx"] == 8192
-    assert generate.main(["-m", long_trained, "--rpc", "127.0.0.1:1", "-p", "x", "--kvflash", "1024"]) == 2
-    assert made[-1]["pool_tokens"] == 1024
+    # min(n_ctx, 4096), resolved where every 'auto' is (fit.py: the API, generate and serve alike)
+    from kvflash_ggml.rpc import start_rpc_server
+    proc, endpoint = start_rpc_server(rpc_binary, threads=1)
+    try:
+        for extra, pool in (([], 4096), (["--kvflash", "1024"], 1024)):
+            argv = ["-m", long_trained, "--rpc", endpoint, "-t", "1", "-n", "1", "-p", "x", "--json", *extra]
+            assert generate.main(argv) == 0
+            stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+            assert stats["pool_tokens"] == pool and stats["n_ctx"] == 8192
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

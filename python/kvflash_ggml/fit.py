@@ -10,7 +10,7 @@ costs, measured the same way); its weights are loaded before the fit, so the fre
 Drafting with the model's own multi-token-prediction head (mtp) puts one more layer in every pool: the probes
 run the head too.
 On the CPU backend the pool is the engine's own 'auto' (min(n_ctx, 4096)): host RAM is not the limit a pool
-is for."""
+is for; so is it for a model split across devices (a Model's and the server's alike), which no fit here measures."""
 from __future__ import annotations
 
 import dataclasses
@@ -123,6 +123,10 @@ def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int, *,
     of draft_model beside it if one is given (loaded already, so the free memory excludes its weights); mtp: the
     sessions run the model's multi-token-prediction head (loaded already)."""
     auto = pool.resolved_pool_tokens()
+    if len(model.devices) > 1 or model.on_rpc:
+        # the probes and the free memory below are one local GPU's; a split's devices are not fitted (yet)
+        return Fit(auto, f"a model split across devices: min(n_ctx, {auto}) tokens, as on the CPU (the fit "
+                         f"measures one local GPU; give a number to fit the split's devices)")
     devices = _core.gpu_devices()
     if not model.on_gpu or not devices:
         return Fit(auto, f"CPU backend: the engine's auto pool, min(n_ctx, {auto}) tokens")

@@ -21,7 +21,7 @@ from .mtp import wants_mtp
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
-from .threads import cpu_threads  # noqa: F401  (also the CLI's, for --threads)
+from .threads import cpu_threads
 from .tokenizer import Tokenizer, check_messages
 from .tokens import text_if_bytes
 
@@ -81,19 +81,12 @@ class Model:
         # memory). Each endpoint is checked first (ValueError: spelling, ConnectionError: no answer within 5 s).
         if isinstance(rpc, str):
             rpc = [e.strip() for e in rpc.split(",") if e.strip()]
-        split = bool(rpc or devices or backend == "rpc")
         self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
                                        mtp=wants_mtp(self.speculative), rpc=list(rpc or []),
                                        devices=list(devices or []), tensor_split=list(tensor_split or []))
         check_train_ctx(self._core_model, self.pool)
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
-        if pool_tokens == "auto" and split:
-            # fit.py measures one local GPU's free memory, not a split's devices: the CPU's rule here (the default
-            # is 'auto', so a split model must load without a number; the CLI resolves it the same way)
-            self.pool = dataclasses.replace(self.pool, pool_tokens=self.pool.resolved_pool_tokens())
-            log.info("pool_tokens='auto' on a split model: %d (min(n_ctx, 4096); give a number to fit its devices)",
-                     self.pool.pool_tokens)
-        elif pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds
+        if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds (fit.py)
             fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
                                   mtp=wants_mtp(self.speculative))
             log.info("pool_tokens='auto': %s", fit.reason)

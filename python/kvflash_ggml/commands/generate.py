@@ -12,7 +12,6 @@ from typing import Optional, Sequence
 
 from ..known_models import resolve_model_path
 from ..model import Model
-from ..options import PoolConfig
 from . import INTERRUPTED
 from .flags import (add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags,
                     add_speculative_flags, model_keywords, resolve_model_flags, sampling_params)
@@ -132,9 +131,6 @@ def load(args: argparse.Namespace, template: Optional[str]) -> Model:
     """The model with the flags resolved against its GGUF (--n-ctx 0, -ngl N)."""
     path = resolve_model_path(args.model)
     resolve_model_flags(args, read_gguf_facts(path))
-    if args.kvflash == "auto" and (args.rpc or args.devices or args.backend == "rpc"):
-        # 'auto' measures one local GPU's free memory (fit.py); across devices it is the CPU's rule
-        args.kvflash = PoolConfig(n_ctx=args.n_ctx, pool_tokens="auto").resolved_pool_tokens()
     return Model(path, chat_template=template, chat_special=args.parse_special_content, **model_keywords(args))
 
 

@@ -15,7 +15,7 @@ from ..engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafte
 from ..server.scheduler import slot_engines
 from ..fit import fit_pool_tokens
 from ..known_models import resolve_model_path
-from ..model import cpu_threads
+from ..threads import cpu_threads
 from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
