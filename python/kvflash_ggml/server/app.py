@@ -85,16 +85,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvflash serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.kvflash = state
-    metrics = Metrics(state.scheduler)
-    scheduler = state.scheduler
-    engine = scheduler.slots[0].engine   # for what every slot shares: tokenizer, pool, prompt rendering
-    tokenizer, n_ctx, pool_tokens = engine.tokenizer, engine.pool.n_ctx, engine.pool.resolved_pool_tokens()
-    limits = RequestLimits.of(tokenizer, n_ctx)
+    shared = Shared.of(state)
     # the outermost middleware is the last added: the key and the count see every request, 413s included
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, refuse=_body_too_large)
-    app.add_middleware(AuthAndCount, api_key=state.api_key, metrics=metrics)
-    created = int(time.time())
-    _log_storage(state, engine, limits)
+    app.add_middleware(BodyLimit, max_bytes=shared.limits.max_body_bytes, refuse=_body_too_large)
+    app.add_middleware(AuthAndCount, api_key=state.api_key, metrics=shared.metrics)
+    _log_storage(state, shared.engine, shared.limits)
+    metrics = shared.metrics
 
     def on_finish(slot, job, record, error) -> None:   # the scheduler thread
         if record is not None:
@@ -102,9 +98,38 @@ def create_app(state: ServerState) -> FastAPI:
             metrics.reused_tokens.inc((record.stats or {}).get("prompt_tokens_reused", 0))
         if error is not None and job.cancelled:
             metrics.cancelled.inc()
-    scheduler.on_finish = on_finish
+    state.scheduler.on_finish = on_finish
+    _add_error_handlers(app)
+    _add_small_endpoints(app, shared)
+    _add_slot_endpoints(app, shared)
+    _add_generation_endpoints(app, shared)
+    return app
 
-    # -- errors and auth --------------------------------------------------------------------------
+
+@dataclass
+class Shared:
+    """What every endpoint reads: the state, what every slot shares (tokenizer, pool, prompt rendering: slot 0's
+    engine), the request limits and the metrics."""
+    state: ServerState
+    scheduler: Scheduler
+    engine: object
+    tokenizer: object
+    n_ctx: int
+    pool_tokens: int
+    limits: RequestLimits
+    metrics: Metrics
+    created: int
+
+    @classmethod
+    def of(cls, state: ServerState) -> "Shared":
+        engine = state.scheduler.slots[0].engine
+        return cls(state=state, scheduler=state.scheduler, engine=engine, tokenizer=engine.tokenizer,
+                   n_ctx=engine.pool.n_ctx, pool_tokens=engine.pool.resolved_pool_tokens(),
+                   limits=RequestLimits.of(engine.tokenizer, engine.pool.n_ctx), metrics=Metrics(state.scheduler),
+                   created=int(time.time()))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return e.response()
@@ -125,7 +150,11 @@ def create_app(state: ServerState) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return APIError(e.status_code, str(e.detail), code=code).response()
 
-    # -- small endpoints ----------------------------------------------------------------------------
+
+def _add_small_endpoints(app: FastAPI, s: Shared) -> None:
+    state, scheduler, tokenizer, limits, metrics = s.state, s.scheduler, s.tokenizer, s.limits, s.metrics
+    n_ctx, pool_tokens, created = s.n_ctx, s.pool_tokens, s.created
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -154,7 +183,10 @@ def create_app(state: ServerState) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from None
 
-    # -- slots --------------------------------------------------------------------------------------
+
+def _add_slot_endpoints(app: FastAPI, s: Shared) -> None:
+    state, scheduler, n_ctx, pool_tokens = s.state, s.scheduler, s.n_ctx, s.pool_tokens
+
     @app.get("/slots")
     async def slots() -> list:
         return [{"id": s.id, "n_ctx": n_ctx, "pool_tokens": pool_tokens, "is_processing": s.busy,
@@ -195,7 +227,11 @@ def create_app(state: ServerState) -> FastAPI:
         except OSError as e:
             raise APIError(500, f"{failed}: {e}", type="server_error", code=unwritable) from None
 
-    # -- generation ---------------------------------------------------------------------------------
+
+def _add_generation_endpoints(app: FastAPI, s: Shared) -> None:
+    state, limits = s.state, s.limits
+    g = _Generations(s)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         _check_model(state, body.model)
@@ -209,8 +245,8 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             limits.check_token_ids(prompt)
         params = _params(body, COMPLETION_MAX_TOKENS)
-        return await _generate(http, body, await _prompt_tokens(prompt), chat=False, logprobs=body.logprobs,
-                               params=params)
+        return await g.generate(http, body, await g.prompt_tokens(prompt), chat=False, logprobs=body.logprobs,
+                                params=params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
@@ -223,32 +259,40 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         limits.check_messages(body.messages)
         params = _params(body, None)
-        return await _generate(http, body, await _prompt_tokens(body.message_dicts(), param="messages"), chat=True,
-                               logprobs=body.n_logprobs(), params=params)
+        return await g.generate(http, body, await g.prompt_tokens(body.message_dicts(), param="messages"),
+                                chat=True, logprobs=body.n_logprobs(), params=params)
 
-    async def _prompt_tokens(prompt, param: str = "prompt") -> list[int]:
+
+class _Generations:
+    """A generation request from its prompt to its response or stream, and its log line."""
+
+    def __init__(self, s: Shared) -> None:
+        self.s = s
+
+    async def prompt_tokens(self, prompt, param: str = "prompt") -> list[int]:
         """Text, token ids or chat messages as the engines take them (Engine.prompt_tokens reads no session),
         off the event loop: rendering a chat and tokenizing take time that /health must not wait for."""
         try:
-            return await off_loop(engine.prompt_tokens, prompt)
+            return await off_loop(self.s.engine.prompt_tokens, prompt)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
 
-    async def _generate(http: Request, body, tokens: list[int], *, chat: bool, logprobs: Optional[int],
-                        params: SamplingParams):
+    async def generate(self, http: Request, body, tokens: list[int], *, chat: bool, logprobs: Optional[int],
+                       params: SamplingParams):
         if not tokens:
             raise APIError(400, "the prompt is empty", param="prompt")
-        if len(tokens) > n_ctx:
-            raise APIError(413, f"the prompt has {len(tokens)} tokens, more than the context of {n_ctx}",
+        if len(tokens) > self.s.n_ctx:
+            raise APIError(413, f"the prompt has {len(tokens)} tokens, more than the context of {self.s.n_ctx}",
                            code="context_length_exceeded", param="prompt")
         job = Job(tokens, params, asyncio.get_running_loop(), logprobs=logprobs)
         try:
-            scheduler.submit(job)
+            self.s.scheduler.submit(job)
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        shape = Responses(chat=chat, model=state.model_name, n_prompt=len(tokens), tokenizer=tokenizer)
-        http.state.logs_itself = True   # the middleware leaves this request's log line to _log_generation
+        shape = Responses(chat=chat, model=self.s.state.model_name, n_prompt=len(tokens),
+                          tokenizer=self.s.tokenizer)
+        http.state.logs_itself = True   # the middleware leaves this request's log line to log_generation
         streaming, outcome = False, "cancelled"   # what the log line says if we leave before the end
         try:
             chunks: list[dict] = []
@@ -264,17 +308,17 @@ def create_app(state: ServerState) -> FastAPI:
                     shutdown = anyio.Event()   # set by sse_starlette when uvicorn begins to shut down
                     told = dict(shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS) \
                         if COOPERATIVE_SHUTDOWN else {}
-                    return EventSourceResponse(_events(job, shape, item, include_usage=body.include_usage,
+                    return EventSourceResponse(self.events(job, shape, item, include_usage=body.include_usage,
                                                        shutdown=shutdown), ping=15, **told)
                 chunks.append(shape.chunk(item))
             outcome = "done"
             return shape.collect(chunks)
         finally:
             if not streaming:
-                scheduler.cancel(job)   # no-op once finished
-                _log_generation(job, shape, outcome)
+                self.s.scheduler.cancel(job)   # no-op once finished
+                self.log_generation(job, shape, outcome)
 
-    async def _events(job: Job, shape: Responses, first: GenerationRecord, *, include_usage: bool,
+    async def events(self, job: Job, shape: Responses, first: GenerationRecord, *, include_usage: bool,
                       shutdown: anyio.Event) -> AsyncIterator[dict]:
         """The stream's events. A server that shuts down (SIGTERM) ends it with an error event, so the client
         reads a whole response that says why it stopped rather than a connection cut mid-stream."""
@@ -305,23 +349,21 @@ def create_app(state: ServerState) -> FastAPI:
             yield {"data": "[DONE]"}
             outcome = "done"
         finally:
-            scheduler.cancel(job)   # a client that left: the slot stops at its next step (no-op once finished)
-            _log_generation(job, shape, outcome)
+            self.s.scheduler.cancel(job)   # a client that left: its slot stops at its next step (no-op once done)
+            self.log_generation(job, shape, outcome)
 
-    def _log_generation(job: Job, shape: Responses, outcome: str) -> None:
+    def log_generation(self, job: Job, shape: Responses, outcome: str) -> None:
         """One line per generation request, however it ended (done, cancelled: the client left, failed)."""
-        metrics.generated_tokens.inc(shape.n_generated)
+        self.s.metrics.generated_tokens.inc(shape.n_generated)
         if job.t_start is not None:
-            metrics.queue_seconds.observe(job.t_start - job.t_submit)
+            self.s.metrics.queue_seconds.observe(job.t_start - job.t_submit)
         if job.t_first is not None and job.t_start is not None:
-            metrics.first_token_seconds.observe(job.t_first - job.t_start)
+            self.s.metrics.first_token_seconds.observe(job.t_first - job.t_start)
         kv = (shape.usage or {}).get("kvflash") or {}
         log_request(id=shape.id, outcome=outcome, slot=job.slot_id, prompt_tokens=len(job.tokens),
                     reused_tokens=kv.get("prompt_tokens_reused"), completion_tokens=shape.n_generated,
                     queue_ms=_ms(job.t_submit, job.t_start), prompt_ms=_ms(job.t_start, job.t_first),
                     total_ms=_ms(job.t_submit, time.perf_counter()), page_ins=kv.get("page_ins"))
-
-    return app
 
 
 async def _json_body(http: Request):
