@@ -158,6 +158,39 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     w.add_rope_freq_base(rope_freq_base)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_vocab_size(n_vocab)
+    _add_family_keys(w, arch, n_layer=n_layer, n_nextn=n_nextn, head_dim=head_dim, swa_layers=swa_layers,
+                     rope_scaling_factor=rope_scaling_factor, rope_scaling_type=rope_scaling_type,
+                     rope_orig_ctx=rope_orig_ctx, n_swa=n_swa, swa_pattern=swa_pattern,
+                     rope_freq_base_swa=rope_freq_base_swa, logit_softcap=logit_softcap, n_expert=n_expert,
+                     n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
+                     expert_weights_scale=expert_weights_scale, n_layer_dense_lead=n_layer_dense_lead,
+                     n_rot_swa=n_rot_swa, head_dim_swa=head_dim_swa, n_embd_per_layer=n_embd_per_layer,
+                     n_shared_kv=n_shared_kv, ssm_d_conv=ssm_d_conv, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group,
+                     ssm_dt_rank=ssm_dt_rank, full_attention_interval=full_attention_interval,
+                     rope_sections=rope_sections)
+
+    _add_tokenizer(w, tok)
+    for s in specs:
+        # numpy order (reversed ne); a non-uint8 dtype tells gguf-py the shape is in elements, not bytes
+        w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    _write_tensor_data(w, specs, RandomValues(seed, weight_std))
+    w.close()
+    return path
+
+
+def _add_family_keys(w: gguf.GGUFWriter, arch: str, *, n_layer: int, n_nextn: int, head_dim: int,
+                     swa_layers: list[bool], rope_scaling_factor: float | None, rope_scaling_type: str,
+                     rope_orig_ctx: int | None, n_swa: int, swa_pattern: int | Sequence[bool] | None,
+                     rope_freq_base_swa: float | None, logit_softcap: float | None, n_expert: int,
+                     n_expert_used: int, n_ff_exp: int, n_ff_shexp: int, expert_weights_scale: float | None,
+                     n_layer_dense_lead: int, n_rot_swa: int | None, head_dim_swa: int, n_embd_per_layer: int,
+                     n_shared_kv: int, ssm_d_conv: int, ssm_d_state: int, ssm_n_group: int, ssm_dt_rank: int,
+                     full_attention_interval: int, rope_sections: Sequence[int]) -> None:
+    """The keys beyond every family's own: RoPE scaling, sliding windows, soft-capping, experts, and what the
+    converter writes for laguna, gemma4 and the hybrids (their recurrent and nextn layers)."""
     if rope_scaling_factor:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN if rope_scaling_type == "yarn" else gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scaling_factor)
@@ -198,18 +231,6 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
         w.add_nextn_predict_layers(n_nextn)
         w.add_array(f"{arch}.attention.recurrent_layers",
                     [(il + 1) % full_attention_interval != 0 for il in range(n_layer)] + [False] * n_nextn)
-
-    _add_tokenizer(w, tok)
-    for s in specs:
-        # numpy order (reversed ne); a non-uint8 dtype tells gguf-py the shape is in elements, not bytes
-        w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    _write_tensor_data(w, specs, RandomValues(seed, weight_std))
-    w.close()
-    return path
-
 
 
 def _add_moe_keys(w: gguf.GGUFWriter, n_expert: int, n_expert_used: int, n_ff_exp: int, n_ff_shexp: int) -> None:
