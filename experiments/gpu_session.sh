@@ -27,6 +27,11 @@
 #     split        issue 24: the layer split of one GPU + a ggml-rpc-server on this host's CPU (-d CPU): kvflash bench
 #                  decode on the 8B shape with --rpc and --tensor-split SPLIT_TS (default 1,1), beside llama-bench with
 #                  the same --rpc and -ts (SPLIT_DEPTHS, default 0,4096; SPLIT_REPS, N_GEN)
+#     mg-logits    issue 40: the model split over this host's GPUs (MG_DEVICES, default all; MG_TS, default equal
+#                  shares): its prompt logits against libllama on the GPUs and on the CPU (MG_NO_CPU=1: not the CPU)
+#     mg-decode    kvflash bench decode of the split beside llama-bench with the same -dev / -sm layer / -ts
+#                  (MG_DEPTHS, default 0,4096,131072; MG_FULL_UP_TO, default 4096; MG_REPS, default 3; PREFILL)
+#     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -107,6 +112,26 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
             --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} \
             --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+    mg-logits|mg-decode|mg-prefill)
+        need_model
+        devs=${MG_DEVICES:-$(python3 -c 'from kvflash_ggml import _core; print(",".join(f"cuda{i}" for i in range(len(_core.gpu_devices()))))')}
+        ts=${MG_TS:-$(echo "$devs" | sed 's/[^,]*/1/g')}
+        nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee -a "$OUT/session.log"
+        log "split over $devs, shares $ts, model $MODEL ($(du -h "$MODEL" | cut -f1))"
+        case $phase in
+        mg-logits)
+            python3 experiments/split_logits.py --model "$MODEL" --devices "$devs" --tensor-split "$ts" \
+                ${MG_NO_CPU:+--no-cpu} 2>&1 | tee -a "$OUT/mg.log" ;;
+        mg-decode)
+            python3 -m kvflash_ggml bench decode --model "$MODEL" --devices "$devs" --tensor-split "$ts" \
+                --depths "${MG_DEPTHS:-0,4096,131072}" --full-up-to "${MG_FULL_UP_TO:-4096}" --kvflash "$POOL" \
+                --n-gen "$N_GEN" --reps "${MG_REPS:-3}" ${PREFILL:+--prefill "$PREFILL"} \
+                --json "$OUT/mg-decode-$(basename "$MODEL" .gguf).json" --plot "" 2>&1 | tee -a "$OUT/mg.log" ;;
+        mg-prefill)
+            python3 -m kvflash_ggml bench prefill --model "$MODEL" --devices "$devs" --tensor-split "$ts" \
+                --lengths "${MG_PREFILL_LENGTHS:-32768}" --modes exact --kvflash "$POOL" --reps "${PREFILL_REPS:-1}" \
+                --json "$OUT/mg-prefill-$(basename "$MODEL" .gguf).json" 2>&1 | tee -a "$OUT/mg.log" ;;
+        esac ;;
     split)
         need_model
         server=$(python3 -c 'from kvflash_ggml.rpc import find_rpc_server; print(find_rpc_server() or "")')

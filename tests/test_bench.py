@@ -144,3 +144,22 @@ def test_build_llama_bench_says_what_a_wrong_library_folder_lacks(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and f"KVFLASH_LIB_DIR={tmp_path} does not hold libkvflash-ggml.so" in proc.stderr
     assert not (tmp_path / "lb" / "CMakeCache.txt").exists()
+
+
+def test_llama_bench_gets_the_same_split_as_ours():
+    # Issue 40 item 1: a split over this host's GPUs (or RPC devices named in --devices) is compared with llama-bench
+    # running the same devices in the same order with the same shares; a device llama-bench cannot name is refused.
+    from argparse import Namespace
+    from kvflash_ggml.bench.reference import holds_rpc, llama_bench_split
+
+    two_gpus = Namespace(devices=["cuda0", "cuda1"], rpc=None, tensor_split=[1.0, 1.0])
+    assert llama_bench_split(two_gpus) == ["-dev", "CUDA0/CUDA1", "-sm", "layer", "-ts", "1/1"]
+    assert not holds_rpc(two_gpus)
+    mixed = Namespace(devices=["rpc:10.0.0.2:50052", "CUDA1"], rpc=None, tensor_split=[3.0, 1.0])
+    assert llama_bench_split(mixed) == ["--rpc", "10.0.0.2:50052", "-dev", "RPC[10.0.0.2:50052]/CUDA1", "-sm",
+                                        "layer", "-ts", "3/1"]
+    assert holds_rpc(mixed)
+    assert llama_bench_split(Namespace(devices=None, rpc=["h:1"], tensor_split=[1.0, 2.0])) == \
+        ["--rpc", "h:1", "-ts", "1/2"]
+    with pytest.raises(ValueError, match="cpu"):
+        llama_bench_split(Namespace(devices=["cpu", "cuda0"], rpc=None, tensor_split=None))

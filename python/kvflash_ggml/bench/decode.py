@@ -26,7 +26,7 @@ from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flag
 from ..engine import Engine
 from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
-from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
+from .reference import (add_reference_flags, gpu_free_by_device, holds_rpc, int_list, llama_bench_results, llama_bench_split,
                         median_ts, open_model, progress, reference_binary)
 
 WARMUP = 2   # untimed decode steps: the first builds the decode graph (and on CUDA captures its graph)
@@ -42,7 +42,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     lines call this measurement ("" = none)."""
     C = _core.CHUNK_TOKENS
     pool = dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
-    free0 = gpu_free_bytes() if model.on_gpu else None
+    free0 = gpu_free_by_device() if model.on_gpu else None
     engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, model.hparams.n_vocab - 100, depth + 1, dtype=np.int32).tolist()
@@ -78,8 +78,10 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
            "flash_attn": engine.session.flash_attn, "reselect_ms": float(np.median(reselect_ms)),
            "reselect_every": cadence, "page_ins": after["page_ins"], "page_outs": after["page_outs"],
            "reselect_share": float(np.median(reselect_ms)) / (cadence * 1e3 / tok_s)}
-    if free0 is not None:
-        out["device_bytes_taken"] = free0 - gpu_free_bytes()   # pool + compute buffers, measured by the driver
+    if free0 is not None:   # pool + compute buffers, measured by the driver, per GPU (a split takes some on each)
+        free1 = gpu_free_by_device()
+        out["device_bytes_taken_by_gpu"] = {name: free0[name] - free1[name] for name in free0}
+        out["device_bytes_taken"] = sum(out["device_bytes_taken_by_gpu"].values())
     return out
 
 
@@ -122,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # An rpc-server serves one client at a time: with RPC devices, llama-bench runs before our model holds them
     # (every layer on the split's devices: -ngl 99, flash attention on, as on a GPU).
     ref = run_llama_bench(binary, resolve_model_path(args.model), depths, args.n_gen, args.threads, True, args.reps,
-                          split) if binary and args.rpc else None
+                          split) if binary and holds_rpc(args) else None
     path, model, tokenizer = open_model(args, "kvflash bench decode")
 
     # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
@@ -153,7 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "reps": args.reps,
               "threads": args.threads, "n_gen": args.n_gen,
               "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
+              "split": [{"name": d["name"], "layers": len(d["layers"]), "weight_bytes": d["weight_bytes"]}
+                        for d in model.devices], "llama_bench_split": split}
     print_table(report)
     write_outputs(report, args.json, args.plot)
     return 0
@@ -181,6 +185,14 @@ def print_table(report: dict) -> None:
               f"{fmt(r.get('llama_fa1')):>10} {ratio(r['pooled']['tok_s']):>13} {full_ratio:>11} "
               f"{full_kv:>11}/{r['pooled']['device_kv_bytes'] / 2**20:<11.1f} "
               f"{r['pooled']['host_kv_bytes'] / 2**20:>9.1f} {100 * r['pooled']['reselect_share']:>9.1f}%")
+    if len(report.get("split", [])) > 1:
+        print("split: " + ", ".join(f"{d['name']} {d['layers']} layers {d['weight_bytes'] / 2**20:.0f} MiB weights"
+                                    for d in report["split"]) + f"; llama-bench {' '.join(report['llama_bench_split'])}")
+        for r in report["rows"]:
+            by_gpu = r["pooled"].get("device_bytes_taken_by_gpu")
+            if by_gpu:
+                print(f"depth {r['depth']} pooled, GPU memory the session took (driver): " +
+                      ", ".join(f"{name} {b / 2**20:.0f} MiB" for name, b in by_gpu.items()))
     print(f"tok/s: median of {report['reps']} timed windows of n_gen tokens (llama-bench: of -r {report['reps']}); ratios are against "
           "llama-bench's best (flash attention on or off) at the same depth; reselect % is one reselect (scoring "
           f"and paging) over the pooled decode time between two, at the cadence max(tau, context / "

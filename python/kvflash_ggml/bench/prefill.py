@@ -25,8 +25,9 @@ import numpy as np
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, pool_config
 from ..engine import Engine
+from ..known_models import resolve_model_path
 from ..options import PoolConfig, ResidencyConfig
-from .reference import (add_reference_flags, gpu_free_bytes, int_list, llama_bench_results, llama_bench_split,
+from .reference import (add_reference_flags, gpu_free_bytes, holds_rpc, int_list, llama_bench_results, llama_bench_split,
                         median_ts, open_model, progress, reference_binary)
 
 REPS = 3
@@ -111,16 +112,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"kvflash bench prefill: {e}", file=sys.stderr)
         return 2
-    path, model, tokenizer = open_model(args, "kvflash bench prefill")
+    def run_reference(on_gpu: bool) -> list:
+        return llama_bench_results(binary, resolve_model_path(args.model), ["-p", ",".join(map(str, lengths)), "-n", "0",
+                                                                            *llama_bench_split(args)],
+                                   args.threads, on_gpu, args.reps)
 
-    reference = []   # llama-bench first: a broken one fails in seconds, not after our whole run
-    if binary:
-        try:
-            reference = llama_bench_results(binary, path, ["-p", ",".join(map(str, lengths)), "-n", "0",
-                                                           *llama_bench_split(args)], args.threads, model.on_gpu, args.reps)
-        except (RuntimeError, ValueError) as e:
-            print(f"kvflash bench prefill: {e}", file=sys.stderr)
-            return 2
+    # llama-bench first: a broken one fails in seconds, not after our whole run; with RPC devices before our model
+    # holds them (an rpc-server serves one client at a time), every layer on the split's devices as on a GPU.
+    reference = []
+    try:
+        if binary and holds_rpc(args):
+            reference = run_reference(True)
+        path, model, tokenizer = open_model(args, "kvflash bench prefill")
+        if binary and not reference:
+            reference = run_reference(model.on_gpu)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"kvflash bench prefill: {e}", file=sys.stderr)
+        return 2
     time_prefill(model, tokenizer, 256, dataclasses.replace(pooled, pool_tokens=None), "exact", 1, seed=0)   # warm-up
     rows = []
     for n in lengths:

@@ -107,9 +107,21 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def gpu_free_by_device() -> dict:
+    """{GPU name: free bytes now}, the driver's view, for every local GPU."""
+    return {d["name"]: d["memory_free"] for d in _core.gpu_devices()}
+
+
 def gpu_free_bytes() -> Optional[int]:
-    devices = _core.gpu_devices()
-    return devices[0]["memory_free"] if devices else None
+    """Free bytes over every local GPU (a model split over several takes memory on each)."""
+    free = gpu_free_by_device()
+    return sum(free.values()) if free else None
+
+
+def holds_rpc(args: argparse.Namespace) -> bool:
+    """Whether the model flags name an RPC device (an rpc-server serves one client at a time, so llama-bench must
+    run before our model holds it)."""
+    return bool(getattr(args, "rpc", None)) or any(d.lower().startswith("rpc:") for d in getattr(args, "devices", None) or [])
 
 
 def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threads: int, on_gpu: bool,
@@ -128,12 +140,28 @@ def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threa
 
 
 def llama_bench_split(args: argparse.Namespace) -> list[str]:
-    """llama-bench's flags for the split the model flags name: --rpc, then -ts. llama-bench puts the RPC servers'
-    devices before this host's GPU, as our default order does; a --devices list has no llama-bench spelling here."""
-    if getattr(args, "devices", None):
-        raise ValueError("the llama-bench comparison takes a split from --rpc and --tensor-split (RPC servers first, "
-                         "then this host's GPU), not --devices")
-    flags = ["--rpc", ",".join(args.rpc)] if getattr(args, "rpc", None) else []
+    """llama-bench's flags for the split the model flags name. --rpc: llama-bench puts the RPC servers' devices
+    before this host's GPU, as our default order does. --devices: the same devices in the same order (-dev, with
+    --rpc first so that llama-bench knows the RPC devices' names); the local CPU cannot be named there (llama-bench
+    runs on the CPU only the layers it does not offload), so a list with 'cpu' is refused. Then -sm layer and -ts."""
+    flags = []
+    devices = getattr(args, "devices", None) or []
+    rpc = list(getattr(args, "rpc", None) or [])
+    names = []
+    for spelling in devices:
+        low = spelling.lower()
+        if low.startswith("rpc:"):
+            rpc.append(spelling[4:])
+            names.append(f"RPC[{spelling[4:]}]")
+        elif low.startswith("cuda"):
+            names.append(f"CUDA{low[4:] or '0'}")
+        else:
+            raise ValueError(f"the llama-bench comparison cannot place layers on {spelling!r} (llama-bench's -dev "
+                             "names GPUs and RPC devices only); run with --no-llama-bench or without it")
+    if rpc:
+        flags += ["--rpc", ",".join(dict.fromkeys(rpc))]
+    if names:
+        flags += ["-dev", "/".join(names), "-sm", "layer"]
     if getattr(args, "tensor_split", None):
         flags += ["-ts", "/".join(f"{x:g}" for x in args.tensor_split)]
     return flags

@@ -52,6 +52,10 @@ SHAPES: dict[str, dict] = {
                         tied_embeddings=True),
     "llama3-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=14336,
                       n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5),
+    # Llama 3 70B's layer shapes (Llama 3.1's 131072 positions, as the 8B preset): ~38 GiB in Q4_0, more than one
+    # 40-80 GiB GPU holds beside a long context: the layer split's shape (issue 40).
+    "llama3-70b": dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8, head_dim=128, n_ff=28672,
+                       n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, rms_eps=1e-5),
     "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
                      n_vocab=151936, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
     # 4 experts, 2 a token; n_ff (written, unused by the MoE graph) differs from n_ff_exp to catch mix-ups
