@@ -1,7 +1,7 @@
 """Our CUDA backend against our CPU backend and against libllama on CUDA, on tiny random-weight GGUFs.
 
 Skipped unless the module was built with KVFLASH_CUDA=ON and a GPU is present (CI has none); run on the
-lent H100 by scripts/gpu_session.sh. Every comparison prints its measured max |logit diff| (run with -s)
+lent H100 by experiments/gpu_session.sh. Every comparison prints its measured max |logit diff| (run with -s)
 so the report can quote them.
 
 Why tolerances and not bit-equality: the GPU runs other kernels than the CPU. ggml-cuda's mul_mat

@@ -1,8 +1,9 @@
 """Every supported family (llama, qwen2, qwen3; gemma3 in test_sliding_window.py) against libllama, on tiny random-weight GGUFs.
 
 The models come from kvflash_ggml.testing.random_gguf, so this is the one runner for every family
-(DESIGN.md rule 12): a prompt of N_PROMPT random tokens, then N_DECODE greedy steps where our argmax
-is fed to both us and libllama's llama_decode (LlamaReference), comparing every logit row on the way.
+(equivalence tests, each tolerance written here): a prompt of N_PROMPT random tokens, then N_DECODE greedy
+steps where our argmax is fed to both us and libllama's llama_decode (LlamaReference), comparing every logit
+row on the way.
 Also: pooled == full cache, tied embeddings, the tokenizer the writer embeds, and bad files.
 """
 from __future__ import annotations

@@ -190,7 +190,7 @@ def test_merged_reports_add_up_and_compare_case_by_case(tmp_path, capsys):
     assert format_paired(merged) == "qk pool 448 len 1024 vs full: niah +1/-1, vt +1/-1"
     mismatched = {"cells": [fake_cell("full", None, a), fake_cell("qk", 448, a[:2])]}
     assert format_paired(mismatched) == ""   # cells over other cases are not compared
-    # the same merge from the command line (`kvflash bench merge`, formerly scripts/merge_reports.py)
+    # the same merge from the command line (`kvflash bench merge`, which replaced the script merge_reports.py)
     paths = []
     for i, report in enumerate((run(a, b), run(a2, b2))):
         paths.append(tmp_path / f"part{i}.json")

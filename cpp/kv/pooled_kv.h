@@ -12,13 +12,19 @@
 // then n_embd_v strided runs of chunk_tokens values; images hold them in that native order, and
 // snapshots convert them to slot rows (save_state/load_state), so a snapshot restores under either layout.
 //
-// Host store: on a GPU backend the chunk images live in pinned (page-locked) host memory, handed out
-// from slabs of the device's host buffer type, and page-outs/page-ins are asynchronous copies queued
+// Host store: on a GPU backend the chunk images live in page-locked host memory, handed out from slabs of
+// HostMemory (common/host_memory.h: it pins faster than the device's own host buffer type; make_slabs can make
+// them ahead of need on another thread), and page-outs/page-ins are asynchronous copies queued
 // on the backend's stream, the stream the next forward runs on: stream order alone guarantees that a
 // page-out has read a block before the forward overwrites it and that a page-in has landed before the
 // forward reads it, so the host never waits for paging. It waits (synchronize()) only where it touches
 // images or blocks itself: host_image, read_block, write_block, clear_host, destruction. On the CPU
 // backend images are plain heap memory and copies are memcpy.
+//
+// On a model split across devices each pooled layer's K and V live on that layer's device (LayerBackends), and a
+// chunk's page-out or page-in is one copy per layer on that layer's device. The pager stays one ledger (a chunk is
+// resident on every device or on none), and the host store, on this host, holds each chunk's image of every layer,
+// byte for byte what one device would hold: snapshots do not depend on the split.
 #pragma once
 
 #include "common/backend_buffers.h"

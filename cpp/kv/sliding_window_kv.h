@@ -7,8 +7,14 @@
 // that no query of the step can see. Nothing here pages: the pager, the scorers and the host store see
 // the global layers alone, as llama.cpp's iswa cache keeps a window + ubatch cache beside the full one.
 //
+// A ring has window + n_batch rows, rounded up to the n_kv padding and the chunk (ring_tokens_for); a step writes
+// at most ring_tokens - window tokens (max_step; Session::step_tokens caps a step by it). Once a ring has wrapped,
+// its keys are out of position order: that changes the summation order only (on Gemma 3 270M logits moved by ~1
+// in ~100, greedy tokens did not).
+//
 // What a ring cannot do is go back further than it holds: forgetting positions >= n is exact only while
-// the window before n is still in the ring (can_truncate). Callers that cannot truncate start over.
+// the window before n is still in the ring (can_truncate). Callers that cannot truncate start over, and a
+// prefix snapshot older than the ring's reach is refused.
 //
 // Invariants: rows hold positions [n_tokens - ring_tokens, n_tokens) (those >= 0), row p % ring_tokens holds p;
 // slot_pos[r] is -1 for a row that holds nothing visible. Every ring layer holds the same positions.

@@ -45,7 +45,7 @@ bool choose_flash_attn(const std::string & attention, bool on_gpu, ggml_type typ
     if (attention != "auto") {
         throw std::invalid_argument("unknown attention '" + attention + "' (expected auto, flash or matmul)");
     }
-    // On CPU the mul_mat + soft_max path is ~2x faster at depth (DESIGN.md measured facts).
+    // On CPU the mul_mat + soft_max path is ~2-3x faster at depth (docs/DESIGN.md, section "Measured facts").
     return on_gpu || v_quantized;
 }
 

@@ -11,6 +11,31 @@
 // model/mtp.h) runs as one more pooled layer after the trunk: its steps read the trunk's final hidden states (which
 // the trunk's last layer then leaves for every position, not only the last token's logits) and write its K/V and
 // carry, attending nothing; the last of them computes the logits.
+//
+// The pager places the prompt's positions as a pooled prefill would (new chunks paged out again only reserve their
+// host image), after layer 0's steps: meanwhile another thread makes and pins the host images the evicted chunks
+// will need. For each layer: the held positions' K/V go into the staging pool (from blocks through a bounce buffer,
+// from host images directly); the prompt runs through the layer in steps of n_batch (the engine asks for
+// PoolConfig.exact_prefill_batch(): at least 1024 with flash attention, as each step pays a fixed cost and there are
+// n_layer times more of them than in a full cache); then the layer's new K/V go to their blocks or host images.
+// A step attends under a causal mask made in its graph from a zero row (row stride 0) and a small triangle, made
+// once per prefill (CausalBand, one per device: such a view cannot cross devices); the whole mask would grow with
+// the keys (n_kv x step F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks whose mask, and
+// on the mul_mat path whose attention matrix, fit k_attention_block_bytes (64 MiB), each attending only the keys up
+// to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
+// never grows its buffer mid-layer (growing waits for the device). A sliding-window layer needs no staging: it runs
+// the prompt through its own ring (steps of at most max_step), from the ring as it stood before the prompt; a
+// linear-attention layer runs its steps in order through its state, copied first so that a failure can put it back.
+// The last step of each layer captures what the prompt's last k_capture_tokens attend to (max over heads, layers,
+// queries): the post-prompt reselect scores chunks from it.
+//
+// Device memory: weights + pool + staging (one layer's K/V of the context) + one layer's compute buffer (a step's
+// activations and one attention block), freed after the prompt. The staging pool and the hidden-state tiles stay on
+// the output layer's device, whatever the split: a layer on another device reads its staging K/V across devices
+// (correct; a staging pool per device would save that traffic: not built). With a full cache's step the bytes equal
+// its; with a larger step or smaller query blocks they are equal within summation order on the flash path and
+// byte-equal on the mul_mat path (each query's row alone). An exception (Ctrl-C between layers included) forgets the
+// new positions: the session holds what it held.
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
@@ -268,7 +293,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     KvLayout sl = kv_->layout();
     sl.n_layer = 1;
     sl.pool_tokens = spc.pool_tokens;
-    PooledKV stage(LayerBackends{backend}, sl);   // on the output device, whatever the split (docs/DESIGN.md)
+    PooledKV stage(LayerBackends{backend}, sl);   // on the output device, whatever the split (top of this file)
     spc.chunk_bytes = stage.chunk_bytes();
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
