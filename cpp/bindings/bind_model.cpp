@@ -198,6 +198,35 @@ void register_model(py::module_ & m, py::module_ & testing) {
                  return out;
              }, "the split: per device (in layer order) its name, the layers it holds (n_layer: the output layer) and "
                 "its weight bytes")
+        .def("device_memory", [](const Model & mo) {
+                 struct Reading { std::string name, kind; size_t free = 0, total = 0; int64_t weights = 0; };
+                 std::vector<Reading> readings;
+                 {
+                     py::gil_scoped_release nogil;   // an RPC device asks its server over the network
+                     for (int d = 0; d < mo.n_devices(); ++d) {
+                         Reading r;
+                         r.name = ggml_backend_name(mo.device_backend(d));
+                         r.kind = mo.device_is_cpu(d) ? "cpu" : mo.device_is_rpc(d) ? "rpc" : "gpu";
+                         mo.device_memory(d, r.free, r.total);
+                         r.weights = mo.device_weight_bytes(d);
+                         readings.push_back(std::move(r));
+                     }
+                 }
+                 py::list out;
+                 for (const Reading & r : readings) {
+                     py::dict e;
+                     e["name"] = r.name;
+                     e["kind"] = r.kind;
+                     e["memory_free"] = r.free;
+                     e["memory_total"] = r.total;
+                     e["weight_bytes"] = r.weights;
+                     out.append(e);
+                 }
+                 return out;
+             }, "per device of the split (in layer order): {name, kind ('cpu': this host's CPU, 'gpu', 'rpc'), "
+                "memory_free, memory_total (ggml_backend_dev_memory now: for an RPC device its server's figures), "
+                "weight_bytes (this model's weights there)}; ConnectionError for an RPC device whose connection was "
+                "lost")
         .def_property_readonly("fingerprint", &Model::fingerprint);
     m.def("supported_archs", &supported_archs);
     m.def("gpu_devices", [] {

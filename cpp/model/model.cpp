@@ -507,6 +507,13 @@ int64_t Model::device_weight_bytes(int d) const {
     return b ? (int64_t) ggml_backend_buffer_get_size(b) : 0;
 }
 
+void Model::device_memory(int d, size_t & free, size_t & total) const {
+    free = total = 0;
+    ggml_backend_t b = device_backend(d);
+    ggml_backend_dev_memory(ggml_backend_get_device(b), &free, &total);
+    check_rpc_connection(b);
+}
+
 int64_t Model::weight_bytes() const {
     int64_t n = 0;
     for (int d = 0; d < n_devices(); ++d) n += device_weight_bytes(d);

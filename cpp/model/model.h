@@ -306,6 +306,12 @@ public:
     void set_n_threads(int n);   // waits for a compute in progress
     int64_t weight_bytes() const;                 // every device's
     int64_t device_weight_bytes(int d) const;
+    bool device_is_cpu(int d) const { return devices_[(size_t) d].is_cpu; }   // this host's CPU backend
+    bool device_is_rpc(int d) const { return devices_[(size_t) d].is_rpc; }
+    // Device d's memory as its backend reports it now (ggml_backend_dev_memory: a GPU's driver figures; this
+    // host's CPU: its physical RAM as both; an RPC device: what its server's device reports, asked over the
+    // connection). Throws RpcLost when that connection was lost (its answer would read as zeros).
+    void device_memory(int d, size_t & free, size_t & total) const;
     // Layer il's copy of the llama-3 RoPE frequency factors (one per device, as llama.cpp duplicates them, so no
     // layer's RoPE reaches across devices); nullptr: the file has none.
     ggml_tensor * rope_freqs_of(int64_t il) const { return rope_freqs_.empty() ? nullptr : rope_freqs_[(size_t) device_of(il)]; }

@@ -6,7 +6,6 @@ unfinished supersedes that stream (its next step raises StreamSuperseded). After
 ValueError."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 from . import _core
 from .engine import CLOSED, Engine
 from .engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
-from .fit import fit_pool_tokens
+from .fit import resolve_pool
 from .known_models import resolve_model_path
 from .mtp import wants_mtp
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
@@ -62,12 +61,15 @@ class Model:
                  refresh_tokens: int = ResidencyConfig.refresh_tokens, prefill: str = ResidencyConfig.prefill,
                  prompt_scores: str = ResidencyConfig.prompt_scores,
                  speculative: Union[None, str, os.PathLike, SpeculativeConfig] = None,
-                 draft_max: int = SpeculativeConfig.max_draft) -> None:
+                 draft_max: int = SpeculativeConfig.max_draft,
+                 max_device_bytes: Optional[int] = PoolConfig.max_device_bytes) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
-        # Both checked here (pool_tokens by the core's own rules), before any weight is loaded.
+        # Both checked here (pool_tokens by the core's own rules), before any weight is loaded. max_device_bytes:
+        # each device's whole footprint (weights, pool, buffers, headroom) stays within it (PoolConfig).
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=check_pool_tokens(pool_tokens), kv_type=kv_type,
-                               attention=attention, n_batch=n_batch, allow_beyond_train_ctx=allow_beyond_train_ctx)
+                               attention=attention, n_batch=n_batch, allow_beyond_train_ctx=allow_beyond_train_ctx,
+                               max_device_bytes=max_device_bytes)
         self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
                                          refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
                                          drafter_model=drafter_model)
@@ -86,11 +88,11 @@ class Model:
                                        devices=list(devices or []), tensor_split=list(tensor_split or []))
         check_train_ctx(self._core_model, self.pool)
         self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
-        if pool_tokens == "auto" and self._core_model.on_gpu:   # what the GPU's free memory holds (fit.py)
-            fit = fit_pool_tokens(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
-                                  mtp=wants_mtp(self.speculative))
-            log.info("pool_tokens='auto': %s", fit.reason)
-            self.pool = dataclasses.replace(self.pool, pool_tokens=fit.pool_tokens)
+        # 'auto': what every device's free memory (and max_device_bytes) holds; a number: checked against
+        # max_device_bytes if one is given (fit.py)
+        self.pool, why = resolve_pool(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
+                                      mtp=wants_mtp(self.speculative))
+        log.info("pool_tokens=%r: %s", pool_tokens, why)
         # chat_special: chat messages may write control tokens, as llama-server lets them (default: text, as OpenAI)
         self.tokenizer = Tokenizer(self.model_path, chat_special=chat_special)
         self.residency = with_loaded_drafter(self.residency, self._core_model)   # its own drafter: one copy

@@ -32,11 +32,16 @@ PROMPT_SCORES = ("auto", "attention", "policy")
 class PoolConfig:
     """Where the KV cache lives. pool_tokens=None is full-cache mode (every position resident);
     an int or "auto" is KVFlash with that many device slots. "auto" resolves here to min(n_ctx, 4096); a Model
-    (and the server) on a GPU replaces it with what the free device memory holds (fit.py).
+    (and the server) on a GPU or on devices of a split replaces it with what every device's free memory holds,
+    and under max_device_bytes with what the budget holds (fit.py).
 
     "auto" is the default: a context the pool holds runs as the full cache would (nothing is paged, and the
     output is the full cache's), and a longer one pages instead of holding it all on the device; a prompt larger
-    than the pool is computed exactly (ResidencyConfig.prefill). None asks for the full cache."""
+    than the pool is computed exactly (ResidencyConfig.prefill). None asks for the full cache.
+
+    max_device_bytes: a cap on each device's whole footprint (weights, pools, rings and state, compute buffers,
+    the exact prefill's workspace, headroom), the local CPU's included: "auto" is sized within it, and a pool
+    given as a number (or the full cache) is checked against it and refused if it does not fit (fit.py)."""
 
     n_ctx: int = 4096
     pool_tokens: Union[None, int, str] = "auto"
@@ -46,6 +51,7 @@ class PoolConfig:
     sink_chunks: int = 1
     tail_chunks: int = 4
     allow_beyond_train_ctx: bool = False
+    max_device_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Checked here, by name: the core would report a bad n_ctx as its own max_tokens.
@@ -53,6 +59,9 @@ class PoolConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_device_bytes is not None and (not _is_int(self.max_device_bytes) or self.max_device_bytes <= 0):
+            raise ValueError(f"max_device_bytes must be a positive number of bytes (or None: no cap), "
+                             f"got {self.max_device_bytes!r}")
         pool = self.resolved_pool_tokens()
         if pool:   # the core's own rules (a multiple of a chunk, at least the minimum), before any weight loads
             self._pager_config(pool).validate()

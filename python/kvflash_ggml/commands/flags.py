@@ -8,6 +8,7 @@ several, a comma list of sizes (`--pools` is an alias there)."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Optional, Union
 
 from .. import _core
@@ -28,6 +29,22 @@ def parse_pool(value: str) -> Union[None, int, str]:
         raise argparse.ArgumentTypeError(f"expected N, 'auto' or 'off', got {value!r}") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"pool must be positive, got {n}")
+    return n
+
+
+SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT])(?:I?B)?|(\d+)B?")
+
+
+def parse_bytes(value: str) -> int:
+    """--max-device-memory 24G: a whole number of bytes, or a number with K, M, G or T (binary: 1K = 1024; 24GiB,
+    24GB and 24g read as 24G); positive."""
+    m = SIZE.fullmatch(value.strip().upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 24G, 512M, 1.5T, got {value!r}")
+    n = int(float(m.group(1)) * SIZE_SUFFIXES[m.group(2)]) if m.group(2) else int(m.group(3))
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 24G, got {value!r}")
     return n
 
 
@@ -127,6 +144,14 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
                              "a prompt over whole and steps it by --n-batch (-ub)")
 
 
+def add_budget_flag(ap: argparse.ArgumentParser) -> None:
+    """--max-device-memory: PoolConfig.max_device_bytes (generate and serve)."""
+    ap.add_argument("--max-device-memory", dest="max_device_memory", type=parse_bytes, default=None, metavar="SIZE",
+                    help="cap each device's whole footprint (weights, pools, buffers, headroom; the CPU's too) at "
+                         "SIZE (bytes, or 24G, 512M: K/M/G/T = 1024^n): --kvflash auto is sized within it, a pool "
+                         "size given is refused if it does not fit (default: no cap)")
+
+
 def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> None:
     """grid: --policies, --prefill and --prefill-reselect name the variants a retrieval grid runs side by side."""
     if not grid:
@@ -220,7 +245,8 @@ def given(**options: object) -> dict:
 def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
     options = given(n_ctx=getattr(args, "n_ctx", None), kv_type=args.kv_type, attention=args.attention,
                     n_batch=getattr(args, "n_batch", None),
-                    allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None))
+                    allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None),
+                    max_device_bytes=getattr(args, "max_device_memory", None))
     if hasattr(args, "kvflash"):   # --kvflash off is None: the full cache, not the dataclass's default
         options["pool_tokens"] = args.kvflash
     return PoolConfig(**{**options, **overrides})
@@ -254,7 +280,8 @@ def model_keywords(args: argparse.Namespace) -> dict:
                       allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None),
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
-                      refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores),
+                      refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores,
+                      max_device_bytes=getattr(args, "max_device_memory", None)),
                 pool_tokens=args.kvflash, speculative=speculative_config(args))
 
 

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 from ..known_models import resolve_model_path
 from ..model import Model
 from . import INTERRUPTED
-from .flags import (add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags, add_sampling_flags,
-                    add_speculative_flags, model_keywords, resolve_model_flags, sampling_params)
+from .flags import (add_budget_flag, add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags,
+                    add_sampling_flags, add_speculative_flags, model_keywords, resolve_model_flags, sampling_params)
 from .gguf_facts import read_gguf_facts
 from .llama_flags import add_llama_flags, chat_template_source, epilog, resolve_parsed, unescape, warn_llama_env
 from .stats import Timing, json_stats, summary
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  allow_abbrev=False)
     add_model_flags(ap, llama=True)
     add_pool_flags(ap, pool="auto", n_ctx=0, llama=True)
+    add_budget_flag(ap)
     add_residency_flags(ap)
     add_speculative_flags(ap, llama=True)
     add_sampling_flags(ap, llama=True)

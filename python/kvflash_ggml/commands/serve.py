@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -13,15 +12,16 @@ from .. import _core
 from ..engine import Engine
 from ..engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
 from ..server.scheduler import slot_engines
-from ..fit import fit_pool_tokens
+from ..fit import resolve_pool
 from ..known_models import resolve_model_path
 from ..threads import cpu_threads
 from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
 from ..options import SamplingParams
-from .flags import (add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags, add_speculative_flags,
-                    device_keywords, pool_config, resolve_model_flags, residency_config, speculative_config)
+from .flags import (add_budget_flag, add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags,
+                    add_speculative_flags, device_keywords, pool_config, resolve_model_flags, residency_config,
+                    speculative_config)
 from .gguf_facts import read_gguf_facts
 from .generate import BASE_MODELS, USER_ERRORS
 from .llama_flags import (SERVER_SAMPLING, Refuse, add_llama_flags, chat_template_source, epilog, read_api_key_file,
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  allow_abbrev=False)
     add_model_flags(ap, llama=True)
     add_pool_flags(ap, pool="auto", llama=True)
+    add_budget_flag(ap)
     add_residency_flags(ap)
     add_speculative_flags(ap, llama=True)
     ap.add_argument("--parallel", "-np", type=int, default=4,
@@ -98,11 +99,10 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     warn_chat(args.model, tokenizer, template)
     residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
     speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
-    why = "--kvflash off: full cache" if pool.pool_tokens is None else f"--kvflash {pool.pool_tokens}"
-    if pool.pool_tokens == "auto":
-        fit = fit_pool_tokens(model, pool, args.parallel, draft_model=draft_model_of(speculative),
-                              mtp=wants_mtp(speculative))
-        pool, why = dataclasses.replace(pool, pool_tokens=fit.pool_tokens), f"--kvflash auto: {fit.reason}"
+    given = "off" if pool.pool_tokens is None else pool.pool_tokens
+    pool, why = resolve_pool(model, pool, args.parallel, draft_model=draft_model_of(speculative),
+                             mtp=wants_mtp(speculative))
+    why = f"--kvflash {given}: {why}"
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
     engines = slot_engines(args.parallel, model, tokenizer, pool, residency, prefix_cache_dir=cache,
                            prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,

@@ -1,0 +1,95 @@
+"""What one session costs on the devices, measured for pool_tokens="auto" and max_device_bytes (fit.py solves).
+
+Measured, not guessed: two probe sessions (pools of two and four steps) each run a pool-filling prompt in steps
+of the largest size a pool takes (n_batch), and their compute buffers give a session's cost as fixed +
+per-pool-token bytes. A pool's compute buffer grows with its keys times its step (the mask, and without flash
+attention the attention matrix), and smaller pools take smaller steps (PoolConfig.prefill_batch), so probing
+at the largest step bounds every pool's buffer from above. The same probes give each device's share on a model
+split across devices (Session.memory()["devices"]): its layers' K/V, rings and state, and its compute buffers.
+Drafting with the model's own multi-token-prediction head (mtp) puts one more layer in every pool: the probes
+run the head too."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import _core
+from .engine_parts import make_session
+from .options import PoolConfig
+from .tokens import forward_in_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotCosts:
+    """What one session costs on a device (or on all of a model's devices together), measured by the probes:
+    bytes per pool token (K/V, and the compute buffer's growth with the pool), fixed bytes (compute buffer,
+    sliding-window rings, linear-attention state: `state`), and one layer's K/V per prompt token (the exact
+    prefill's staging pool: on the output layer's device only, 0 on the others)."""
+    kv_per_token: float
+    compute_per_token: float
+    compute_fixed: float
+    state: float   # sliding-window rings and linear-attention state: fixed per session
+    layer_per_token: float
+    compute_max: float        # the larger probe's compute buffer (beside the exact prefill's staging)
+    exact_step: int           # tokens per step of the exact prefill
+    n_batch: int              # the probes' step
+
+
+def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
+    n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
+    session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, n)),
+                           n_batch=pool.n_batch, mtp=mtp)
+    tokens = np.zeros(n, dtype=np.int32)
+    forward_in_steps(session, tokens, 0)
+    mem = session.memory()
+    return {"compute": mem["compute_bytes"], "state": mem["ring_bytes"] + mem["recurrent_bytes"],
+            "pool": mem["pool_bytes"], "devices": mem["devices"],
+            "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
+            "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn}
+
+
+def _probes(model: _core.Model, pool: PoolConfig, mtp: bool) -> tuple[int, dict, dict]:
+    C = _core.CHUNK_TOKENS
+    lo = max(pool._pager_config(0).min_pool_tokens(), -(-2 * pool.n_batch // C) * C)
+    return lo, _probe(model, pool, lo, mtp), _probe(model, pool, 2 * lo, mtp)
+
+
+def _costs(pool: PoolConfig, lo: int, small: dict, large: dict, kv_per_token: float, layer_per_token: float,
+           state: float) -> SlotCosts:
+    per_token = max(0.0, (large["compute"] - small["compute"]) / lo)
+    return SlotCosts(kv_per_token=kv_per_token, compute_per_token=per_token,
+                     compute_fixed=max(0.0, small["compute"] - per_token * lo), state=state,
+                     layer_per_token=layer_per_token, compute_max=large["compute"],
+                     exact_step=pool.exact_prefill_batch(small["flash"]), n_batch=pool.n_batch)
+
+
+def measure(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> SlotCosts:
+    """One session's costs on all of the model's devices together."""
+    lo, small, large = _probes(model, pool, mtp)
+    return _costs(pool, lo, small, large, small["kv_per_token"], small["layer_per_token"], small["state"])
+
+
+def measure_devices(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> dict[str, SlotCosts]:
+    """One session's costs per device of the model's split, by the device's backend name (a device that holds
+    no part of a session is left out). A device's share of the pool is its layers' share of the pool's bytes; the
+    exact prefill's staging pool (one layer's K/V of the prompt) lives on the output layer's device."""
+    lo, small, large = _probes(model, pool, mtp)
+    output = _output_device(model)
+    out = {}
+    for d_small, d_large in zip(small["devices"], large["devices"]):
+        if not (d_small["pool_bytes"] or d_large["compute_bytes"] or d_small["weight_bytes"]):
+            continue
+        share = d_small["pool_bytes"] / small["pool"] if small["pool"] else 0.0
+        is_output = d_small["name"] == output
+        out[d_small["name"]] = _costs(
+            pool, lo, {"compute": d_small["compute_bytes"], "flash": small["flash"]},
+            {"compute": d_large["compute_bytes"]}, small["kv_per_token"] * share,
+            small["layer_per_token"] if is_output else 0.0, d_small["ring_bytes"] + d_small["recurrent_bytes"])
+    return out
+
+
+def _output_device(model: _core.Model) -> str:
+    """The name of the device that holds the output layer (slot n_layer of the split)."""
+    n_layer = model.hparams.n_layer
+    return next(d["name"] for d in model.devices if n_layer in d["layers"])
