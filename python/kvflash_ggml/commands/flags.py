@@ -119,9 +119,9 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
                              f"is an alias; default {pool})")
     else:
         ap.add_argument("--kvflash", default=pool, type=parse_pool,
-                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto' (on a GPU what its "
-                             f"free memory holds, else min(n_ctx, {AUTO_POOL_TOKENS})), or 'off' for the full cache "
-                             f"(default {pool})")
+                        help=f"KV pool in tokens: N (a multiple of {_core.CHUNK_TOKENS}), 'auto' (on a GPU or a split "
+                             f"what every device's free memory holds, else min(n_ctx, {AUTO_POOL_TOKENS}); within "
+                             f"--max-device-memory where given), or 'off' for the full cache (default {pool})")
     ap.add_argument("--kv-type", default=None if llama else PoolConfig.kv_type, choices=list(KV_TYPES),
                     help=f"KV cache type (default {PoolConfig.kv_type})")
     ap.add_argument("--attention", default=None if llama else PoolConfig.attention, choices=["auto", "flash", "matmul"],
