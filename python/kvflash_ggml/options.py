@@ -15,7 +15,7 @@ AUTO_POOL_TOKENS = 4096
 # context is rescored less often (each rescore costs more) while a short one follows tau.
 TAU_CONTEXT_DIVISOR = 45
 # Prompt tokens recomputed after the post-prompt reselect pages evidence in: one chunk. Measured on SmolLM2
-# passkeys at 8K (scripts/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
+# passkeys at 8K (experiments/retrieval_sweep.py, H100, 18 cases), oracle policy, pool 1024: recall 0.22 with 8,
 # 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
@@ -86,7 +86,7 @@ class PoolConfig:
         """Tokens per forward step. A pooled step's tokens see only what the pool holds besides the step
         itself, so the K/V of a long prompt are computed under a window of pool - step tokens (+ sinks),
         and retrieval later reads them. Pooled steps are therefore kept at 1/8 of the pool: on SmolLM2 8K
-        passkeys (scripts/retrieval_sweep.py, H100, 18 cases), drafter policy at pool 512, step 512 -> 64
+        passkeys (experiments/retrieval_sweep.py, H100, 18 cases), drafter policy at pool 512, step 512 -> 64
         raised recall 0.44 -> 0.67 (oracle 0.44 -> 0.67, quest 0.00 -> 0.22). Pools of 4096+ keep 512."""
         pool = self.resolved_pool_tokens()
         if pool == 0:
