@@ -30,9 +30,11 @@
 // queries): the post-prompt reselect scores chunks from it.
 //
 // Device memory: weights + pool + staging (one layer's K/V of the context) + one layer's compute buffer (a step's
-// activations and one attention block), freed after the prompt. The staging pool and the hidden-state tiles stay on
-// the output layer's device, whatever the split: a layer on another device reads its staging K/V across devices
-// (correct; a staging pool per device would save that traffic: not built). With a full cache's step the bytes equal
+// activations and one attention block), freed after the prompt. On a split each device that runs a staged layer
+// has its own staging pool (one layer's K/V of the context each), so a layer attends keys on its own device: with
+// one staging pool on the output device, every step of another device's layers copied the keys it attends across
+// devices (two H100s, 8B shape, 32K: 0.70x one GPU's exact prefill, R72). The hidden-state tiles stay on the
+// output layer's device (a step's rows cross once per device boundary). With a full cache's step the bytes equal
 // its; with a larger step or smaller query blocks they are equal within summation order on the flash path and
 // byte-equal on the mul_mat path (each query's row alone). An exception (Ctrl-C between layers included) forgets the
 // new positions: the session holds what it held.
@@ -293,8 +295,23 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     KvLayout sl = kv_->layout();
     sl.n_layer = 1;
     sl.pool_tokens = spc.pool_tokens;
-    PooledKV stage(LayerBackends{backend}, sl);   // on the output device, whatever the split (top of this file)
-    spc.chunk_bytes = stage.chunk_bytes();
+    // One staging pool per device that runs a layer with staged K/V of its own (top of this file); a layer without
+    // K/V of its own reads the one its source wrote, the nearest staged layer before it (check_shared_kv).
+    std::vector<std::unique_ptr<PooledKV>> stages((size_t) m.n_devices());
+    for (int il = 0; il < n_stack; ++il) {
+        std::unique_ptr<PooledKV> & s = stages[(size_t) m.device_of(il)];
+        if (attends_staging(il) && kind(il).has_kv && !s) s = std::make_unique<PooledKV>(LayerBackends{m.device_backend(m.device_of(il))}, sl);
+    }
+    if (std::none_of(stages.begin(), stages.end(), [](const auto & s) { return s != nullptr; })) {
+        stages[(size_t) m.device_of((int) hp.n_layer)] = std::make_unique<PooledKV>(LayerBackends{backend}, sl);   // its chunk size
+    }
+    const auto stage_of = [&](int il) -> PooledKV & {
+        int src = il;
+        while (src > 0 && !(attends_staging(src) && kind(src).has_kv)) --src;
+        PooledKV * s = stages[(size_t) m.device_of(src)].get();
+        return s ? *s : **std::find_if(stages.begin(), stages.end(), [](const auto & x) { return x != nullptr; });
+    };
+    spc.chunk_bytes = stage_of(n_stack - 1).chunk_bytes();
     KvPager stage_pager(spc);
     const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
     const bool pin = can_pin_for(backend);
@@ -369,7 +386,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
             GraphCtx & g = sg.g;
             g.ctx = sg.ctx.get();
             g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
-            g.kv = &stage;
+            g.kv = &stage_of(il);
             g.one_layer_kv = true;
             g.recurrent = recurrent_.get();   // a recurrent layer carries its state from step to step
             g.n_tokens = mt;
@@ -430,7 +447,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 kv_->synchronize();
                 n_bounced = 0;
                 for (int64_t c = 0; c < c_held; ++c) {
-                    stage.set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
+                    stage_of(il).set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
                 }
             }
             timings_.t_prefill_io_ms += ms_since(t_io);
@@ -544,9 +561,9 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
                 t_io = std::chrono::steady_clock::now();
                 int64_t n_bounced = 0;
                 for (int64_t c = c_new; c < c_end; ++c) {
-                    stage.get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
+                    stage_of(il).get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
                 }
-                stage.synchronize();
+                stage_of(il).synchronize();
                 n_bounced = 0;
                 for (int64_t c = c_new; c < c_end; ++c) {
                     const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl);
@@ -572,10 +589,12 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     prefill_queries_ = std::move(queries);
     int64_t band_bytes = 0;
     for (const auto & b : bands) band_bytes += b->device_bytes();
-    const int64_t workspace = stage.device_bytes() + band_bytes + hidden.device_bytes() + peak_compute;
+    int64_t staging_bytes = 0;
+    for (const auto & s : stages) staging_bytes += s ? s->device_bytes() : 0;
+    const int64_t workspace = staging_bytes + band_bytes + hidden.device_bytes() + peak_compute;
     if (workspace > prefill_peak_bytes_) {
         prefill_peak_bytes_ = workspace;
-        prefill_staging_bytes_ = stage.device_bytes();
+        prefill_staging_bytes_ = staging_bytes;
     }
     prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden.host().size() + bounce_buf.size()));
     return out;

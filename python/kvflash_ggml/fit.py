@@ -6,7 +6,7 @@ buffers + the exact prefill's workspace + headroom), which sizes 'auto' and chec
 A session's costs per device come from two probe sessions (fit_probe.py). On every device that limits the pool
 (a GPU, an RPC device; the local CPU only under a budget) n_slots sessions' shares (their layers' K/V per pool
 token, compute buffers fixed + per pool token, rings and state), the exact prefill's workspace (its staging
-K/V on the output layer's device, a step's compute and attention block on each) and a headroom must fit the
+K/V on each device with pooled layers, a step's compute and attention block on each) and a headroom must fit the
 device's free memory after the weights (under a budget: the budget less the weights there). The pool is the
 smallest device's answer, at most the whole context; the reason names the device that limits it.
 A speculative draft model gives every session a second pooled session of the same pool size (its own
@@ -48,7 +48,7 @@ class Room:
 
 
 def _exact_prefill_bytes(costs: SlotCosts, n_ctx: int) -> float:
-    """One layer's K/V of a whole-context prompt (on the output layer's device; layer_per_token is 0 elsewhere),
+    """One layer's K/V of a whole-context prompt (on each device with pooled layers; layer_per_token is 0 elsewhere),
     one attention block's mask and attention matrix (_core.ATTENTION_BLOCK_BYTES, whatever the context) and a
     step's compute buffer (probed at n_batch tokens, scaled to the exact step)."""
     return n_ctx * costs.layer_per_token + _core.ATTENTION_BLOCK_BYTES + \

@@ -25,7 +25,7 @@ class SlotCosts:
     """What one session costs on a device (or on all of a model's devices together), measured by the probes:
     bytes per pool token (K/V, and the compute buffer's growth with the pool), fixed bytes (compute buffer,
     sliding-window rings, linear-attention state: `state`), and one layer's K/V per prompt token (the exact
-    prefill's staging pool: on the output layer's device only, 0 on the others)."""
+    prefill's staging pool: on each device that holds pooled layers, 0 on the others)."""
     kv_per_token: float
     compute_per_token: float
     compute_fixed: float
@@ -73,23 +73,15 @@ def measure(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> SlotCost
 def measure_devices(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> dict[str, SlotCosts]:
     """One session's costs per device of the model's split, by the device's backend name (a device that holds
     no part of a session is left out). A device's share of the pool is its layers' share of the pool's bytes; the
-    exact prefill's staging pool (one layer's K/V of the prompt) lives on the output layer's device."""
+    exact prefill stages one layer's K/V of the prompt on each device that holds pooled layers (session_prefill.cpp)."""
     lo, small, large = _probes(model, pool, mtp)
-    output = _output_device(model)
     out = {}
     for d_small, d_large in zip(small["devices"], large["devices"]):
         if not (d_small["pool_bytes"] or d_large["compute_bytes"] or d_small["weight_bytes"]):
             continue
         share = d_small["pool_bytes"] / small["pool"] if small["pool"] else 0.0
-        is_output = d_small["name"] == output
         out[d_small["name"]] = _costs(
             pool, lo, {"compute": d_small["compute_bytes"], "flash": small["flash"]},
             {"compute": d_large["compute_bytes"]}, small["kv_per_token"] * share,
-            small["layer_per_token"] if is_output else 0.0, d_small["ring_bytes"] + d_small["recurrent_bytes"])
+            small["layer_per_token"] if d_small["pool_bytes"] else 0.0, d_small["ring_bytes"] + d_small["recurrent_bytes"])
     return out
-
-
-def _output_device(model: _core.Model) -> str:
-    """The name of the device that holds the output layer (slot n_layer of the split)."""
-    n_layer = model.hparams.n_layer
-    return next(d["name"] for d in model.devices if n_layer in d["layers"])
