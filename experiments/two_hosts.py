@@ -1,0 +1,159 @@
+"""Two hosts, simulated (issue 40 item 4): SmolLM2 split across two ggml-rpc-servers, each on its own host behind a
+link of a given bandwidth and latency; our decode and prompt tok/s beside llama-bench's with the same split through
+the same links, in one run, so the cost of a real multi-host deployment is known before anyone builds one.
+
+The hosts are network namespaces joined to this one (the client's) by veth pairs (root and `ip` needed; else
+127.0.0.1, and the reason is printed). The links are kvflash_ggml.testing.link's forwarder, which stands in for
+`tc netem` (this VM's kernel has no netem; the GPU machines have no `tc`): latency and rate both come from it.
+--links both (the default): the client is a third machine, both servers behind a link (each step crosses the link
+to both); --links b: the client sits on host A (its server local), only host B behind the link (a two-machine
+deployment's cost). Each profile runs llama-bench (--rpc A,B -dev RPC0/RPC1 -sm layer -ts 1/1 -ngl 99 -fa 1), then
+`kvflash bench decode` and `kvflash bench prefill` with --devices rpc:A,rpc:B --tensor-split 1,1.
+
+    OMP_WAIT_POLICY=passive python experiments/two_hosts.py --profiles none,dc,home
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvflash_ggml.bench.reference import llama_bench_results, locate_llama_bench, median_ts
+from kvflash_ggml.known_models import resolve_model_path
+from kvflash_ggml.rpc import find_rpc_server
+from kvflash_ggml.testing.link import PROFILES, Hosts, Link, link_rtt, start_rpc_server_on
+
+# A one-connection-at-a-time echo server for the RTT measurement, run on the far host.
+ECHO = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+while True:
+    c, _ = srv.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(65536)):
+        c.sendall(d)
+    c.close()
+"""
+
+
+def start_echo(host):
+    proc = subprocess.Popen(host.run_argv([sys.executable, "-c", ECHO, host.address]), stdout=subprocess.PIPE, text=True)
+    return proc, f"{host.address}:{int(proc.stdout.readline())}"
+
+
+def ours(command, endpoints, args, out_json):
+    """One `kvflash bench` command (ours only) on the split through `endpoints`; its JSON report."""
+    argv = [sys.executable, "-m", "kvflash_ggml", "bench", command, "--model", args.model, "--no-llama-bench",
+            "--devices", ",".join(f"rpc:{e}" for e in endpoints), "--tensor-split", "1,1",
+            "--threads", str(args.threads), "--reps", str(args.reps), "--kvflash", str(args.pool), "--json", str(out_json)]
+    if command == "decode":
+        argv += ["--depths", args.depths, "--n-gen", str(args.n_gen), "--plot", ""]
+    else:
+        argv += ["--lengths", str(args.prompt), "--modes", "full"]
+    print("$ " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(Path(out_json).read_text())
+
+
+def llama(binary, endpoints, args):
+    """llama-bench on the same split through the same links: {depth: decode tok/s}, prompt tok/s. Its RPC devices
+    are named RPC0, RPC1, ... in --rpc's order at this llama.cpp commit (one device per server here), not
+    RPC[endpoint] as kvflash_ggml.bench.reference.llama_bench_split spells them, so the flags are written here."""
+    split = ["--rpc", ",".join(endpoints), "-dev", "/".join(f"RPC{i}" for i in range(len(endpoints))), "-sm", "layer",
+             "-ts", "/".join("1" for _ in endpoints)]
+    path = resolve_model_path(args.model)
+    decode = llama_bench_results(binary, path, ["-p", "0", "-n", str(args.n_gen), "-d", args.depths, *split],
+                                 args.threads, True, args.reps)
+    prompt = llama_bench_results(binary, path, ["-p", str(args.prompt), "-n", "0", *split], args.threads, True, args.reps)
+    return {int(r["n_depth"]): median_ts(r) for r in decode}, median_ts(prompt[0])
+
+
+def run_profile(name, hosts, servers, binary, args, out_dir):
+    """Links at profile `name` (none: direct), the RTT through them, and both benches; the table's rows."""
+    profile = PROFILES.get(name)
+    behind = [profile is not None and (args.links == "both" or i == 1) for i in range(len(servers))]
+    links = [Link(ep, profile) if b else None for (_, ep), b in zip(servers, behind)]
+    echo, echo_link = start_echo(hosts.hosts[1]), None
+    try:
+        echo_link = Link(echo[1], profile) if profile else None
+        rtt = link_rtt(echo_link.endpoint if echo_link else echo[1])
+        endpoints = [link.endpoint if link else ep for link, (_, ep) in zip(links, servers)]
+        llama_decode, llama_prompt = llama(binary, endpoints, args)
+        decode = ours("decode", endpoints, args, out_dir / f"decode-{name}.json")
+        prefill = ours("prefill", endpoints, args, out_dir / f"prefill-{name}.json")
+    finally:
+        for link in [*links, echo_link]:
+            if link:
+                link.close()
+        echo[0].kill()
+        echo[0].wait()
+    return [{"profile": name, "rtt_ms": rtt * 1e3, "depth": r["depth"], "full": r["full"]["tok_s"],
+             "pooled": r["pooled"]["tok_s"], "llama": llama_decode.get(r["depth"]),
+             "prompt": prefill["rows"][0]["full"]["tok_s"], "prompt_llama": llama_prompt} for r in decode["rows"]]
+
+
+def print_table(rows, args, reason):
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
+    fmt = lambda x: f"{x:.1f}" if x else "-"
+    print(f"SmolLM2 split 1:1 over two ggml-rpc-servers ({reason}); links: {args.links}; client threads "
+          f"{args.threads}, server threads {args.server_threads}; pool {args.pool}; decode: median of {args.reps} "
+          f"windows of {args.n_gen}; prompt: {args.prompt} tokens")
+    print(f"{'profile':>8} {'RTT ms':>7} {'depth':>6} {'full':>7} {'pooled':>7} {'llama':>7} {'pooled/llama':>12} "
+          f"{'prompt':>8} {'llama':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['profile']:>8} {r['rtt_ms']:>7.2f} {r['depth']:>6} {r['full']:>7.1f} {r['pooled']:>7.1f} "
+              f"{fmt(r['llama']):>7} {ratio(r['pooled'], r['llama']):>12} {r['prompt']:>8.1f} "
+              f"{fmt(r['prompt_llama']):>8} {ratio(r['prompt'], r['prompt_llama']):>6}")
+    print("tok/s; RTT: 64-byte round trips through the link to the far host (the emulator's own cost included); "
+          "llama: llama-bench -dev RPC/RPC -sm layer -ts 1/1 -fa 1 -ngl 99")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", default="none,dc,home", help=f"comma-separated of none,{','.join(PROFILES)}")
+    ap.add_argument("--links", choices=("both", "b"), default="both", help="which servers sit behind a link")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=1, help="the client's CPU threads (it computes nothing here)")
+    ap.add_argument("--server-threads", type=int, default=1, help="each ggml-rpc-server's threads")
+    ap.add_argument("--depths", default="0,512")
+    ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pool", type=int, default=1024)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt length of the prefill figure")
+    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, as kvflash bench does)")
+    ap.add_argument("--no-netns", action="store_true", help="127.0.0.1 even where namespaces can be made")
+    ap.add_argument("--out", default="bench-out/two_hosts", help="where each bench's JSON goes")
+    args = ap.parse_args()
+    names = [p for p in args.profiles.split(",") if p]
+    if not set(names) <= {"none", *PROFILES}:
+        ap.error(f"--profiles: of none,{','.join(PROFILES)}")
+    binary = find_rpc_server()
+    if binary is None:
+        sys.exit("ggml-rpc-server not found (pip install . builds it; or $KVFLASH_RPC_SERVER)")
+    found = locate_llama_bench(args.llama_bench)
+    if found is None:
+        sys.exit("llama-bench not found: build it with scripts/build_llama_bench.sh, or pass --llama-bench PATH")
+    llama_binary = found[0]
+    if os.environ.get("OMP_WAIT_POLICY") != "passive":
+        print("note: OMP_WAIT_POLICY is not passive: on a shared 2-core VM the figures may be 30-100x off", file=sys.stderr)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with Hosts(2, use_netns=not args.no_netns) as hosts:
+        reason = ("hosts: network namespaces joined to the client's by veth pairs" if hosts.reason is None
+                  else f"hosts: 127.0.0.1 ({hosts.reason})")
+        print(reason, file=sys.stderr)
+        servers = [start_rpc_server_on(h, binary, threads=args.server_threads) for h in hosts.hosts]
+        try:
+            rows = [r for name in names for r in run_profile(name, hosts, servers, llama_binary, args, out_dir)]
+        finally:
+            for proc, _ in servers:
+                proc.kill()
+                proc.wait()
+    print_table(rows, args, reason)
+    (out_dir / "two_hosts.json").write_text(json.dumps({"args": vars(args), "hosts": reason, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
