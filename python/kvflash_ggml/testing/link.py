@@ -329,6 +329,15 @@ class Host:
 
     def __init__(self, name: str, netns: Optional[str], address: str) -> None:
         self.name, self.netns, self.address = name, netns, address
+        self._next_port = 50052   # ggml-rpc-server's usual port, then the next ones (a fresh namespace has none taken)
+
+    def take_port(self) -> int:
+        """A port nothing listens on there: the next of its own (a namespace), or a free one (127.0.0.1)."""
+        from ..rpc import free_port
+        if not self.netns:
+            return free_port()
+        self._next_port += 1
+        return self._next_port - 1
 
     def run_argv(self, argv: Sequence[str]) -> list[str]:
         return (["ip", "netns", "exec", self.netns] if self.netns else []) + list(argv)
@@ -379,12 +388,11 @@ class Hosts:
         self.close()
 
 
-def start_rpc_server_on(host: Host, binary: str, *, port: int = 50052, threads: int = 1,
+def start_rpc_server_on(host: Host, binary: str, *, threads: int = 1,
                         timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """ggml-rpc-server on `host` (on its address; a free port on 127.0.0.1), waited for until it answers ggml-rpc's
+    """ggml-rpc-server on `host` (its address, a port of host.take_port()), waited for until it answers ggml-rpc's
     handshake from here; returns (process, "address:port"). The caller stops it."""
-    from ..rpc import free_port
-    port = port if host.netns else free_port()
+    port = host.take_port()
     argv = host.run_argv([binary, "-H", host.address, "-p", str(port), "-t", str(threads)])
     log = tempfile.TemporaryFile("w+")   # not a pipe: it logs every connection, and a full pipe would stall it
     with log:   # the child keeps its own copy open
