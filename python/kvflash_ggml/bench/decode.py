@@ -154,7 +154,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "kv_type": pooled.kv_type,
               "reps": args.reps,
               "threads": args.threads, "n_gen": args.n_gen,
-              "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
+              "device": "+".join(d["name"] for d in model.devices) + (f" ({gpus[0]['description']})" if gpus else ""),
+              "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
               "split": [{"name": d["name"], "layers": len(d["layers"]), "weight_bytes": d["weight_bytes"]}
                         for d in model.devices], "llama_bench_split": split}
