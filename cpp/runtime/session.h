@@ -244,6 +244,7 @@ private:
     ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;
     ggml_context * new_graph_ctx(size_t n_nodes = 0) const;     // a no_alloc context for one graph
     // ---- layer-major prefill (session_prefill.cpp) ----
+    class ExactPrefillPass;   // one exact prefill: its workspace, stage a layer, run it, write back, roll back
     void place_prompt(const int32_t * tokens, int64_t n, int64_t start);
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
     // Allocate, compute and read back in steps of at most n_batch tokens; either output may be null.

@@ -262,6 +262,415 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
     timings_.t_paging_ms += ms_since(t0);
 }
 
+// One layer-major exact prefill of a session (top of this file): the workspace is allocated when it is made,
+// before any state changes; run() stages each layer, runs its steps, writes its new K/V back, and on any
+// exception rolls the session back to what it held. A nested class of Session: it works on the session's own
+// memories, as the session's methods do.
+class Session::ExactPrefillPass {
+public:
+    ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
+                     const std::function<void()> & between, int64_t attention_block_bytes);
+    ExactPrefill run();
+
+private:
+    struct LayerKind {
+        bool mtp, swa, recurrent, has_kv, pooled;
+        int64_t pl;   // the layer's row in the pool (or its ring, or its state)
+    };
+    // Step k's graph: its layer over its positions, attending n_kv slots of the staging pool or the ring.
+    struct StepGraph {
+        CtxPtr ctx{nullptr, ggml_free};
+        GraphCtx g;
+        ggml_tensor * y = nullptr;   // the layer's output, or the logits on the last layer
+    };
+
+    LayerKind kind(int il) const {
+        if (il == hp_.n_layer) return {true, false, false, true, true, s_.kv_->layout().n_layer - 1};
+        return {false, hp_.is_swa(il), hp_.is_recurrent(il), hp_.has_kv(il), hp_.is_pooled(il), hp_.kv_index(il)};
+    }
+    // A global layer attends the staging pool: its own K/V, or (shared K/V) its source's, staged last.
+    bool attends_staging(int il) const { const LayerKind k = kind(il); return k.mtp || (!k.swa && !k.recurrent); }
+    PooledKV & stage_of(int il) const;
+    void make_stages();
+    void plan_steps();
+    StepGraph build_graph(size_t k, int64_t n_kv, bool measure);
+    void stage_layer(int il);
+    void reserve_layer(int il, size_t k_end);
+    void run_step(size_t k);
+    void capture(const GraphCtx & g, const LayerKind & lk);
+    void write_back(int il);
+    void roll_back();
+    void account();
+
+    Session & s_;
+    const Model & m_;
+    const ModelHparams & hp_;
+    const int32_t * tokens_;
+    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
+    const std::function<void()> & between_;
+    const ggml_backend_t backend_;
+    const int n_stack_;   // the layers run, the MTP head's last: layer n_layer, pooled, attending nothing
+    PagerConfig spc_;     // staging: identity mapping over positions [0, end)
+    KvLayout sl_;
+    std::vector<std::unique_ptr<PooledKV>> stages_;   // per device (make_stages)
+    std::unique_ptr<KvPager> stage_pager_;
+    int64_t lcb_;
+    std::vector<HiddenStates::Step> steps_;
+    std::unique_ptr<HiddenStates> hidden_;
+    std::unique_ptr<HostMemory> bounce_buf_;
+    std::vector<std::unique_ptr<CausalBand>> bands_;   // one per device (top of this file)
+    SchedPtr sched_{nullptr, ggml_backend_sched_free};
+    ExactPrefill out_;
+    StepQueries queries_;
+    int64_t peak_compute_ = 0;
+    std::chrono::steady_clock::time_point t0_;
+    SlidingWindowKV::Mark ring_start_{};
+    std::vector<uint8_t> ring_rows_;
+    RecurrentState::Copy recurrent_start_{};
+    // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held tokens
+    // end inside is both: it goes into staging whole and comes back whole).
+    int64_t c_held_, c_new_, c_end_;
+    std::future<std::vector<std::unique_ptr<HostMemory>>> slabs_;
+    std::vector<int64_t> blocks_;   // where each chunk is read from (block, or -1: host)
+    std::vector<int32_t> pos_;
+    size_t k_ = 0;                  // the step
+    CtxPtr queued_ctx_{nullptr, ggml_free};   // the graph still running while the next one is built
+};
+
+Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start,
+                                            int64_t n_batch, const std::function<void()> & between,
+                                            int64_t attention_block_bytes)
+    : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
+      C_(s.cfg_.chunk_tokens), n_batch_(n_batch), attention_block_bytes_(attention_block_bytes), between_(between),
+      backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
+      sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()) {
+    check_shared_kv(hp_);
+    spc_.pool_tokens = std::max(round_up(round_up(end_, s_.kv_pad_), C_), spc_.min_pool_tokens());
+    spc_.max_tokens = spc_.pool_tokens;
+    sl_.n_layer = 1;
+    sl_.pool_tokens = spc_.pool_tokens;
+    make_stages();
+    spc_.chunk_bytes = stage_of(n_stack_ - 1).chunk_bytes();
+    stage_pager_ = std::make_unique<KvPager>(spc_);
+    const bool pin = can_pin_for(backend_);
+    plan_steps();
+    hidden_ = std::make_unique<HiddenStates>(backend_, hp_.n_embd, start_, n_, steps_, pin);
+    bounce_buf_ = std::make_unique<HostMemory>((size_t) (s_.pager_->n_blocks() * lcb_), pin);
+    for (int d = 0; d < m_.n_devices(); ++d) {
+        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, std::min(n_batch_, n_), s_.kv_pad_));
+    }
+    sched_.reset(s_.new_sched());
+    out_.logits.resize((size_t) hp_.n_vocab);
+    out_.attention.assign((size_t) end_, 0.0f);
+    t0_ = std::chrono::steady_clock::now();
+    if (s_.ring_) ring_start_ = s_.ring_->mark();
+    if (s_.ring_ && start_ > 0) ring_rows_ = s_.ring_->copy_rows();
+    // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
+    // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
+    if (s_.recurrent_) recurrent_start_ = s_.recurrent_->copy();
+    c_held_ = (start_ + C_ - 1) / C_;
+    c_new_ = start_ / C_;
+    c_end_ = (end_ + C_ - 1) / C_;
+    // The host images the prompt's evicted chunks will need are made (pinned) on another thread while layer 0
+    // computes; the pager places the prompt after that (layer 0's K/V are the first to go anywhere).
+    slabs_ = std::async(std::launch::async, [kv = s_.kv_.get(),
+                                             n_slots = s_.kv_->host_slots_short(std::max<int64_t>(0, c_end_ - s_.pager_->n_blocks()))] {
+        return kv->make_slabs(n_slots);
+    });
+}
+
+// One staging pool per device that runs a layer with staged K/V of its own (top of this file); a layer without
+// K/V of its own reads the one its source wrote, the nearest staged layer before it (check_shared_kv).
+void Session::ExactPrefillPass::make_stages() {
+    stages_.resize((size_t) m_.n_devices());
+    for (int il = 0; il < n_stack_; ++il) {
+        std::unique_ptr<PooledKV> & st = stages_[(size_t) m_.device_of(il)];
+        if (attends_staging(il) && kind(il).has_kv && !st) {
+            st = std::make_unique<PooledKV>(LayerBackends{m_.device_backend(m_.device_of(il))}, sl_);
+        }
+    }
+    if (std::none_of(stages_.begin(), stages_.end(), [](const auto & st) { return st != nullptr; })) {
+        stages_[(size_t) m_.device_of((int) hp_.n_layer)] = std::make_unique<PooledKV>(LayerBackends{backend_}, sl_);   // its chunk size
+    }
+}
+
+PooledKV & Session::ExactPrefillPass::stage_of(int il) const {
+    int src = il;
+    while (src > 0 && !(attends_staging(src) && kind(src).has_kv)) --src;
+    PooledKV * st = stages_[(size_t) m_.device_of(src)].get();
+    return st ? *st : **std::find_if(stages_.begin(), stages_.end(), [](const auto & x) { return x != nullptr; });
+}
+
+// The steps, layer by layer: a sliding-window layer's are capped by its ring. A layer without K/V of its own
+// takes only the last of the steps a ring layer takes (check_shared_kv), which every layer kind can take.
+void Session::ExactPrefillPass::plan_steps() {
+    const int64_t ring_step = s_.ring_ ? std::min(n_batch_, s_.ring_->max_step()) : n_batch_;
+    const int64_t last_p0 = start_ + (n_ - 1) / ring_step * ring_step;
+    for (int il = 0; il < n_stack_; ++il) {
+        if (!kind(il).has_kv) {
+            steps_.push_back({il, last_p0, end_ - last_p0});
+            continue;
+        }
+        const int64_t layer_step = kind(il).swa ? ring_step : n_batch_;
+        for (int64_t p0 = start_; p0 < end_; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, end_ - p0)});
+    }
+}
+
+// measure: only its shapes count (ggml_backend_sched_reserve); nothing of it is queued.
+Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size_t k, int64_t n_kv, bool measure) {
+    const int il = steps_[k].layer;
+    const int64_t p0 = steps_[k].p0, mt = steps_[k].n;
+    const bool last_layer = il == n_stack_ - 1, final_step = p0 + mt == end_;
+    const LayerKind lk = kind(il);
+    StepGraph sg;
+    sg.ctx.reset(s_.new_graph_ctx());
+    GraphCtx & g = sg.g;
+    g.ctx = sg.ctx.get();
+    g.gf = ggml_new_graph_custom(g.ctx, s_.graph_size(), false);
+    g.kv = &stage_of(il);
+    g.one_layer_kv = true;
+    g.recurrent = s_.recurrent_.get();   // a recurrent layer carries its state from step to step
+    g.n_tokens = mt;
+    g.n_outputs = last_layer ? 1 : mt;
+    g.flash_attn = s_.flash_attn_;
+    g.attention_block_bytes = attention_block_bytes_;
+    // Only the trunk's pooled layers are scored: they alone keep the last tokens' attention and queries.
+    const bool scored = final_step && lk.pooled && !lk.mtp;
+    g.n_attn_tokens = scored ? std::min(mt, k_capture_tokens) : 0;
+    g.n_query_tokens = scored && s_.summaries_ ? std::min(mt, k_capture_tokens) : 0;
+    g.mtp_kv_layer = lk.mtp ? 0 : -1;   // the head's K/V go to the one-layer staging pool
+    // Per-layer embeddings (gemma4) read the tokens in every layer, the MTP head its own embeddings.
+    g.in.tokens = il == 0 || hp_.n_embd_per_layer > 0 || lk.mtp ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
+    // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
+    g.in.positions = lk.recurrent ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
+    g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
+    ggml_tensor * h_in = hidden_->input(g.ctx, k, measure);
+    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
+        if (t) ggml_set_input(t);
+    }
+    if (lk.swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
+        g.ring = &s_.ring_->kv();
+        g.n_ring_kv = n_kv;
+        g.ring_in = kv_step_inputs_new(g.ctx, s_.ring_->kv().layout(), mt, n_kv, false);
+    } else if (attends_staging(il)) {
+        g.n_kv = n_kv;
+        g.in.kv = kv_step_inputs_new(g.ctx, sl_, mt, n_kv, false, bands_[(size_t) m_.device_of(il)].get(), p0);
+    }
+    if (!lk.has_kv) kv_step_inputs_reads_only(lk.swa ? g.ring_in : g.in.kv);
+    sg.y = lk.mtp ? build_mtp_follow(g, m_, h_in) : m_.arch().layer(g, m_, il, h_in ? h_in : m_.arch().embed(g, m_));
+    if (last_layer) {
+        sg.y = build_logits(g, m_, sg.y);   // [n_vocab, 1]: the step's last token
+    } else {
+        ggml_build_forward_expand(g.gf, hidden_->output(g.ctx, k, sg.y));
+    }
+    return sg;
+}
+
+// Before layer il's steps: a sliding-window layer's ring back where it stood before the prompt (every ring layer
+// takes the same positions, one layer after another); a pooled layer's held positions into staging (resident
+// chunks through the bounce buffer). A layer without K/V reads what its source left, at the prompt's end.
+void Session::ExactPrefillPass::stage_layer(int il) {
+    const LayerKind lk = kind(il);
+    if (!lk.has_kv) return;
+    if (lk.swa) {
+        s_.ring_->rewind_to(ring_start_);
+        return;
+    }
+    if (!lk.pooled) return;
+    stage_pager_->reset();
+    if (start_ > 0) stage_pager_->apply(stage_pager_->plan_alloc(0, start_));
+    uint8_t * bounce = bounce_buf_->data();
+    int64_t n_bounced = 0;
+    for (int64_t c = 0; c < c_held_; ++c) {
+        if (blocks_[c] >= 0) s_.kv_->get_layer_async(blocks_[c], lk.pl, bounce + (n_bounced++) * lcb_);
+    }
+    s_.kv_->synchronize();
+    n_bounced = 0;
+    for (int64_t c = 0; c < c_held_; ++c) {
+        stage_of(il).set_layer_async(c, 0, blocks_[c] >= 0 ? bounce + (n_bounced++) * lcb_ : s_.kv_->image_layer(c, lk.pl));
+    }
+}
+
+// A pooled layer's steps attend ever more slots: reserved for its largest step before the first (the last before
+// the final one, whose captures make another graph), the scheduler never has to grow its buffer, which means
+// waiting for the step before, while the steps are queued.
+void Session::ExactPrefillPass::reserve_layer(int il, size_t k_end) {
+    if (!kind(il).pooled || !hidden_->overlaps() || k_end - k_ < 3) return;
+    const HiddenStates::Step & big = steps_[k_end - 2];
+    const int64_t n_kv = std::min(round_up(big.p0 + big.n, s_.kv_pad_), spc_.pool_tokens);
+    const auto t_graph = std::chrono::steady_clock::now();
+    StepGraph measure = build_graph(k_end - 2, n_kv, true);
+    if (!ggml_backend_sched_reserve(sched_.get(), measure.g.gf)) {
+        throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
+    }
+    s_.timings_.t_prefill_graph_ms += ms_since(t_graph);
+}
+
+void Session::ExactPrefillPass::run_step(size_t k) {
+    const int il = steps_[k].layer;
+    const int64_t p0 = steps_[k].p0, mt = steps_[k].n;
+    const bool last_layer = il == n_stack_ - 1, final_step = p0 + mt == end_;
+    const LayerKind lk = kind(il);
+    auto t_io = std::chrono::steady_clock::now();
+    Plan plan;
+    KvKeyOrder order;
+    if (!lk.has_kv) {   // reads only: the keys every position of the prompt left
+        plan.span_start = p0;
+        plan.span_n = mt;
+        order = lk.swa ? s_.ring_->key_order() : kv_key_order(*stage_pager_, sl_, false, s_.kv_pad_);
+    } else if (lk.swa) {
+        plan = s_.ring_->place(p0, mt);
+        order = s_.ring_->key_order();
+    } else if (lk.pooled) {
+        plan = stage_pager_->plan_alloc(p0, mt);
+        stage_pager_->apply(plan);
+        order = kv_key_order(*stage_pager_, sl_, false, s_.kv_pad_);
+    }
+
+    const auto t_graph = std::chrono::steady_clock::now();
+    StepGraph sg = build_graph(k, order.n_kv, false);
+    GraphCtx & g = sg.g;
+    KvStepInputs * step_kv = lk.swa ? &g.ring_in : attends_staging(il) ? &g.in.kv : nullptr;   // none: a recurrent layer
+    ggml_backend_sched_reset(sched_.get());
+    if (!ggml_backend_sched_alloc_graph(sched_.get(), g.gf)) {
+        check_rpc_connections(sched_.get());   // a lost RPC device allocates nothing
+        throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
+    }
+    peak_compute_ = std::max(peak_compute_, sched_device_bytes(m_, sched_.get()));
+    s_.timings_.t_prefill_graph_ms += ms_since(t_graph);
+    t_io = std::chrono::steady_clock::now();
+
+    pos_.resize((size_t) mt);
+    for (int64_t i = 0; i < mt; ++i) pos_[i] = (int32_t) (p0 + i);
+    if (g.in.tokens) ggml_backend_tensor_set(g.in.tokens, tokens_ + (p0 - start_), 0, mt * sizeof(int32_t));
+    if (g.in.positions) ggml_backend_tensor_set(g.in.positions, pos_.data(), 0, mt * sizeof(int32_t));
+    if (g.in.out_ids) {
+        const int32_t last = (int32_t) (mt - 1);
+        ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
+    }
+    if (step_kv) kv_step_inputs_set(*step_kv, lk.swa ? s_.ring_->kv().layout() : sl_, order, plan, pos_.data(), s_.input_scratch_);
+    s_.timings_.t_prefill_io_ms += ms_since(t_io);
+    // Queued behind the step before, which may still run: this step's graph and inputs were made meanwhile (the
+    // scheduler waits for the device before copying the inputs over). A layer's last step runs to its end: its
+    // outputs are read here and its K/V copied out by write_back.
+    hidden_->before_compute(k);
+    if (ggml_backend_sched_graph_compute_async(sched_.get(), g.gf) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("ggml graph compute failed");
+    }
+    s_.timings_.n_computes++;
+    t_io = std::chrono::steady_clock::now();
+    if (final_step || !hidden_->overlaps()) ggml_backend_sched_synchronize(sched_.get());
+    hidden_->queued(k, last_layer ? nullptr : sg.y);
+    if (last_layer && final_step) ggml_backend_tensor_get(sg.y, out_.logits.data(), 0, ggml_nbytes(sg.y));
+    if (final_step && lk.pooled && !lk.mtp) capture(g, lk);
+    s_.timings_.t_prefill_io_ms += ms_since(t_io);
+    if (final_step) check_rpc_connections(sched_.get());   // per layer: a lost RPC device reads as zeros
+    queued_ctx_ = std::move(sg.ctx);
+    // A step that ran to its end is an interrupt point too (every CPU step does), so that Ctrl-C does not wait
+    // for a whole layer of a long prompt; a device's queued steps wait for the layer's end.
+    if (between_ && !final_step && !hidden_->overlaps()) between_();
+}
+
+// The last tokens' attention, staging slot j = position j: max over queries and layers; and the qk / quest
+// scorers' queries, as a forward step keeps them.
+void Session::ExactPrefillPass::capture(const GraphCtx & g, const LayerKind & lk) {
+    const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
+    std::vector<float> rows((size_t) ggml_nelements(a));
+    ggml_backend_tensor_get(a, rows.data(), 0, ggml_nbytes(a));
+    const int64_t n_kv = a->ne[0];
+    for (int64_t i = 0; i < a->ne[1]; ++i) {
+        for (int64_t j = 0; j < std::min(n_kv, end_); ++j) {
+            out_.attention[j] = std::max(out_.attention[j], rows[(size_t) (i * n_kv + j)]);
+        }
+    }
+    if (g.n_query_tokens > 0) {
+        const ggml_tensor * q = g.queries.at(0);   // [head_dim, n_head, n_q]
+        const int64_t n_pooled = hp_.n_pooled_layers();
+        if (lk.pl == 0) {
+            queries_ = StepQueries{n_pooled, q->ne[2], q->ne[1], q->ne[0], {}};
+            queries_.data.resize((size_t) (n_pooled * ggml_nelements(q)));
+        }
+        ggml_backend_tensor_get(q, queries_.data.data() + lk.pl * ggml_nelements(q), 0, ggml_nbytes(q));
+    }
+}
+
+// Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer, evicted chunks
+// straight into their host images.
+void Session::ExactPrefillPass::write_back(int il) {
+    const LayerKind lk = kind(il);
+    if (!lk.pooled) return;
+    const auto t_io = std::chrono::steady_clock::now();
+    uint8_t * bounce = bounce_buf_->data();
+    PooledKV & stage = stage_of(il);
+    int64_t n_bounced = 0;
+    for (int64_t c = c_new_; c < c_end_; ++c) {
+        stage.get_layer_async(c, 0, blocks_[c] >= 0 ? bounce + (n_bounced++) * lcb_ : s_.kv_->image_layer(c, lk.pl));
+    }
+    stage.synchronize();
+    n_bounced = 0;
+    for (int64_t c = c_new_; c < c_end_; ++c) {
+        const uint8_t * layer = blocks_[c] >= 0 ? bounce + (n_bounced++) * lcb_ : s_.kv_->image_layer(c, lk.pl);
+        if (blocks_[c] >= 0) s_.kv_->set_layer_async(blocks_[c], lk.pl, layer);
+        if (s_.summaries_ && !lk.mtp && (c + 1) * C_ <= end_) s_.summaries_->seal_layer(c, lk.pl, s_.kv_->layout(), layer);   // K first
+    }
+    s_.timings_.t_prefill_io_ms += ms_since(t_io);
+}
+
+// No new position is complete before its last layer is written: forget them all, and put the rings and the
+// recurrent state back where they stood.
+void Session::ExactPrefillPass::roll_back() {
+    s_.kv_->synchronize();
+    if (s_.ring_) {
+        s_.ring_->rewind_to(ring_start_);
+        if (!ring_rows_.empty()) s_.ring_->restore_rows(ring_rows_);
+    }
+    if (s_.recurrent_) s_.recurrent_->rewind_to(recurrent_start_);
+    s_.truncate(start_);
+}
+
+ExactPrefill Session::ExactPrefillPass::run() {
+    try {
+        if (s_.recurrent_) s_.recurrent_->place(start_, n_);   // every recurrent layer consumes the prompt in turn
+        blocks_ = s_.pager_->chunk_blocks();   // the held chunks' places before the prompt is placed
+        for (int il = 0; il < n_stack_; ++il) {
+            auto t_io = std::chrono::steady_clock::now();
+            stage_layer(il);
+            s_.timings_.t_prefill_io_ms += ms_since(t_io);
+            size_t k_end = k_;
+            while (k_end < steps_.size() && steps_[k_end].layer == il) ++k_end;
+            reserve_layer(il, k_end);
+            for (; k_ < k_end; ++k_) run_step(k_);
+            if (il == 0) {
+                s_.kv_->add_slabs(slabs_.get());
+                s_.place_prompt(tokens_, n_, start_);
+                blocks_ = s_.pager_->chunk_blocks();   // every chunk's final place
+            }
+            write_back(il);
+            if (between_) between_();
+        }
+        s_.kv_->synchronize();
+    } catch (...) {
+        roll_back();
+        throw;
+    }
+    account();
+    return std::move(out_);
+}
+
+void Session::ExactPrefillPass::account() {
+    s_.timings_.t_compute_ms += ms_since(t0_);
+    s_.prefill_queries_ = std::move(queries_);
+    int64_t band_bytes = 0, staging_bytes = 0;
+    for (const auto & b : bands_) band_bytes += b->device_bytes();
+    for (const auto & st : stages_) staging_bytes += st ? st->device_bytes() : 0;
+    const int64_t workspace = staging_bytes + band_bytes + hidden_->device_bytes() + peak_compute_;
+    if (workspace > s_.prefill_peak_bytes_) {
+        s_.prefill_peak_bytes_ = workspace;
+        s_.prefill_staging_bytes_ = staging_bytes;
+    }
+    s_.prefill_host_bytes_ = std::max(s_.prefill_host_bytes_, (int64_t) (hidden_->host().size() + bounce_buf_->size()));
+}
+
 ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
                                     const std::function<void()> & between, int64_t attention_block_bytes) {
     const SessionLock held = lock();
@@ -270,334 +679,8 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     if (n_batch == 0) n_batch = cfg_.n_batch;
     if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
-    const int64_t C = cfg_.chunk_tokens, end = start + n;
-    const Model & m = *model_;
-    const ModelHparams & hp = m.hparams();
-    ggml_backend_t backend = m.backend();
-    check_shared_kv(hp);
-    // The layers run, the MTP head's last: layer n_layer, pooled (its K/V are the pool's last layer), attending nothing.
-    const int n_stack = (int) hp.n_layer + (cfg_.mtp ? 1 : 0);
-    struct LayerKind {
-        bool mtp, swa, recurrent, has_kv, pooled;
-        int64_t pl;   // the layer's row in the pool (or its ring, or its state)
-    };
-    const auto kind = [&](int il) -> LayerKind {
-        if (il == hp.n_layer) return {true, false, false, true, true, kv_->layout().n_layer - 1};
-        return {false, hp.is_swa(il), hp.is_recurrent(il), hp.has_kv(il), hp.is_pooled(il), hp.kv_index(il)};
-    };
-    // A global layer attends the staging pool: its own K/V, or (shared K/V) its source's, staged last.
-    const auto attends_staging = [&kind](int il) { const LayerKind k = kind(il); return k.mtp || (!k.swa && !k.recurrent); };
-
-    // ---- the workspace, allocated before any state changes ----
-    PagerConfig spc = pager_->config();   // staging: identity mapping over positions [0, end)
-    spc.pool_tokens = std::max(round_up(round_up(end, kv_pad_), C), spc.min_pool_tokens());
-    spc.max_tokens = spc.pool_tokens;
-    KvLayout sl = kv_->layout();
-    sl.n_layer = 1;
-    sl.pool_tokens = spc.pool_tokens;
-    // One staging pool per device that runs a layer with staged K/V of its own (top of this file); a layer without
-    // K/V of its own reads the one its source wrote, the nearest staged layer before it (check_shared_kv).
-    std::vector<std::unique_ptr<PooledKV>> stages((size_t) m.n_devices());
-    for (int il = 0; il < n_stack; ++il) {
-        std::unique_ptr<PooledKV> & s = stages[(size_t) m.device_of(il)];
-        if (attends_staging(il) && kind(il).has_kv && !s) s = std::make_unique<PooledKV>(LayerBackends{m.device_backend(m.device_of(il))}, sl);
-    }
-    if (std::none_of(stages.begin(), stages.end(), [](const auto & s) { return s != nullptr; })) {
-        stages[(size_t) m.device_of((int) hp.n_layer)] = std::make_unique<PooledKV>(LayerBackends{backend}, sl);   // its chunk size
-    }
-    const auto stage_of = [&](int il) -> PooledKV & {
-        int src = il;
-        while (src > 0 && !(attends_staging(src) && kind(src).has_kv)) --src;
-        PooledKV * s = stages[(size_t) m.device_of(src)].get();
-        return s ? *s : **std::find_if(stages.begin(), stages.end(), [](const auto & x) { return x != nullptr; });
-    };
-    spc.chunk_bytes = stage_of(n_stack - 1).chunk_bytes();
-    KvPager stage_pager(spc);
-    const int64_t lcb = kv_->layer_chunk_bytes(), n_embd = hp.n_embd;
-    const bool pin = can_pin_for(backend);
-    // The steps, layer by layer: a sliding-window layer's are capped by its ring. A layer without K/V of its own
-    // takes only the last of the steps a ring layer takes (check_shared_kv), which every layer kind can take.
-    std::vector<HiddenStates::Step> steps;
-    const int64_t ring_step = ring_ ? std::min(n_batch, ring_->max_step()) : n_batch;
-    const int64_t last_p0 = start + (n - 1) / ring_step * ring_step;
-    for (int il = 0; il < n_stack; ++il) {
-        if (!kind(il).has_kv) {
-            steps.push_back({il, last_p0, end - last_p0});
-            continue;
-        }
-        const int64_t layer_step = kind(il).swa ? ring_step : n_batch;
-        for (int64_t p0 = start; p0 < end; p0 += layer_step) steps.push_back({il, p0, std::min(layer_step, end - p0)});
-    }
-    HiddenStates hidden(backend, n_embd, start, n, steps, pin);
-    HostMemory bounce_buf((size_t) (pager_->n_blocks() * lcb), pin);
-    uint8_t * bounce = bounce_buf.data();
-    // One band per device: its zero row is a view with row stride 0, which ggml's scheduler cannot take as the
-    // input of a split on another device (ggml_view_tensor of it fails), so each layer reads its own device's.
-    std::vector<std::unique_ptr<CausalBand>> bands;
-    for (int d = 0; d < m.n_devices(); ++d) {
-        bands.push_back(std::make_unique<CausalBand>(m.device_backend(d), spc.pool_tokens, std::min(n_batch, n), kv_pad_));
-    }
-    const auto band_of = [&](int il) -> const CausalBand * { return bands[(size_t) m.device_of(il)].get(); };
-    SchedPtr sched(new_sched(), ggml_backend_sched_free);
-
-    ExactPrefill out;
-    out.logits.resize((size_t) hp.n_vocab);
-    out.attention.assign((size_t) end, 0.0f);
-    StepQueries queries;
-    int64_t peak_compute = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    const SlidingWindowKV::Mark ring_start = ring_ ? ring_->mark() : SlidingWindowKV::Mark{};
-    const std::vector<uint8_t> ring_rows = ring_ && start > 0 ? ring_->copy_rows() : std::vector<uint8_t>{};
-    // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
-    // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
-    const RecurrentState::Copy recurrent_start = recurrent_ ? recurrent_->copy() : RecurrentState::Copy{};
-    // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held
-    // tokens end inside is both: it goes into staging whole and comes back whole).
-    const int64_t c_held = (start + C - 1) / C, c_new = start / C, c_end = (end + C - 1) / C;
-    // The host images the prompt's evicted chunks will need are made (pinned) on another thread while layer 0
-    // computes; the pager places the prompt after that (layer 0's K/V are the first to go anywhere).
-    std::future<std::vector<std::unique_ptr<HostMemory>>> slabs = std::async(
-        std::launch::async, [this, n_slots = kv_->host_slots_short(std::max<int64_t>(0, c_end - pager_->n_blocks()))] {
-            return kv_->make_slabs(n_slots);
-        });
-    try {
-        if (recurrent_) recurrent_->place(start, n);   // every recurrent layer consumes the prompt in turn
-        // Where each chunk is read from (block, or -1: host): the held ones before the prompt is placed,
-        // every chunk's final place after.
-        std::vector<int64_t> blocks = pager_->chunk_blocks();
-        std::vector<int32_t> pos;
-        size_t k = 0;   // the step
-        CtxPtr queued_ctx(nullptr, ggml_free);   // the graph still running while the next one is built
-        // Step k's graph: its layer over its positions, attending n_kv slots of the staging pool or the ring.
-        // measure: only its shapes count (ggml_backend_sched_reserve); nothing of it is queued.
-        struct StepGraph {
-            CtxPtr ctx{nullptr, ggml_free};
-            GraphCtx g;
-            ggml_tensor * y = nullptr;   // the layer's output, or the logits on the last layer
-        };
-        const auto build_graph = [&](size_t k, int64_t n_kv, bool measure) {
-            const int il = steps[k].layer;
-            const int64_t p0 = steps[k].p0, mt = steps[k].n;
-            const bool last_layer = il == n_stack - 1, final_step = p0 + mt == end;
-            const LayerKind lk = kind(il);
-            const bool swa = lk.swa, staged = attends_staging(il), pooled = lk.pooled;
-            StepGraph sg;
-            sg.ctx.reset(new_graph_ctx());
-            GraphCtx & g = sg.g;
-            g.ctx = sg.ctx.get();
-            g.gf = ggml_new_graph_custom(g.ctx, graph_size(), false);
-            g.kv = &stage_of(il);
-            g.one_layer_kv = true;
-            g.recurrent = recurrent_.get();   // a recurrent layer carries its state from step to step
-            g.n_tokens = mt;
-            g.n_outputs = last_layer ? 1 : mt;
-            g.flash_attn = flash_attn_;
-            g.attention_block_bytes = attention_block_bytes;
-            // Only the trunk's pooled layers are scored: they alone keep the last tokens' attention and queries.
-            const bool scored = final_step && pooled && !lk.mtp;
-            g.n_attn_tokens = scored ? std::min(mt, k_capture_tokens) : 0;
-            g.n_query_tokens = scored && summaries_ ? std::min(mt, k_capture_tokens) : 0;
-            g.mtp_kv_layer = lk.mtp ? 0 : -1;   // the head's K/V go to the one-layer staging pool
-            // Per-layer embeddings (gemma4) read the tokens in every layer, the MTP head its own embeddings.
-            g.in.tokens = il == 0 || hp.n_embd_per_layer > 0 || lk.mtp ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
-            // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
-            g.in.positions = lk.recurrent ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
-            g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
-            ggml_tensor * h_in = hidden.input(g.ctx, k, measure);
-            for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
-                if (t) ggml_set_input(t);
-            }
-            if (swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
-                g.ring = &ring_->kv();
-                g.n_ring_kv = n_kv;
-                g.ring_in = kv_step_inputs_new(g.ctx, ring_->kv().layout(), mt, n_kv, false);
-            } else if (staged) {
-                g.n_kv = n_kv;
-                g.in.kv = kv_step_inputs_new(g.ctx, sl, mt, n_kv, false, band_of(il), p0);
-            }
-            if (!lk.has_kv) kv_step_inputs_reads_only(swa ? g.ring_in : g.in.kv);
-            sg.y = lk.mtp ? build_mtp_follow(g, m, h_in) : m.arch().layer(g, m, il, h_in ? h_in : m.arch().embed(g, m));
-            if (last_layer) {
-                sg.y = build_logits(g, m, sg.y);   // [n_vocab, 1]: the step's last token
-            } else {
-                ggml_build_forward_expand(g.gf, hidden.output(g.ctx, k, sg.y));
-            }
-            return sg;
-        };
-
-        for (int il = 0; il < n_stack; ++il) {
-            const LayerKind lk = kind(il);
-            const bool last_layer = il == n_stack - 1, swa = lk.swa, staged = attends_staging(il), pooled = lk.pooled;
-            const int64_t pl = lk.pl;
-            auto t_io = std::chrono::steady_clock::now();
-            if (!lk.has_kv) {
-                // It reads the ring or the staging pool as its source left them, at the prompt's end.
-            } else if (swa) {
-                // A sliding-window layer runs the prompt through its own ring, from where the ring stood
-                // before the prompt (every ring layer takes the same positions, one layer after another).
-                ring_->rewind_to(ring_start);
-            } else if (pooled) {
-                // Layer il of the held positions into staging block c (resident chunks through the bounce buffer).
-                stage_pager.reset();
-                if (start > 0) stage_pager.apply(stage_pager.plan_alloc(0, start));
-                int64_t n_bounced = 0;
-                for (int64_t c = 0; c < c_held; ++c) {
-                    if (blocks[c] >= 0) kv_->get_layer_async(blocks[c], pl, bounce + (n_bounced++) * lcb);
-                }
-                kv_->synchronize();
-                n_bounced = 0;
-                for (int64_t c = 0; c < c_held; ++c) {
-                    stage_of(il).set_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
-                }
-            }
-            timings_.t_prefill_io_ms += ms_since(t_io);
-
-            // A pooled layer's steps attend ever more slots: reserved for its largest step before the first
-            // (the last before the final one, whose captures make another graph), the scheduler never has to
-            // grow its buffer, which means waiting for the step before, while the steps are queued.
-            size_t k_end = k;
-            while (k_end < steps.size() && steps[k_end].layer == il) ++k_end;
-            if (pooled && hidden.overlaps() && k_end - k >= 3) {
-                const HiddenStates::Step & big = steps[k_end - 2];
-                const int64_t n_kv = std::min(round_up(big.p0 + big.n, kv_pad_), spc.pool_tokens);
-                const auto t_graph = std::chrono::steady_clock::now();
-                StepGraph measure = build_graph(k_end - 2, n_kv, true);
-                if (!ggml_backend_sched_reserve(sched.get(), measure.g.gf)) {
-                    throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
-                }
-                timings_.t_prefill_graph_ms += ms_since(t_graph);
-            }
-            for (; k < k_end; ++k) {
-                const int64_t p0 = steps[k].p0, mt = steps[k].n;
-                const bool final_step = p0 + mt == end;
-                Plan plan;
-                KvKeyOrder order;
-                if (!lk.has_kv) {   // reads only: the keys every position of the prompt left
-                    plan.span_start = p0;
-                    plan.span_n = mt;
-                    order = swa ? ring_->key_order() : kv_key_order(stage_pager, sl, false, kv_pad_);
-                } else if (swa) {
-                    plan = ring_->place(p0, mt);
-                    order = ring_->key_order();
-                } else if (pooled) {
-                    plan = stage_pager.plan_alloc(p0, mt);
-                    stage_pager.apply(plan);
-                    order = kv_key_order(stage_pager, sl, false, kv_pad_);
-                }
-
-                const auto t_graph = std::chrono::steady_clock::now();
-                StepGraph sg = build_graph(k, order.n_kv, false);
-                GraphCtx & g = sg.g;
-                ggml_tensor * y = sg.y;
-                KvStepInputs * step_kv = swa ? &g.ring_in : staged ? &g.in.kv : nullptr;   // none: a recurrent layer
-                ggml_backend_sched_reset(sched.get());
-                if (!ggml_backend_sched_alloc_graph(sched.get(), g.gf)) {
-                    check_rpc_connections(sched.get());   // a lost RPC device allocates nothing
-                    throw std::runtime_error("could not allocate the layer-major prefill graph (out of memory?)");
-                }
-                peak_compute = std::max(peak_compute, sched_device_bytes(m, sched.get()));
-                timings_.t_prefill_graph_ms += ms_since(t_graph);
-                t_io = std::chrono::steady_clock::now();
-
-                pos.resize((size_t) mt);
-                for (int64_t i = 0; i < mt; ++i) pos[i] = (int32_t) (p0 + i);
-                if (g.in.tokens) ggml_backend_tensor_set(g.in.tokens, tokens + (p0 - start), 0, mt * sizeof(int32_t));
-                if (g.in.positions) ggml_backend_tensor_set(g.in.positions, pos.data(), 0, mt * sizeof(int32_t));
-                if (g.in.out_ids) {
-                    const int32_t last = (int32_t) (mt - 1);
-                    ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
-                }
-                if (step_kv) kv_step_inputs_set(*step_kv, swa ? ring_->kv().layout() : sl, order, plan, pos.data(), input_scratch_);
-                timings_.t_prefill_io_ms += ms_since(t_io);
-                // Queued behind the step before, which may still run: this step's graph and inputs were made
-                // meanwhile (the scheduler waits for the device before copying the inputs over). A layer's
-                // last step runs to its end: its outputs are read here and its K/V copied out below.
-                hidden.before_compute(k);
-                if (ggml_backend_sched_graph_compute_async(sched.get(), g.gf) != GGML_STATUS_SUCCESS) {
-                    throw std::runtime_error("ggml graph compute failed");
-                }
-                timings_.n_computes++;
-                t_io = std::chrono::steady_clock::now();
-                if (final_step || !hidden.overlaps()) ggml_backend_sched_synchronize(sched.get());
-                hidden.queued(k, last_layer ? nullptr : y);
-                if (last_layer && final_step) ggml_backend_tensor_get(y, out.logits.data(), 0, ggml_nbytes(y));
-                if (final_step && pooled && !lk.mtp) {
-                    // The last tokens' attention, staging slot j = position j: max over queries and layers.
-                    const ggml_tensor * a = g.attn.at(0);   // [n_kv, n_q]
-                    std::vector<float> rows((size_t) ggml_nelements(a));
-                    ggml_backend_tensor_get(a, rows.data(), 0, ggml_nbytes(a));
-                    const int64_t n_kv = a->ne[0];
-                    for (int64_t i = 0; i < a->ne[1]; ++i) {
-                        for (int64_t j = 0; j < std::min(n_kv, end); ++j) {
-                            out.attention[j] = std::max(out.attention[j], rows[(size_t) (i * n_kv + j)]);
-                        }
-                    }
-                    if (g.n_query_tokens > 0) {   // the qk / quest scorers' queries, as a forward step keeps them
-                        const ggml_tensor * q = g.queries.at(0);   // [head_dim, n_head, n_q]
-                        const int64_t n_pooled = hp.n_pooled_layers();
-                        if (pl == 0) {
-                            queries = StepQueries{n_pooled, q->ne[2], q->ne[1], q->ne[0], {}};
-                            queries.data.resize((size_t) (n_pooled * ggml_nelements(q)));
-                        }
-                        ggml_backend_tensor_get(q, queries.data.data() + pl * ggml_nelements(q), 0, ggml_nbytes(q));
-                    }
-                }
-                timings_.t_prefill_io_ms += ms_since(t_io);
-                if (final_step) check_rpc_connections(sched.get());   // per layer: a lost RPC device reads as zeros
-                queued_ctx = std::move(sg.ctx);
-                // A step that ran to its end is an interrupt point too (every CPU step does), so that Ctrl-C does
-                // not wait for a whole layer of a long prompt; a device's queued steps wait for the layer's end.
-                if (between && !final_step && !hidden.overlaps()) between();
-            }
-
-            if (il == 0) {
-                kv_->add_slabs(slabs.get());
-                place_prompt(tokens, n, start);
-                blocks = pager_->chunk_blocks();
-            }
-            if (pooled) {
-                // Layer il of the new chunks to where the pager placed them: blocks through the bounce buffer,
-                // evicted chunks straight into their host images.
-                t_io = std::chrono::steady_clock::now();
-                int64_t n_bounced = 0;
-                for (int64_t c = c_new; c < c_end; ++c) {
-                    stage_of(il).get_layer_async(c, 0, blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl));
-                }
-                stage_of(il).synchronize();
-                n_bounced = 0;
-                for (int64_t c = c_new; c < c_end; ++c) {
-                    const uint8_t * layer = blocks[c] >= 0 ? bounce + (n_bounced++) * lcb : kv_->image_layer(c, pl);
-                    if (blocks[c] >= 0) kv_->set_layer_async(blocks[c], pl, layer);
-                    if (summaries_ && !lk.mtp && (c + 1) * C <= end) summaries_->seal_layer(c, pl, kv_->layout(), layer);   // K first
-                }
-                timings_.t_prefill_io_ms += ms_since(t_io);
-            }
-            if (between) between();
-        }
-        kv_->synchronize();
-    } catch (...) {
-        kv_->synchronize();
-        if (ring_) {
-            ring_->rewind_to(ring_start);
-            if (!ring_rows.empty()) ring_->restore_rows(ring_rows);
-        }
-        if (recurrent_) recurrent_->rewind_to(recurrent_start);
-        truncate(start);   // no new position is complete before its last layer is written: forget them all
-        throw;
-    }
-    timings_.t_compute_ms += ms_since(t0);
-    prefill_queries_ = std::move(queries);
-    int64_t band_bytes = 0;
-    for (const auto & b : bands) band_bytes += b->device_bytes();
-    int64_t staging_bytes = 0;
-    for (const auto & s : stages) staging_bytes += s ? s->device_bytes() : 0;
-    const int64_t workspace = staging_bytes + band_bytes + hidden.device_bytes() + peak_compute;
-    if (workspace > prefill_peak_bytes_) {
-        prefill_peak_bytes_ = workspace;
-        prefill_staging_bytes_ = staging_bytes;
-    }
-    prefill_host_bytes_ = std::max(prefill_host_bytes_, (int64_t) (hidden.host().size() + bounce_buf.size()));
-    return out;
+    ExactPrefillPass pass(*this, tokens, n, start, n_batch, between, attention_block_bytes);
+    return pass.run();
 }
 
 int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device) {
