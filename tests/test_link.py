@@ -97,6 +97,16 @@ def test_latency_is_added(echo):
     assert 9.5e-3 <= rtt < 10e-3 + 20e-3
 
 
+def test_exchanges_count_round_trips(echo):
+    # Issue 40 item 4: the experiment reads a decode step's round trips over the link from `exchanges` (what sets
+    # its cost on a link with latency); one request answered before the next is one exchange, however it is read.
+    # 5 ms one way: a message is read whole (in several pieces) long before its echo can come back
+    with Link(echo.endpoint, LinkProfile("t", 5e-3, 0)) as link:
+        link_rtt(link.endpoint, n=17, size=300_000)   # each message read in several pieces: still one exchange
+        stats = link.stats()
+    assert stats["exchanges"] == 17 and stats["bytes_up"] == stats["bytes_down"] == 17 * 300_000
+
+
 def test_rate_is_paced(echo):
     # Issue 40 item 4: the rate of a link (1 Gbit/s at home); 100 Mbit/s here, well below what the emulator can move
     # on a loaded 2-core machine (~2 Gbit/s measured), so the pacing, not the machine, sets the time.

@@ -53,16 +53,39 @@ CHUNK = 64 * 1024   # bytes read at a time: at 1 Gbit/s 0.5 ms of wire, fine eno
 
 # ---- the forwarder (the child process) --------------------------------------------------------------------
 
+class _Traffic:
+    """What a link carried: bytes each way, and exchanges: the times a client spoke after its server had (or first),
+    each a round trip the client may have waited for (ggml-rpc's commands with a reply are)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bytes_up = self.bytes_down = self.exchanges = 0
+
+    def arrived(self, last_up: list, up: bool) -> None:
+        """Bytes read from one end of a connection (last_up: that connection's last speaker, [None] at first)."""
+        with self.lock:
+            if up and last_up[0] is not True:
+                self.exchanges += 1
+            last_up[0] = up
+
+    def delivered(self, up: bool, n: int) -> None:
+        with self.lock:
+            if up:
+                self.bytes_up += n
+            else:
+                self.bytes_down += n
+
+
 class _Direction:
     """One direction of one connection: a reader thread stamps each read with the time it arrives at the far end
     (after the wire is free, its bytes at the rate, plus the latency); a writer thread sends it then. The queue
     is bounded (back-pressure onto the sender, as a link's buffers are)."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket, latency_s: float, rate_bps: float, counter: list,
-                 oversleep_s: float = 0.0) -> None:
-        self.src, self.dst, self.latency_s, self.rate_bps, self.counter = src, dst, latency_s, rate_bps, counter
-        self.oversleep_s = oversleep_s
-        self.max_queued = max(4 << 20, int(2 * rate_bps / 8 * latency_s))
+    def __init__(self, src: socket.socket, dst: socket.socket, up: bool, forwarder: "_Forwarder", last_up: list) -> None:
+        self.src, self.dst, self.up, self.last_up = src, dst, up, last_up
+        self.latency_s, self.rate_bps, self.oversleep_s = forwarder.latency_s, forwarder.rate_bps, forwarder.oversleep_s
+        self.traffic = forwarder.traffic
+        self.max_queued = max(4 << 20, int(2 * self.rate_bps / 8 * self.latency_s))
         self.queue: deque = deque()
         self.queued = 0
         self.cond = threading.Condition()
@@ -79,6 +102,7 @@ class _Direction:
                 if not data:
                     break
                 now = time.monotonic()
+                self.traffic.arrived(self.last_up, self.up)
                 serialize = len(data) * 8 / self.rate_bps if self.rate_bps else 0.0
                 self.wire_free_at = max(self.wire_free_at, now) + serialize
                 with self.cond:
@@ -104,10 +128,10 @@ class _Direction:
                     due, data = self.queue[0]
                 _sleep_until(due, self.oversleep_s)
                 self.dst.sendall(data)
+                self.traffic.delivered(self.up, len(data))
                 with self.cond:
                     self.queue.popleft()
                     self.queued -= len(data)
-                    self.counter[0] += len(data)
                     self.cond.notify_all()
             self.dst.shutdown(socket.SHUT_WR)   # pass the sender's EOF on
         except OSError:
@@ -146,7 +170,7 @@ class _Forwarder:
         self.listener = socket.create_server(listen)
         self.listener.settimeout(0.1)
         self.sockets: list[socket.socket] = []
-        self.bytes_up, self.bytes_down = [0], [0]   # client to server, server to client
+        self.traffic = _Traffic()
         self.n_connections = 0
         self.lock = threading.Lock()
         self.cut = False
@@ -172,8 +196,8 @@ class _Forwarder:
                     return
                 self.sockets += [_nodelay(client), server]
                 self.n_connections += 1
-            directions = (_Direction(client, server, self.latency_s, self.rate_bps, self.bytes_up, self.oversleep_s),
-                          _Direction(server, client, self.latency_s, self.rate_bps, self.bytes_down, self.oversleep_s))
+            last_up = [None]
+            directions = (_Direction(client, server, True, self, last_up), _Direction(server, client, False, self, last_up))
             threading.Thread(target=self._close_when_done, args=(directions, client, server), daemon=True).start()
 
     def _close_when_done(self, directions, client: socket.socket, server: socket.socket) -> None:
@@ -198,7 +222,9 @@ class _Forwarder:
             self.sockets.clear()
 
     def stats(self) -> dict:
-        return {"bytes_up": self.bytes_up[0], "bytes_down": self.bytes_down[0], "connections": self.n_connections,
+        t = self.traffic
+        return {"bytes_up": t.bytes_up, "bytes_down": t.bytes_down, "exchanges": t.exchanges,
+                "connections": self.n_connections,
                 "cut": self.cut, "oversleep_s": self.oversleep_s}
 
 
@@ -262,7 +288,8 @@ class Link:
         return json.loads(line)
 
     def stats(self) -> dict:
-        """Bytes carried each way (bytes_up: to the server) and connections made, since the link started."""
+        """Since the link started: bytes carried each way (bytes_up: to the server), exchanges (round trips: the
+        times a client spoke after its server had), connections made; cut, and the late wake-up subtracted."""
         return self._command("stats")
 
     def cut(self) -> None:
