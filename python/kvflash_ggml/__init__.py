@@ -12,7 +12,7 @@ from .engine import Engine, StreamSuperseded
 from .generation import GenerationRecord
 from .known_models import resolve_model_path
 from .model import Model
-from .options import PoolConfig, ResidencyConfig, SamplingParams
+from .options import DeviceConfig, PoolConfig, ResidencyConfig, SamplingParams
 from .snapshot import PrefixCache, SnapshotError
 from .tokenizer import Tokenizer
 
@@ -20,7 +20,8 @@ Session = _core.Session
 SessionConfig = _core.SessionConfig
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Engine", "GenerationRecord", "PoolConfig", "PrefixCache", "ResidencyConfig", "SamplingParams",
-           "Session", "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer", "resolve_model_path", "__version__"]
+__all__ = ["Model", "Engine", "GenerationRecord", "DeviceConfig", "PoolConfig", "PrefixCache", "ResidencyConfig",
+           "SamplingParams", "Session", "SessionConfig", "SnapshotError", "StreamSuperseded", "Tokenizer",
+           "resolve_model_path", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

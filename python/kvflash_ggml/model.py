@@ -11,17 +11,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
-from . import _core
 from .engine import CLOSED, Engine
-from .engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
-from .fit import resolve_pool
 from .known_models import resolve_model_path
+from .loading import load, load_for_slots
 from .mtp import wants_mtp
-from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .options import DeviceConfig, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .responses import Responses
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES
-from .threads import cpu_threads
-from .tokenizer import Tokenizer, check_messages
+from .tokenizer import check_messages
 from .tokens import text_if_bytes
 
 log = logging.getLogger(__name__)
@@ -34,14 +31,6 @@ def check_pool_tokens(pool_tokens: Union[None, int, str]) -> Union[None, int, st
         raise ValueError(f"pool_tokens must be a positive number of tokens, 'auto', or None / 'off' for the full "
                          f"cache; got {pool_tokens}")
     return pool_tokens
-
-
-def check_train_ctx(model: _core.Model, pool: PoolConfig) -> None:
-    """n_ctx past the context the GGUF was trained for, in the Model's own words (the core names max_tokens)."""
-    n_ctx_train = model.hparams.n_ctx_train
-    if pool.n_ctx > n_ctx_train and not pool.allow_beyond_train_ctx:
-        raise ValueError(f"n_ctx={pool.n_ctx} exceeds the model's trained context {n_ctx_train}; pass "
-                         f"allow_beyond_train_ctx=True to run past it (positions the model never saw in training)")
 
 
 class Model:
@@ -76,26 +65,18 @@ class Model:
         # speculative: "prompt_lookup", "mtp", a draft GGUF, or a SpeculativeConfig (checked before loading).
         self.speculative = speculative if isinstance(speculative, SpeculativeConfig) or speculative is None else \
             SpeculativeConfig(draft=speculative, max_draft=draft_max)
-        # speculative="mtp": the weights of the GGUF's multi-token-prediction head too (else they are not loaded)
-        # Where the layers go, as llama.cpp splits them (each layer's weights and K/V on its device): rpc:
-        # ["host:port", ...] of ggml-rpc-servers, then this host's GPU (backend "rpc": the servers alone); or devices:
-        # the list in layer order ("cpu", "cudaN", "rpc:HOST:PORT"); tensor_split: their shares (default: free
-        # memory). Each endpoint is checked first (ValueError: spelling, ConnectionError: no answer within 5 s).
-        if isinstance(rpc, str):
-            rpc = [e.strip() for e in rpc.split(",") if e.strip()]
-        self._core_model = _core.Model(self.model_path, backend=backend, n_threads=cpu_threads(n_threads),
-                                       mtp=wants_mtp(self.speculative), rpc=list(rpc or []),
-                                       devices=list(devices or []), tensor_split=list(tensor_split or []))
-        check_train_ctx(self._core_model, self.pool)
-        self.speculative = with_loaded_draft(self.speculative, self._core_model)   # before the fit counts it
-        # 'auto': what every device's free memory (and max_device_bytes) holds; a number: checked against
-        # max_device_bytes if one is given (fit.py)
-        self.pool, why = resolve_pool(self._core_model, self.pool, 1, draft_model=draft_model_of(self.speculative),
-                                      mtp=wants_mtp(self.speculative))
-        log.info("pool_tokens=%r: %s", pool_tokens, why)
+        # Where the layers go, as llama.cpp splits them, and the CPU threads (DeviceConfig); checked before loading.
+        self.device_config = DeviceConfig(backend=backend, rpc=rpc, devices=devices, tensor_split=tensor_split,
+                                          n_threads=n_threads)
+        # speculative="mtp": the weights of the GGUF's multi-token-prediction head too (else they are not loaded).
         # chat_special: chat messages may write control tokens, as llama-server lets them (default: text, as OpenAI)
-        self.tokenizer = Tokenizer(self.model_path, chat_special=chat_special)
-        self.residency = with_loaded_drafter(self.residency, self._core_model)   # its own drafter: one copy
+        loaded = load(self.model_path, self.device_config, mtp=wants_mtp(self.speculative), chat_special=chat_special)
+        self._core_model, self.tokenizer = loaded.model, loaded.tokenizer
+        # 'auto': what every device's free memory (and max_device_bytes) holds; a number: checked against
+        # max_device_bytes if one is given (fit.py); the drafter and a draft model loaded once, before the fit
+        slots = load_for_slots(self._core_model, self.pool, 1, residency=self.residency, speculative=self.speculative)
+        self.pool, self.residency, self.speculative = slots.pool, slots.residency, slots.speculative
+        log.info("pool_tokens=%r: %s", pool_tokens, slots.why)
         self.engine = Engine(self._core_model, self.tokenizer, self.pool, self.residency,
                              prefix_cache_dir=prefix_cache_dir, prefix_cache_bytes=prefix_cache_bytes,
                              chat_template=chat_template, speculative=self.speculative)

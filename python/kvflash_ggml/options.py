@@ -143,6 +143,42 @@ class ResidencyConfig:
         return max(self.tau, n_tokens // TAU_CONTEXT_DIVISOR)
 
 
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the layers go and how many CPU threads compute, as llama.cpp splits a model (each layer's weights and
+    K/V on its device). backend: "auto" (the RPC servers' devices, then this host's GPU if any, else the CPU),
+    "cpu", "cuda" or "rpc" (the servers alone). rpc: ggml-rpc-servers as "host:port" (a list, or one comma-separated
+    string), then this host's GPU; or devices: the list in layer order ("cpu", "cudaN", "rpc:HOST:PORT");
+    tensor_split: their shares of the layers (default: by free memory). n_threads: CPU threads (None or 0: the
+    cores other processes leave free, threads.py).
+
+    Checked here: the shapes above and n_threads. How the devices combine (rpc beside devices, one share per
+    device, an endpoint's spelling and whether it answers within 5 s) is the core's to check when the model loads
+    (cpp/model/device_split.h, cpp/model/rpc.h): ValueError, or ConnectionError for a server that does not answer."""
+
+    backend: str = "auto"
+    rpc: Sequence[str] = ()
+    devices: Sequence[str] = ()
+    tensor_split: Sequence[float] = ()
+    n_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        rpc = self.rpc
+        if isinstance(rpc, str):   # "host:port,host:port", as --rpc spells it
+            rpc = [e.strip() for e in rpc.split(",") if e.strip()]
+        # Stored as tuples (a frozen config holds no list a caller could change); None is "none given".
+        for name, value in (("rpc", rpc), ("devices", self.devices), ("tensor_split", self.tensor_split)):
+            object.__setattr__(self, name, tuple(value or ()))
+        if self.n_threads is not None and (not _is_int(self.n_threads) or self.n_threads < 0):
+            raise ValueError(f"n_threads must be a positive integer or None (the free cores), got {self.n_threads!r}")
+
+    def placement(self) -> dict:
+        """_core.Model(...)'s keywords for where the layers go (the thread count is resolved when the model loads:
+        loading.load)."""
+        return dict(backend=self.backend, rpc=list(self.rpc), devices=list(self.devices),
+                    tensor_split=list(self.tensor_split))
+
+
 SPECULATIVE_MODES = ("prompt_lookup", "mtp")
 
 

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
-from ..commands.flags import device_keywords
-from ..known_models import resolve_model_path
+from ..commands.flags import device_config
+from ..loading import load
 from ..tokenizer import Tokenizer
 
 
@@ -208,8 +208,8 @@ def open_model(args: argparse.Namespace, prog: str, *, mtp: bool = False) -> tup
     """The model flags' GGUF path, model and tokenizer (mtp: with its multi-token-prediction head); a file that
     cannot be loaded ends the command."""
     try:
-        path = resolve_model_path(args.model)
-        return path, _core.Model(path, n_threads=args.threads, mtp=mtp, **device_keywords(args)), Tokenizer(path)
+        loaded = load(args.model, device_config(args), mtp=mtp)
+        return loaded.path, loaded.model, loaded.tokenizer
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
-from ..commands.flags import add_model_flags, add_pool_flags, device_keywords, pool_config
-from ..known_models import resolve_model_path
+from ..commands.flags import add_model_flags, add_pool_flags, device_config, pool_config
+from ..loading import load_model
 from ..testing.prose import prose
 
 CHUNK = _core.CHUNK_TOKENS
@@ -109,8 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--n-ctx leaves no whole chunk before the suffix")
 
     try:
-        path = resolve_model_path(args.model)
-        model = _core.Model(path, n_threads=args.threads, **device_keywords(args))
+        path, model = load_model(args.model, device_config(args))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench restore: {e}", file=sys.stderr)
         return 2

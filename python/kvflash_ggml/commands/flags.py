@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 from .. import _core
 from ..engine_parts import POLICY_NAMES
-from ..options import (AUTO_POOL_TOKENS, KV_TYPES, PREFILL_MODES, PROMPT_SCORES, PoolConfig, ResidencyConfig,
-                       SamplingParams, SpeculativeConfig)
+from ..options import (AUTO_POOL_TOKENS, KV_TYPES, PREFILL_MODES, PROMPT_SCORES, DeviceConfig, PoolConfig,
+                       ResidencyConfig, SamplingParams, SpeculativeConfig)
 from .gguf_facts import GgufFacts
 from .llama_flags import resolve_backend
 
@@ -267,10 +267,16 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                                   seed=args.seed, stop=getattr(args, "stop", None) or None), max_tokens=max_tokens)
 
 
+def device_config(args: argparse.Namespace) -> DeviceConfig:
+    """Where the layers go and the CPU threads (--backend, --rpc, --devices, --tensor-split, --threads)."""
+    return DeviceConfig(**given(backend=args.backend, rpc=getattr(args, "rpc", None),
+                                devices=getattr(args, "devices", None),
+                                tensor_split=getattr(args, "tensor_split", None), n_threads=args.threads))
+
+
 def device_keywords(args: argparse.Namespace) -> dict:
-    """_core.Model(...) keywords for where the layers go (--backend, --rpc, --devices, --tensor-split)."""
-    return dict(backend=args.backend or "auto", rpc=getattr(args, "rpc", None) or [],
-                devices=getattr(args, "devices", None) or [], tensor_split=getattr(args, "tensor_split", None) or [])
+    """_core.Model(...) keywords for where the layers go (DeviceConfig.placement)."""
+    return device_config(args).placement()
 
 
 def model_keywords(args: argparse.Namespace) -> dict:

@@ -8,19 +8,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .. import _core
 from ..engine import Engine
-from ..engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
 from ..server.scheduler import slot_engines
-from ..fit import resolve_pool
 from ..known_models import resolve_model_path
-from ..threads import cpu_threads
+from ..loading import load, load_for_slots
 from ..mtp import wants_mtp
 from ..snapshot import DEFAULT_PREFIX_CACHE_BYTES
 from ..tokenizer import Tokenizer
 from ..options import SamplingParams
 from .flags import (add_budget_flag, add_chat_flags, add_model_flags, add_pool_flags, add_residency_flags,
-                    add_speculative_flags, device_keywords, pool_config, resolve_model_flags, residency_config,
+                    add_speculative_flags, device_config, pool_config, resolve_model_flags, residency_config,
                     speculative_config)
 from .gguf_facts import read_gguf_facts
 from .generate import BASE_MODELS, USER_ERRORS
@@ -91,22 +88,19 @@ def build_engines(args: argparse.Namespace) -> tuple[list[Engine], str, str]:
     path = resolve_model_path(args.model)
     if args.n_ctx == 0 or args.gpu_layers is not None:
         resolve_model_flags(args, read_gguf_facts(path))
-    pool, residency = pool_config(args), residency_config(args)   # checked before any weight loads
+    pool, residency, devices = pool_config(args), residency_config(args), device_config(args)   # before any weight loads
     speculative = speculative_config(args)
     template = chat_template_source(args.chat_template, args.chat_template_file)
-    model = _core.Model(path, n_threads=cpu_threads(args.threads), mtp=wants_mtp(speculative), **device_keywords(args))
-    tokenizer = Tokenizer(path, chat_special=args.parse_special_content)
-    warn_chat(args.model, tokenizer, template)
-    residency = with_loaded_drafter(residency, model)   # one copy of a drafter's weights for all slots
-    speculative = with_loaded_draft(speculative, model)   # one draft model for all slots
+    loaded = load(path, devices, mtp=wants_mtp(speculative), chat_special=args.parse_special_content)
+    warn_chat(args.model, loaded.tokenizer, template)
     given = "off" if pool.pool_tokens is None else pool.pool_tokens
-    pool, why = resolve_pool(model, pool, args.parallel, draft_model=draft_model_of(speculative),
-                             mtp=wants_mtp(speculative))
-    why = f"--kvflash {given}: {why}"
+    # the drafter's and a draft model's weights once for all slots; 'auto' sized for --parallel sessions
+    slots = load_for_slots(loaded.model, pool, args.parallel, residency=residency, speculative=speculative)
+    why = f"--kvflash {given}: {slots.why}"
     cache = None if args.prefix_cache in ("off", "none", "") else args.prefix_cache
-    engines = slot_engines(args.parallel, model, tokenizer, pool, residency, prefix_cache_dir=cache,
-                           prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template, store_each_turn=False,
-                           speculative=speculative)
+    engines = slot_engines(args.parallel, loaded.model, loaded.tokenizer, slots.pool, slots.residency,
+                           prefix_cache_dir=cache, prefix_cache_bytes=args.prefix_cache_bytes, chat_template=template,
+                           store_each_turn=False, speculative=slots.speculative)
     return engines, args.alias or Path(path).stem, why
 
 
