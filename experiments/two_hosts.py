@@ -7,14 +7,18 @@ The hosts are network namespaces joined to this one (the client's) by veth pairs
 `tc netem` (this VM's kernel has no netem; the GPU machines have no `tc`): latency and rate both come from it.
 --links both (the default): the client is a third machine, both servers behind a link (each step crosses the link
 to both); --links b: the client sits on host A (its server local), only host B behind the link (a two-machine
-deployment's cost). Each profile runs llama-bench (--rpc A,B -dev RPC0/RPC1 -sm layer -ts 1/1 -ngl 99 -fa 1), then
-`kvflash bench decode` and `kvflash bench prefill` with --devices rpc:A,rpc:B --tensor-split 1,1.
+deployment's cost). Each profile runs, --rounds times in turns, llama-bench (--rpc A,B -dev RPC0/RPC1 -sm layer
+-ts 1/1 -ngl 99 -fa 1) and `kvflash bench decode` / `kvflash bench prefill` with --devices rpc:A,rpc:B
+--tensor-split 1,1 (our pooled session); the table has the medians over the rounds (this 2-core VM is shared, and
+one round's ratio moved by 20% when another process ran), and each round's ratio.
 
     OMP_WAIT_POLICY=passive python experiments/two_hosts.py --profiles none,dc,home
 """
 import argparse
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +26,7 @@ from pathlib import Path
 from kvflash_ggml.bench.reference import llama_bench_results, locate_llama_bench, median_ts
 from kvflash_ggml.known_models import resolve_model_path
 from kvflash_ggml.rpc import find_rpc_server
-from kvflash_ggml.testing.link import PROFILES, Hosts, Link, link_rtt, start_rpc_server_on
+from kvflash_ggml.testing.link import PROFILES, Hosts, Link, LinkProfile, link_rtt, start_rpc_server_on
 
 # A one-connection-at-a-time echo server for the RTT measurement, run on the far host.
 ECHO = """
@@ -44,34 +48,92 @@ def start_echo(host):
 
 
 def ours(command, endpoints, args, out_json):
-    """One `kvflash bench` command (ours only) on the split through `endpoints`; its JSON report."""
+    """One `kvflash bench` command (ours only, the pool of --pool) on the split through `endpoints`: {depth or
+    length: tok/s}."""
     argv = [sys.executable, "-m", "kvflash_ggml", "bench", command, "--model", args.model, "--no-llama-bench",
             "--devices", ",".join(f"rpc:{e}" for e in endpoints), "--tensor-split", "1,1",
-            "--threads", str(args.threads), "--reps", str(args.reps), "--kvflash", str(args.pool), "--json", str(out_json)]
-    if command == "decode":
-        argv += ["--depths", args.depths, "--n-gen", str(args.n_gen), "--plot", ""]
+            "--threads", str(args.threads), "--kvflash", str(args.pool), "--json", str(out_json)]
+    if command == "decode":   # the pool only: our full cache is the same session below the pool's size
+        argv += ["--depths", args.depths, "--n-gen", str(args.n_gen), "--reps", str(args.reps), "--plot", "",
+                 "--full-up-to=-1"]
     else:
-        argv += ["--lengths", str(args.prompt), "--modes", "full"]
+        argv += ["--lengths", str(args.prompt), "--modes", "pooled", "--reps", str(args.prompt_reps)]
     print("$ " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(Path(out_json).read_text())
+    rows = json.loads(Path(out_json).read_text())["rows"]
+    return {r.get("depth", r.get("length")): r["pooled"]["tok_s"] for r in rows}
+
+
+def llama_split(endpoints):
+    return ["--rpc", ",".join(endpoints), "-dev", "/".join(f"RPC{i}" for i in range(len(endpoints))), "-sm", "layer",
+            "-ts", "/".join("1" for _ in endpoints)]
 
 
 def llama(binary, endpoints, args):
-    """llama-bench on the same split through the same links: {depth: decode tok/s}, prompt tok/s. Its RPC devices
-    are named RPC0, RPC1, ... in --rpc's order at this llama.cpp commit (one device per server here), not
+    """llama-bench on the same split through the same links: {depth: decode tok/s}, {length: prompt tok/s}. Its RPC
+    devices are named RPC0, RPC1, ... in --rpc's order at this llama.cpp commit (one device per server here), not
     RPC[endpoint] as kvflash_ggml.bench.reference.llama_bench_split spells them, so the flags are written here."""
-    split = ["--rpc", ",".join(endpoints), "-dev", "/".join(f"RPC{i}" for i in range(len(endpoints))), "-sm", "layer",
-             "-ts", "/".join("1" for _ in endpoints)]
+    split = llama_split(endpoints)
     path = resolve_model_path(args.model)
     decode = llama_bench_results(binary, path, ["-p", "0", "-n", str(args.n_gen), "-d", args.depths, *split],
                                  args.threads, True, args.reps)
-    prompt = llama_bench_results(binary, path, ["-p", str(args.prompt), "-n", "0", *split], args.threads, True, args.reps)
-    return {int(r["n_depth"]): median_ts(r) for r in decode}, median_ts(prompt[0])
+    prompt = llama_bench_results(binary, path, ["-p", str(args.prompt), "-n", "0", *split], args.threads, True,
+                                 args.prompt_reps)
+    return {int(r["n_depth"]): median_ts(r) for r in decode}, {int(r["n_prompt"]): median_ts(r) for r in prompt}
+
+
+def one_round(i, name, endpoints, binary, args, out_dir):
+    """Ours and llama-bench once each, in turns (llama-bench first in even rounds), as {(what, key): tok/s}."""
+    def run_ours():
+        return ours("decode", endpoints, args, out_dir / f"decode-{name}-{i}.json"), \
+            ours("prefill", endpoints, args, out_dir / f"prefill-{name}-{i}.json")
+    if i % 2 == 0:
+        (llama_decode, llama_prompt), (decode, prompt) = llama(binary, endpoints, args), run_ours()
+    else:
+        (decode, prompt), (llama_decode, llama_prompt) = run_ours(), llama(binary, endpoints, args)
+    out = {("ours", d): v for d, v in decode.items()} | {("llama", d): v for d, v in llama_decode.items()}
+    return out | {("ours_prompt", n): v for n, v in prompt.items()} | {("llama_prompt", n): v for n, v in llama_prompt.items()}
+
+
+def traffic_per_token(servers, binary, args):
+    """Each server's link traffic per decode token, ours and llama-bench's: the difference between a run of 48 and
+    one of 16 greedy tokens at depth 0 (loading, warm-up and prompt cancel), through unpaced links with no latency
+    that only count. {(who, server index): {"exchanges", "bytes_up", "bytes_down"} per token}."""
+    path, n_lo, n_hi = resolve_model_path(args.model), 16, 48
+    out = {}
+    for who in ("ours", "llama"):
+        totals = []
+        for n_gen in (n_lo, n_hi):
+            links = [Link(ep, LinkProfile("count", 0.0, 0.0)) for _, ep in servers]
+            try:
+                endpoints = [link.endpoint for link in links]
+                if who == "llama":
+                    llama_bench_results(binary, path, ["-p", "0", "-n", str(n_gen), "-d", "0", *llama_split(endpoints)],
+                                        args.threads, True, 1)
+                else:
+                    subprocess.run([sys.executable, "-m", "kvflash_ggml", "bench", "decode", "--model", args.model,
+                                    "--no-llama-bench", "--devices", ",".join(f"rpc:{e}" for e in endpoints),
+                                    "--tensor-split", "1,1", "--threads", str(args.threads), "--kvflash", str(args.pool),
+                                    "--depths", "0", "--n-gen", str(n_gen), "--reps", "1", "--full-up-to=-1",
+                                    "--json", "", "--plot", ""], check=True, stdout=subprocess.DEVNULL)
+                totals.append([link.stats() for link in links])
+            finally:
+                for link in links:
+                    link.close()
+        for i, (lo, hi) in enumerate(zip(*totals)):
+            out[who, i] = {k: (hi[k] - lo[k]) / (n_hi - n_lo) for k in ("exchanges", "bytes_up", "bytes_down")}
+    return out
+
+
+def print_traffic(traffic):
+    print("per decode token, each server's link (48 tokens less 16): " + "; ".join(
+        f"{who} {'AB'[i]}: {t['exchanges']:.1f} round trips, {t['bytes_up'] / 1024:.1f} KiB up, "
+        f"{t['bytes_down'] / 1024:.1f} KiB down" for (who, i), t in sorted(traffic.items())))
 
 
 def run_profile(name, hosts, servers, binary, args, out_dir):
-    """Links at profile `name` (none: direct), the RTT through them, and both benches; the table's rows."""
+    """Links at profile `name` (none: direct), the RTT through them, and --rounds rounds of both benches; the
+    table's rows (medians over the rounds, and each round's ratio)."""
     profile = PROFILES.get(name)
     behind = [profile is not None and (args.links == "both" or i == 1) for i in range(len(servers))]
     links = [Link(ep, profile) if b else None for (_, ep), b in zip(servers, behind)]
@@ -80,34 +142,36 @@ def run_profile(name, hosts, servers, binary, args, out_dir):
         echo_link = Link(echo[1], profile) if profile else None
         rtt = link_rtt(echo_link.endpoint if echo_link else echo[1])
         endpoints = [link.endpoint if link else ep for link, (_, ep) in zip(links, servers)]
-        llama_decode, llama_prompt = llama(binary, endpoints, args)
-        decode = ours("decode", endpoints, args, out_dir / f"decode-{name}.json")
-        prefill = ours("prefill", endpoints, args, out_dir / f"prefill-{name}.json")
+        rounds = [one_round(i, name, endpoints, binary, args, out_dir) for i in range(args.rounds)]
     finally:
         for link in [*links, echo_link]:
             if link:
                 link.close()
         echo[0].kill()
         echo[0].wait()
-    return [{"profile": name, "rtt_ms": rtt * 1e3, "depth": r["depth"], "full": r["full"]["tok_s"],
-             "pooled": r["pooled"]["tok_s"], "llama": llama_decode.get(r["depth"]),
-             "prompt": prefill["rows"][0]["full"]["tok_s"], "prompt_llama": llama_prompt} for r in decode["rows"]]
+    med = lambda key: statistics.median(r[key] for r in rounds)
+    return [{"profile": name, "rtt_ms": rtt * 1e3, "depth": d, "ours": med(("ours", d)), "llama": med(("llama", d)),
+             "ratios": [r[("ours", d)] / r[("llama", d)] for r in rounds],
+             "prompt": med(("ours_prompt", args.prompt)), "prompt_llama": med(("llama_prompt", args.prompt)),
+             "prompt_ratios": [r[("ours_prompt", args.prompt)] / r[("llama_prompt", args.prompt)] for r in rounds]}
+            for d in map(int, args.depths.split(","))]
 
 
 def print_table(rows, args, reason):
-    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
-    fmt = lambda x: f"{x:.1f}" if x else "-"
+    spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"
     print(f"SmolLM2 split 1:1 over two ggml-rpc-servers ({reason}); links: {args.links}; client threads "
-          f"{args.threads}, server threads {args.server_threads}; pool {args.pool}; decode: median of {args.reps} "
-          f"windows of {args.n_gen}; prompt: {args.prompt} tokens")
-    print(f"{'profile':>8} {'RTT ms':>7} {'depth':>6} {'full':>7} {'pooled':>7} {'llama':>7} {'pooled/llama':>12} "
-          f"{'prompt':>8} {'llama':>8} {'ratio':>6}")
+          f"{args.threads}, server threads {args.server_threads}; ours: pool {args.pool}; decode: median of "
+          f"{args.reps} windows of {args.n_gen}; prompt: {args.prompt} tokens, median of {args.prompt_reps}; "
+          f"figures: median over {args.rounds} rounds (ours and llama-bench in turns)")
+    print(f"{'profile':>8} {'RTT ms':>7} {'depth':>6} {'ours':>7} {'llama':>7} {'ratio':>6} {'rounds':>10} "
+          f"{'prompt':>8} {'llama':>8} {'ratio':>6} {'rounds':>10}")
     for r in rows:
-        print(f"{r['profile']:>8} {r['rtt_ms']:>7.2f} {r['depth']:>6} {r['full']:>7.1f} {r['pooled']:>7.1f} "
-              f"{fmt(r['llama']):>7} {ratio(r['pooled'], r['llama']):>12} {r['prompt']:>8.1f} "
-              f"{fmt(r['prompt_llama']):>8} {ratio(r['prompt'], r['prompt_llama']):>6}")
-    print("tok/s; RTT: 64-byte round trips through the link to the far host (the emulator's own cost included); "
-          "llama: llama-bench -dev RPC/RPC -sm layer -ts 1/1 -fa 1 -ngl 99")
+        print(f"{r['profile']:>8} {r['rtt_ms']:>7.2f} {r['depth']:>6} {r['ours']:>7.1f} {r['llama']:>7.1f} "
+              f"{r['ours'] / r['llama']:>6.2f} {spread(r['ratios']):>10} {r['prompt']:>8.1f} {r['prompt_llama']:>8.1f} "
+              f"{r['prompt'] / r['prompt_llama']:>6.2f} {spread(r['prompt_ratios']):>10}")
+    print("tok/s; ratio: ours / llama-bench, of the medians; rounds: the lowest and highest ratio of one round; RTT: "
+          "64-byte round trips through the link to the far host (the emulator's own cost included); llama: "
+          "llama-bench -dev RPC0/RPC1 -sm layer -ts 1/1 -fa 1 -ngl 99")
 
 
 def main():
@@ -119,13 +183,18 @@ def main():
     ap.add_argument("--server-threads", type=int, default=1, help="each ggml-rpc-server's threads")
     ap.add_argument("--depths", default="0,512")
     ap.add_argument("--n-gen", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="decode windows per measurement (llama-bench -r)")
+    ap.add_argument("--prompt-reps", type=int, default=3, help="prompts per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="ours and llama-bench in turns this many times; medians")
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=512, help="prompt length of the prefill figure")
     ap.add_argument("--llama-bench", default=None, help="path to llama-bench (default: search, as kvflash bench does)")
+    ap.add_argument("--no-traffic", dest="traffic", action="store_false",
+                    help="skip counting each server's round trips and bytes per decode token")
     ap.add_argument("--no-netns", action="store_true", help="127.0.0.1 even where namespaces can be made")
     ap.add_argument("--out", default="bench-out/two_hosts", help="where each bench's JSON goes")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # so that the servers, links and namespaces go too
     names = [p for p in args.profiles.split(",") if p]
     if not set(names) <= {"none", *PROFILES}:
         ap.error(f"--profiles: of none,{','.join(PROFILES)}")
@@ -146,13 +215,17 @@ def main():
         print(reason, file=sys.stderr)
         servers = [start_rpc_server_on(h, binary, threads=args.server_threads) for h in hosts.hosts]
         try:
+            traffic = traffic_per_token(servers, llama_binary, args) if args.traffic else {}
             rows = [r for name in names for r in run_profile(name, hosts, servers, llama_binary, args, out_dir)]
         finally:
             for proc, _ in servers:
                 proc.kill()
                 proc.wait()
     print_table(rows, args, reason)
-    (out_dir / "two_hosts.json").write_text(json.dumps({"args": vars(args), "hosts": reason, "rows": rows}, indent=2))
+    if traffic:
+        print_traffic(traffic)
+    (out_dir / "two_hosts.json").write_text(json.dumps({"args": vars(args), "hosts": reason, "rows": rows, "traffic": [
+        {"who": who, "server": i, **t} for (who, i), t in sorted(traffic.items())]}, indent=2))
 
 
 if __name__ == "__main__":
