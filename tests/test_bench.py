@@ -156,8 +156,10 @@ def test_llama_bench_gets_the_same_split_as_ours():
     assert llama_bench_split(two_gpus) == ["-dev", "CUDA0/CUDA1", "-sm", "layer", "-ts", "1/1"]
     assert not holds_rpc(two_gpus)
     mixed = Namespace(devices=["rpc:10.0.0.2:50052", "CUDA1"], rpc=None, tensor_split=[3.0, 1.0])
-    assert llama_bench_split(mixed) == ["--rpc", "10.0.0.2:50052", "-dev", "RPC[10.0.0.2:50052]/CUDA1", "-sm",
-                                        "layer", "-ts", "3/1"]
+    assert llama_bench_split(mixed) == ["--rpc", "10.0.0.2:50052", "-dev", "RPC0/CUDA1", "-sm", "layer", "-ts", "3/1"]
+    # ggml-rpc numbers RPC devices in the order the servers register (--rpc's order), after any --rpc servers
+    both = Namespace(devices=["rpc:b:2", "rpc:a:1"], rpc=["a:1"], tensor_split=None)
+    assert llama_bench_split(both) == ["--rpc", "a:1,b:2", "-dev", "RPC1/RPC0", "-sm", "layer"]
     assert holds_rpc(mixed)
     assert llama_bench_split(Namespace(devices=None, rpc=["h:1"], tensor_split=[1.0, 2.0])) == \
         ["--rpc", "h:1", "-ts", "1/2"]

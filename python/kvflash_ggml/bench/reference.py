@@ -142,8 +142,10 @@ def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threa
 def llama_bench_split(args: argparse.Namespace) -> list[str]:
     """llama-bench's flags for the split the model flags name. --rpc: llama-bench puts the RPC servers' devices
     before this host's GPU, as our default order does. --devices: the same devices in the same order (-dev, with
-    --rpc first so that llama-bench knows the RPC devices' names); the local CPU cannot be named there (llama-bench
-    runs on the CPU only the layers it does not offload), so a list with 'cpu' is refused. Then -sm layer and -ts."""
+    --rpc first so that llama-bench knows the RPC devices); the local CPU cannot be named there (llama-bench runs on
+    the CPU only the layers it does not offload), so a list with 'cpu' is refused. Then -sm layer and -ts.
+    ggml-rpc names devices RPC0, RPC1, ... in the order servers register, every device of each server (ours takes
+    a server's first): the names below assume one device per server (`ggml-rpc-server -d DEVICE`)."""
     flags = []
     devices = getattr(args, "devices", None) or []
     rpc = list(getattr(args, "rpc", None) or [])
@@ -151,15 +153,16 @@ def llama_bench_split(args: argparse.Namespace) -> list[str]:
     for spelling in devices:
         low = spelling.lower()
         if low.startswith("rpc:"):
-            rpc.append(spelling[4:])
-            names.append(f"RPC[{spelling[4:]}]")
+            if spelling[4:] not in rpc:
+                rpc.append(spelling[4:])
+            names.append(f"RPC{rpc.index(spelling[4:])}")
         elif low.startswith("cuda"):
             names.append(f"CUDA{low[4:] or '0'}")
         else:
             raise ValueError(f"the llama-bench comparison cannot place layers on {spelling!r} (llama-bench's -dev "
                              "names GPUs and RPC devices only); run with --no-llama-bench or without it")
     if rpc:
-        flags += ["--rpc", ",".join(dict.fromkeys(rpc))]
+        flags += ["--rpc", ",".join(rpc)]
     if names:
         flags += ["-dev", "/".join(names), "-sm", "layer"]
     if getattr(args, "tensor_split", None):
