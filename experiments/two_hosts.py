@@ -10,7 +10,12 @@ to both); --links b: the client sits on host A (its server local), only host B b
 deployment's cost). Each profile runs, --rounds times in turns, llama-bench (--rpc A,B -dev RPC0/RPC1 -sm layer
 -ts 1/1 -ngl 99 -fa 1) and `kvflash bench decode` / `kvflash bench prefill` with --devices rpc:A,rpc:B
 --tensor-split 1,1 (our pooled session); the table has the medians over the rounds (this 2-core VM is shared, and
-one round's ratio moved by 20% when another process ran), and each round's ratio.
+one round's ratio moved by 20% when another process ran), and each round's ratio. Then each server's round trips and
+bytes per decode token through counting links, ours and llama-bench's: what a link's latency multiplies. Measured
+(this VM): llama-bench 1 round trip per server per token (and B sends the whole logits row, 192 KiB); ours 2 (A: the
+hidden state and its RMS norm both cross to B, the norm being placed on A by ggml's scheduler, which llama.cpp
+avoids by pinning each layer's "norm" to its layer's device; B: the greedy token's candidates and their maxima are
+two reads).
 
     OMP_WAIT_POLICY=passive python experiments/two_hosts.py --profiles none,dc,home
 """

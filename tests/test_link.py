@@ -166,8 +166,11 @@ import socket, sys
 srv = socket.create_server((sys.argv[1], 0))
 print(srv.getsockname()[1], flush=True)
 c, _ = srv.accept()
-while (d := c.recv(65536)):
-    c.sendall(d)
+try:
+    while (d := c.recv(65536)):
+        c.sendall(d)
+except ConnectionResetError:   # the link's close resets its connections
+    pass
 """
 
 
