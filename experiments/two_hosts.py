@@ -48,7 +48,8 @@ while True:
 
 
 def start_echo(host):
-    proc = subprocess.Popen(host.run_argv([sys.executable, "-c", ECHO, host.address]), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(host.run_argv([sys.executable, "-c", ECHO, host.address]), stdout=subprocess.PIPE,
+                            text=True)
     return proc, f"{host.address}:{int(proc.stdout.readline())}"
 
 
@@ -97,7 +98,8 @@ def one_round(i, name, endpoints, binary, args, out_dir):
     else:
         (decode, prompt), (llama_decode, llama_prompt) = run_ours(), llama(binary, endpoints, args)
     out = {("ours", d): v for d, v in decode.items()} | {("llama", d): v for d, v in llama_decode.items()}
-    return out | {("ours_prompt", n): v for n, v in prompt.items()} | {("llama_prompt", n): v for n, v in llama_prompt.items()}
+    out |= {("ours_prompt", n): v for n, v in prompt.items()}
+    return out | {("llama_prompt", n): v for n, v in llama_prompt.items()}
 
 
 def traffic_per_token(servers, binary, args):
@@ -118,7 +120,8 @@ def traffic_per_token(servers, binary, args):
                 else:
                     subprocess.run([sys.executable, "-m", "kvflash_ggml", "bench", "decode", "--model", args.model,
                                     "--no-llama-bench", "--devices", ",".join(f"rpc:{e}" for e in endpoints),
-                                    "--tensor-split", "1,1", "--threads", str(args.threads), "--kvflash", str(args.pool),
+                                    "--tensor-split", "1,1", "--threads", str(args.threads),
+                                    "--kvflash", str(args.pool),
                                     "--depths", "0", "--n-gen", str(n_gen), "--reps", "1", "--full-up-to=-1",
                                     "--json", "", "--plot", ""], check=True, stdout=subprocess.DEVNULL)
                 totals.append([link.stats() for link in links])
@@ -211,7 +214,8 @@ def main():
         sys.exit("llama-bench not found: build it with scripts/build_llama_bench.sh, or pass --llama-bench PATH")
     llama_binary = found[0]
     if os.environ.get("OMP_WAIT_POLICY") != "passive":
-        print("note: OMP_WAIT_POLICY is not passive: on a shared 2-core VM the figures may be 30-100x off", file=sys.stderr)
+        print("note: OMP_WAIT_POLICY is not passive: on a shared 2-core VM the figures may be 30-100x off",
+              file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Hosts(2, use_netns=not args.no_netns) as hosts:

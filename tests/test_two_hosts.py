@@ -63,7 +63,7 @@ def test_split_through_home_links_equals_one_device(smollm2, smollm2_vocab, serv
         assert diff <= TOL and (local.argmax(axis=1) == remote.argmax(axis=1)).all()
         # then greedy decode: the same tokens, logits within TOL
         cfg = _core.SessionConfig(max_tokens=512, pool_tokens=0, attention="matmul")
-        prompt = np.array(_core.Vocab(smollm2.path).tokenize("The old bridge over the river", add_special=True), np.int32)
+        prompt = np.array(smollm2_vocab.tokenize("The old bridge over the river", add_special=True), np.int32)
         steps = []
         for model in (smollm2, split):
             s, out, logits = _core.Session(model, cfg), [], []

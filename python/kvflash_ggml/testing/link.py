@@ -81,7 +81,8 @@ class _Direction:
     (after the wire is free, its bytes at the rate, plus the latency); a writer thread sends it then. The queue
     is bounded (back-pressure onto the sender, as a link's buffers are)."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket, up: bool, forwarder: "_Forwarder", last_up: list) -> None:
+    def __init__(self, src: socket.socket, dst: socket.socket, up: bool, forwarder: "_Forwarder",
+                 last_up: list) -> None:
         self.src, self.dst, self.up, self.last_up = src, dst, up, last_up
         self.latency_s, self.rate_bps, self.oversleep_s = forwarder.latency_s, forwarder.rate_bps, forwarder.oversleep_s
         self.traffic = forwarder.traffic
@@ -197,7 +198,8 @@ class _Forwarder:
                 self.sockets += [_nodelay(client), server]
                 self.n_connections += 1
             last_up = [None]
-            directions = (_Direction(client, server, True, self, last_up), _Direction(server, client, False, self, last_up))
+            directions = (_Direction(client, server, True, self, last_up),
+                          _Direction(server, client, False, self, last_up))
             threading.Thread(target=self._close_when_done, args=(directions, client, server), daemon=True).start()
 
     def _close_when_done(self, directions, client: socket.socket, server: socket.socket) -> None:
