@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvflash_ggml.bench.reference import llama_bench_results, locate_llama_bench, median_ts
+from kvflash_ggml.bench.reference import llama_bench_results, llama_bench_split, locate_llama_bench, median_ts
 from kvflash_ggml.known_models import resolve_model_path
 from kvflash_ggml.rpc import find_rpc_server
 from kvflash_ggml.testing.link import PROFILES, Hosts, Link, LinkProfile, link_rtt, start_rpc_server_on
@@ -71,14 +71,13 @@ def ours(command, endpoints, args, out_json):
 
 
 def llama_split(endpoints):
-    return ["--rpc", ",".join(endpoints), "-dev", "/".join(f"RPC{i}" for i in range(len(endpoints))), "-sm", "layer",
-            "-ts", "/".join("1" for _ in endpoints)]
+    """llama-bench's flags for our split (kvflash bench's own: --rpc A,B -dev RPC0/RPC1 -sm layer -ts 1/1)."""
+    return llama_bench_split(argparse.Namespace(devices=[f"rpc:{e}" for e in endpoints],
+                                                tensor_split=[1.0] * len(endpoints)))
 
 
 def llama(binary, endpoints, args):
-    """llama-bench on the same split through the same links: {depth: decode tok/s}, {length: prompt tok/s}. Its RPC
-    devices are named RPC0, RPC1, ... in --rpc's order at this llama.cpp commit (one device per server here), not
-    RPC[endpoint] as kvflash_ggml.bench.reference.llama_bench_split spells them, so the flags are written here."""
+    """llama-bench on the same split through the same links: {depth: decode tok/s}, {length: prompt tok/s}."""
     split = llama_split(endpoints)
     path = resolve_model_path(args.model)
     decode = llama_bench_results(binary, path, ["-p", "0", "-n", str(args.n_gen), "-d", args.depths, *split],
