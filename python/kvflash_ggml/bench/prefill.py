@@ -119,12 +119,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # llama-bench first: a broken one fails in seconds, not after our whole run; with RPC devices before our model
     # holds them (an rpc-server serves one client at a time), every layer on the split's devices as on a GPU.
-    reference = []
+    reference, first = [], binary and holds_rpc(args)
     try:
-        if binary and holds_rpc(args):
+        if first:
             reference = run_reference(True)
         path, model, tokenizer = open_model(args, "kvflash bench prefill")
-        if binary and not reference:
+        if binary and not first:
             reference = run_reference(model.on_gpu)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"kvflash bench prefill: {e}", file=sys.stderr)
