@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 namespace kvf {
@@ -488,8 +489,32 @@ ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeight
 
 ggml_tensor * build_stack(GraphCtx & g, const Model & m) {
     ggml_tensor * x = m.arch().embed(g, m);
-    for (int il = 0; il < m.hparams().n_layer; ++il) x = m.arch().layer(g, m, il, x);
+    for (int il = 0; il < m.hparams().n_layer; ++il) {
+        g.layer_inputs.emplace_back(x, il);
+        x = m.arch().layer(g, m, il, x);
+    }
+    g.layer_inputs.emplace_back(x, m.hparams().n_layer);
     return x;
+}
+
+void pin_layer_boundaries(ggml_backend_sched_t sched, const GraphCtx & g, const Model & m) {
+    if (m.n_devices() < 2) return;
+    std::unordered_map<const ggml_tensor *, int64_t> entering(g.layer_inputs.begin(), g.layer_inputs.end());
+    auto pin = [&](ggml_tensor * t, int64_t il) {
+        ggml_backend_t b = m.layer_backend(il);
+        if (ggml_backend_supports_op(b, t)) ggml_backend_sched_set_tensor_backend(sched, t, b);
+    };
+    for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
+        ggml_tensor * node = ggml_graph_node(g.gf, i);
+        if (auto made = entering.find(node); made != entering.end() && made->second > 0) pin(node, made->second - 1);
+        for (ggml_tensor * src : node->src) {
+            if (!src) continue;
+            if (auto read = entering.find(src); read != entering.end()) {
+                pin(node, read->second);
+                break;
+            }
+        }
+    }
 }
 
 ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h) {

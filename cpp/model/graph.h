@@ -105,6 +105,9 @@ struct GraphCtx {
     // Activations quantized for quant_mul_mat, by the F32 tensor and the type (one cpy per input: q, k and v
     // read the same one).
     std::map<std::pair<const ggml_tensor *, ggml_type>, ggml_tensor *> quantized_inputs;
+    // The hidden state entering each layer of build_stack, as (x, il); il == n_layer: the output layer's input.
+    // pin_layer_boundaries reads it.
+    std::vector<std::pair<ggml_tensor *, int64_t>> layer_inputs;
     LayerKv layer_kv(const ModelHparams & hp, int il) const {
         if (hp.is_swa(il)) return {ring, &ring_in, hp.kv_index(il), n_ring_kv, false};
         return {kv, &in.kv, one_layer_kv ? 0 : hp.kv_index(il), n_kv, hp.is_pooled(il)};
@@ -175,6 +178,12 @@ ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeight
 
 // The whole stack of a step: the family's embed, then each of its layers; [n_embd, n_outputs].
 ggml_tensor * build_stack(GraphCtx & g, const Model & m);
+// On a split model, run the ops that read layer il's input on layer il's device and the op that makes it on
+// layer il - 1's: ggml's scheduler otherwise puts a layer's first norm (it has no weight among its sources) on
+// the previous layer's device, so both the hidden state and its norm cross between devices, and over ggml-rpc
+// that is one more round trip a step. llama.cpp pins its "norm" and "l_last" ops the same way
+// (llama_context::graph_get_cb). Call between ggml_backend_sched_reset and the graph's allocation.
+void pin_layer_boundaries(ggml_backend_sched_t sched, const GraphCtx & g, const Model & m);
 // The output norm and head: logits [n_vocab, n_rows] of the final hidden state, marked as an output.
 ggml_tensor * build_logits(GraphCtx & g, const Model & m, ggml_tensor * h);
 

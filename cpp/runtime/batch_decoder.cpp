@@ -112,6 +112,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
         ggml_build_forward_expand(g.gf, argmax_);
     }
     ggml_backend_sched_reset(sched_);
+    pin_layer_boundaries(sched_, g, m);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
         shape_.clear();
         check_rpc_connections(sched_);   // a lost RPC device allocates nothing

@@ -318,6 +318,7 @@ void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, boo
     if (n_outputs == 1) build_greedy(g);   // prefill graphs with every row's logits skip it
 
     ggml_backend_sched_reset(sched_);
+    pin_layer_boundaries(sched_, g, m);
     if (!ggml_backend_sched_alloc_graph(sched_, g.gf)) {
         shape_[0] = -1;
         check_rpc_connections(sched_);   // a lost RPC device allocates nothing: say so, not "out of memory"

@@ -285,11 +285,12 @@ private:
     GraphCtx graph_;
     ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n_outputs]
     struct GreedyOutputs {                 // graphs with one output row only
-        ggml_tensor * col = nullptr;       // I32 [R]     argmax within each of R rows of row_len logits
-        ggml_tensor * max = nullptr;       // F32 [1, R]  the maximum of each row
+        // F32 [2 R]: the maximum of each of R rows of row_len logits, then the argmax within each row (as a
+        // float: exact, row_len < 2^24). One tensor, so that one read brings both (one round trip over ggml-rpc).
+        ggml_tensor * rows = nullptr;
         int64_t row_len = 0;
     } greedy_;
-    std::vector<int32_t> greedy_scratch_;
+    std::vector<float> greedy_scratch_;
     int64_t shape_[5] = {-1, -1, -1, -1, -1};   // n_tokens, n_kv, n_outputs, gathered, ring n_kv
 
     std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step

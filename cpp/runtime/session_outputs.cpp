@@ -46,27 +46,25 @@ void Session::build_greedy(GraphCtx & g) {
     // in parallel and read_greedy picks among the R candidates.
     const int64_t n_vocab = logits_->ne[0], R = greedy_rows(n_vocab), C = n_vocab / R;
     ggml_tensor * rows = ggml_reshape_2d(g.ctx, logits_, C, R);
-    greedy_.col = ggml_argmax(g.ctx, rows);                                              // I32 [R]
-    greedy_.max = ggml_pool_2d(g.ctx, rows, GGML_OP_POOL_MAX, (int) C, 1, (int) C, 1, 0, 0);   // F32 [1, R]
+    ggml_tensor * col = ggml_cast(g.ctx, ggml_argmax(g.ctx, rows), GGML_TYPE_F32);                 // [R]
+    ggml_tensor * max = ggml_pool_2d(g.ctx, rows, GGML_OP_POOL_MAX, (int) C, 1, (int) C, 1, 0, 0);   // [1, R]
+    greedy_.rows = ggml_concat(g.ctx, ggml_reshape_1d(g.ctx, max, R), col, 0);
     greedy_.row_len = C;
-    for (ggml_tensor * t : {greedy_.col, greedy_.max}) {
-        ggml_set_output(t);
-        ggml_build_forward_expand(g.gf, t);
-    }
+    ggml_set_output(greedy_.rows);
+    ggml_build_forward_expand(g.gf, greedy_.rows);
 }
 
 int32_t Session::read_greedy() {
-    const int64_t R = greedy_.col->ne[0];
+    const int64_t R = greedy_.rows->ne[0] / 2;
     greedy_scratch_.resize((size_t) (2 * R));
-    int32_t * col = greedy_scratch_.data();
-    float * max = reinterpret_cast<float *>(col + R);
-    ggml_backend_tensor_get_async(model_->backend(), greedy_.col, col, 0, R * sizeof(int32_t));
-    ggml_backend_tensor_get_async(model_->backend(), greedy_.max, max, 0, R * sizeof(float));
+    const float * max = greedy_scratch_.data();
+    const float * col = max + R;
+    ggml_backend_tensor_get_async(model_->backend(), greedy_.rows, greedy_scratch_.data(), 0, ggml_nbytes(greedy_.rows));
     ggml_backend_synchronize(model_->backend());
     check_rpc_connections(sched_);
     int64_t best = 0;   // the first row holding the maximum, as NumPy's argmax picks the first index
     for (int64_t r = 1; r < R; ++r) if (max[r] > max[best]) best = r;
-    return (int32_t) (best * greedy_.row_len + col[best]);
+    return (int32_t) (best * greedy_.row_len + (int64_t) col[best]);
 }
 
 }  // namespace kvf
