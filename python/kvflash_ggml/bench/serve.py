@@ -101,20 +101,37 @@ def prompt_ids(n: int, seed: int, n_vocab: int = 32000) -> list[int]:
     return np.random.default_rng(seed).integers(100, n_vocab - 100, n).tolist()
 
 
+def model_vocab_size(model: str) -> int:
+    """The GGUF's token count: random prompts stay inside any model's vocabulary (a tiny test model's too)."""
+    from gguf import GGUFReader
+    return len(GGUFReader(resolve_model_path(model)).fields["tokenizer.ggml.tokens"].data)
+
+
+def all_answered(name: str, results: list[dict]) -> list[dict]:
+    """The results, or a RuntimeError naming the statuses when a server refused any request."""
+    refused = sorted({r["status"] for r in results if r["status"] != 200})
+    if refused:
+        raise RuntimeError(f"{name} answered {len([r for r in results if r['status'] != 200])} of {len(results)} "
+                           f"requests with HTTP {', '.join(map(str, refused))} (its log says why)")
+    return results
+
+
 def throughput(args) -> dict:
     rows = []
     servers = [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
+    n_vocab = model_vocab_size(args.model)
     for n_streams in (int(x) for x in args.streams.split(",")):
-        prompts = [prompt_ids(args.context, seed=i) for i in range(n_streams)]
+        prompts = [prompt_ids(args.context, seed=i, n_vocab=n_vocab) for i in range(n_streams)]
         row = {"streams": n_streams, "context": args.context}
         for name, start in servers:
             server = start(args, n_streams, Path(args.logs) / f"{name}-{n_streams}.log")
             try:
-                stream_completion(server.url, prompt_ids(64, 999), 4)   # warm up
+                all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
                 t0 = time.perf_counter()
-                concurrent(server.url, prompts, 1)
+                all_answered(name, concurrent(server.url, prompts, 1))
                 fill_s = time.perf_counter() - t0
-                row[name] = {**aggregate_decode(concurrent(server.url, prompts, args.gen)), "fill_s": fill_s}
+                row[name] = {**aggregate_decode(all_answered(name, concurrent(server.url, prompts, args.gen))),
+                             "fill_s": fill_s}
             finally:
                 server.stop()
             print(f"{name:>12}  {n_streams} x {args.context}: {row[name]['tok_s'] or 0:.1f} tok/s aggregate decode "
@@ -131,10 +148,10 @@ def soak(args) -> dict:
     rng = random.Random(args.seed)
     server = ours(args, args.parallel, Path(args.logs) / "kvflash-soak.log")
     samples, outcomes, lock = [], {"ok": 0, "left": 0, "busy": 0, "failed": 0}, threading.Lock()
-    jobs = []
+    jobs, n_vocab = [], model_vocab_size(args.model)
     for i in range(args.requests):
         n_prompt = rng.randint(8, args.context)
-        jobs.append((prompt_ids(n_prompt, seed=i), rng.randint(1, args.gen), rng.random() < 0.7,
+        jobs.append((prompt_ids(n_prompt, seed=i, n_vocab=n_vocab), rng.randint(1, args.gen), rng.random() < 0.7,
                      rng.randint(1, 4) if rng.random() < 0.15 else None))
     interval = args.soak / max(1, args.requests)
     stop_sampling = threading.Event()
