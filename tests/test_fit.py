@@ -11,7 +11,7 @@ import pytest
 
 from kvflash_ggml import _core
 from kvflash_ggml.engine_parts import make_session
-from kvflash_ggml.fit import MIN_HEADROOM, SlotCosts, fit_pool_tokens, measure, solve
+from kvflash_ggml.fit import GPU_POOL_ALIGN, MIN_HEADROOM, SlotCosts, fit_pool_tokens, measure, solve
 from kvflash_ggml.options import PoolConfig
 from kvflash_ggml.tokens import forward_in_steps
 
@@ -28,20 +28,37 @@ def need(costs: SlotCosts, pool: int, n_slots: int, n_ctx: int) -> float:
         n_ctx * costs.layer_per_token + _core.ATTENTION_BLOCK_BYTES + costs.compute_max * 2 + MIN_HEADROOM
 
 
+def gpu_aligned(pool: int, min_pool: int = 448) -> int:
+    """The pool a GPU fit keeps of `pool` fitting tokens: a multiple of GPU_POOL_ALIGN where that stays >= min_pool."""
+    aligned = pool // GPU_POOL_ALIGN * GPU_POOL_ALIGN
+    return aligned if aligned >= min_pool else pool
+
+
 def test_solve_takes_the_largest_pool_that_fits():
-    for pool in (448, 4096, 71488):
+    for pool in (448, 4096, 71424):
         exact = need(COSTS, pool, 8, 131072)
         fits = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=8, n_ctx=131072, min_pool=448)
         assert fits.pool_tokens == pool
         if pool > 448:
             short = solve(COSTS, free=math.floor(exact) - 1, total=0, n_slots=8, n_ctx=131072, min_pool=448)
-            assert short.pool_tokens == pool - C
+            assert short.pool_tokens == gpu_aligned(pool - C) == pool - GPU_POOL_ALIGN
+
+
+def test_a_gpu_pool_is_a_multiple_of_256_where_it_can_be():
+    # ggml-cuda's grouped-query flash attention needs n_kv % 256 == 0, and a full pool's n_kv is the pool.
+    for tokens in (448 + C, 4096 + 3 * C, 71488):
+        fits = solve(COSTS, free=math.ceil(need(COSTS, tokens, 8, 131072)) + 1, total=0, n_slots=8, n_ctx=131072,
+                     min_pool=448)
+        assert fits.pool_tokens == gpu_aligned(tokens) and fits.pool_tokens % C == 0
+    assert gpu_aligned(448 + C) == 448 + C   # 256 would be below the pager's minimum: chunks, as before
+    whole = solve(COSTS, free=1 << 40, total=1 << 40, n_slots=8, n_ctx=32768 + 192, min_pool=448)
+    assert whole.pool_tokens == 33024 and "whole context" in whole.reason
 
 
 def test_solve_stops_at_the_whole_context_and_refuses_below_the_minimum():
     big = 1 << 40
     fit = solve(COSTS, free=big, total=big, n_slots=4, n_ctx=5000, min_pool=448)
-    assert fit.pool_tokens == 5056 and "whole context" in fit.reason   # n_ctx rounded up to a chunk
+    assert fit.pool_tokens == 5120 and "whole context" in fit.reason   # n_ctx rounded up to 256 (a GPU's)
     small = math.floor(need(COSTS, 448, 8, 32768)) - 1
     with pytest.raises(ValueError, match="8 session"):
         solve(COSTS, free=small, total=0, n_slots=8, n_ctx=32768, min_pool=448)
@@ -56,7 +73,7 @@ def test_solve_counts_a_draft_models_session_beside_each():
     fits = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448, draft=draft)
     assert fits.pool_tokens == pool and "draft model" in fits.reason
     short = solve(COSTS, free=math.floor(exact) - 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448, draft=draft)
-    assert short.pool_tokens == pool - C
+    assert short.pool_tokens == pool - GPU_POOL_ALIGN
     alone = solve(COSTS, free=math.ceil(exact) + 1, total=0, n_slots=n_slots, n_ctx=n_ctx, min_pool=448)
     assert alone.pool_tokens > pool   # without the draft the same memory holds a larger pool
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvflash_ggml import Model, _core
 from kvflash_ggml.engine_parts import make_session
-from kvflash_ggml.fit import MIN_HEADROOM, fit_pool_tokens
+from kvflash_ggml.fit import GPU_POOL_ALIGN, MIN_HEADROOM, fit_pool_tokens
 from kvflash_ggml.options import PoolConfig
 from kvflash_ggml.rpc import start_rpc_server
 from kvflash_ggml.testing import random_gguf as rg
@@ -112,7 +112,8 @@ def expected_pool(model: _core.Model, device: int, n_slots: int = 1) -> int:
     staging = N_CTX * layer_bytes if a["pool_bytes"] else 0
     prefill = staging + _core.ATTENTION_BLOCK_BYTES + step
     free = mem["memory_total"] - mem["weight_bytes"]
-    return int((free - n_slots * fixed - prefill - MIN_HEADROOM) / (n_slots * per_token)) // C * C
+    fitted = int((free - n_slots * fixed - prefill - MIN_HEADROOM) / (n_slots * per_token)) // C * C
+    return fitted // GPU_POOL_ALIGN * GPU_POOL_ALIGN   # an RPC device counts as an accelerator (fit.GPU_POOL_ALIGN)
 
 
 def test_auto_on_a_split_is_what_the_smaller_device_holds(tiny_path, servers):
@@ -130,11 +131,11 @@ def test_auto_on_a_split_is_what_the_smaller_device_holds(tiny_path, servers):
     assert servers[SMALL] in small_name and f"what {small_name}'s memory holds" in fit.reason
     expected = expected_pool(model, 0)
     assert 448 <= expected < N_CTX   # the test's memory sizes put the limit inside the range
-    assert abs(fit.pool_tokens - expected) <= C, (fit.pool_tokens, expected)
+    assert abs(fit.pool_tokens - expected) <= GPU_POOL_ALIGN, (fit.pool_tokens, expected)
     assert expected_pool(model, 1) >= N_CTX   # the larger server alone would hold the whole context
     # Four slots: four sessions' shares on the smaller server
     four = fit_pool_tokens(model, PoolConfig(n_ctx=N_CTX, pool_tokens="auto"), 4)
-    assert abs(four.pool_tokens - expected_pool(model, 0, n_slots=4)) <= C and four.pool_tokens < fit.pool_tokens
+    assert abs(four.pool_tokens - expected_pool(model, 0, n_slots=4)) <= GPU_POOL_ALIGN and four.pool_tokens < fit.pool_tokens
     # The Python API's default pool on the same split is that fit (after this model is gone: the servers' figures
     # do not drop as weights arrive, so a Model counts only its own weights there)
     del model
@@ -149,7 +150,7 @@ def test_the_smaller_device_limits_in_either_place(tiny_path, servers):
     model = split(tiny_path, servers[LARGE], servers[SMALL])
     fit = fit_pool_tokens(model, PoolConfig(n_ctx=N_CTX, pool_tokens="auto"), 1)
     assert servers[SMALL] in fit.reason.split("'s memory holds")[0]
-    assert abs(fit.pool_tokens - expected_pool(model, 1)) <= C
+    assert abs(fit.pool_tokens - expected_pool(model, 1)) <= GPU_POOL_ALIGN
 
 
 def test_a_server_too_small_for_the_minimum_pool_is_named(tiny_path, servers):

@@ -26,6 +26,11 @@ from .options import PoolConfig
 __all__ = ["Fit", "SlotCosts", "measure", "measure_devices", "solve", "fit_pool_tokens", "resolve_pool"]
 log = logging.getLogger(__name__)
 
+# A GPU pool 'auto' chooses is a multiple of this many slots: a decode step attends n_kv = min(occupied rounded up
+# to 256, pool) slots, and ggml-cuda's flash attention takes its grouped-query kernels only when n_kv % 256 == 0
+# (fattn.cu: gqa_opt_applies); a whole-context pool of 32,960 slots (8 x 32K served) left n_kv at 32,960 for every
+# decode step. The core pads n_kv to 256 for the same reason (session.cpp: k_kv_pad).
+GPU_POOL_ALIGN = 256
 HEADROOM_FRACTION = 0.05      # of the device's memory, left free for the backend's own allocations
 MIN_HEADROOM = 512 << 20      # a GPU's (or RPC device's) CUDA context, cuBLAS workspace, allocator slack
 GIB, MIB = float(1 << 30), float(1 << 20)
@@ -86,12 +91,14 @@ Placed = tuple[Room, Optional[SlotCosts], Optional[SlotCosts]]   # a device, and
 
 
 def solve_devices(placed: list[Placed], *, n_slots: int, n_ctx: int, min_pool: int, ceiling: int,
-                  ceiling_why: str = "the whole context") -> Fit:
-    """The largest chunk-aligned pool per session that every device holds, at most `ceiling`. ValueError naming
-    the device below min_pool."""
+                  ceiling_why: str = "the whole context", align: int = _core.CHUNK_TOKENS) -> Fit:
+    """The largest pool per session that every device holds, at most `ceiling`, a multiple of `align` (the chunk;
+    GPU_POOL_ALIGN on a GPU) where that leaves at least min_pool. ValueError naming the device below min_pool."""
     capacities = [(_capacity(room, main, draft, n_slots, n_ctx), room) for room, main, draft in placed]
     (fitted, figures), room = min(capacities, key=lambda c: c[0][0])
     chosen = min(fitted, ceiling)
+    if chosen < ceiling and chosen // align * align >= min_pool:
+        chosen = chosen // align * align
     if chosen < min_pool:
         raise ValueError(f"pool_tokens='auto': {n_slots} session(s) do not fit {room.name}'s memory ({figures}); each "
                          f"needs a pool of at least {min_pool} tokens. Use fewer slots (--parallel), a smaller n_ctx, "
@@ -109,15 +116,15 @@ def solve(costs: SlotCosts, *, free: int, total: int, n_slots: int, n_ctx: int, 
     headroom fit in `free` bytes; at most the whole context. ValueError below min_pool."""
     room = Room("the GPU", free, _gpu_headroom(total), f"{free / GIB:.2f} GiB free after the weights")
     return solve_devices([(room, costs, draft)], n_slots=n_slots, n_ctx=n_ctx, min_pool=min_pool,
-                         ceiling=_whole_context(n_ctx))
+                         ceiling=_whole_context(n_ctx, GPU_POOL_ALIGN), align=GPU_POOL_ALIGN)
 
 
 def _gpu_headroom(total: float) -> float:
     return max(MIN_HEADROOM, int(HEADROOM_FRACTION * total))
 
 
-def _whole_context(n_ctx: int) -> int:
-    return -(-n_ctx // _core.CHUNK_TOKENS) * _core.CHUNK_TOKENS
+def _whole_context(n_ctx: int, align: int = _core.CHUNK_TOKENS) -> int:
+    return -(-n_ctx // align) * align
 
 
 def device_rooms(models: list[_core.Model], budget: Optional[int]) -> list[Room]:
@@ -177,10 +184,11 @@ def fit_pool_tokens(model: _core.Model, pool: PoolConfig, n_slots: int, *,
     placed = _placed(model, pool, draft_model, mtp)
     if not placed:   # no device that limits a pool holds any part of a session
         return Fit(auto, f"no device limits the pool: the engine's auto pool, min(n_ctx, {auto}) tokens")
-    ceiling, why = (_whole_context(pool.n_ctx), "the whole context") if model.on_gpu else \
+    align = GPU_POOL_ALIGN if model.on_gpu else _core.CHUNK_TOKENS
+    ceiling, why = (_whole_context(pool.n_ctx, align), "the whole context") if model.on_gpu else \
         (auto, f"the CPU's auto pool, min(n_ctx, {auto})")
     return solve_devices(placed, n_slots=n_slots, n_ctx=pool.n_ctx, min_pool=pool._pager_config(0).min_pool_tokens(),
-                         ceiling=ceiling, ceiling_why=why)
+                         ceiling=ceiling, ceiling_why=why, align=align)
 
 
 def check_budget(model: _core.Model, pool: PoolConfig, n_slots: int, *,
