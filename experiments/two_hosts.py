@@ -12,10 +12,9 @@ deployment's cost). Each profile runs, --rounds times in turns, llama-bench (--r
 --tensor-split 1,1 (our pooled session); the table has the medians over the rounds (this 2-core VM is shared, and
 one round's ratio moved by 20% when another process ran), and each round's ratio. Then each server's round trips and
 bytes per decode token through counting links, ours and llama-bench's: what a link's latency multiplies. Measured
-(this VM): llama-bench 1 round trip per server per token (and B sends the whole logits row, 192 KiB); ours 2 (A: the
-hidden state and its RMS norm both cross to B, the norm being placed on A by ggml's scheduler, which llama.cpp
-avoids by pinning each layer's "norm" to its layer's device; B: the greedy token's candidates and their maxima are
-two reads).
+(this VM): llama-bench 1 round trip per server per token (and B sends the whole logits row, 192 KiB); ours 1 too
+(B: 8 KiB, the greedy token's row maxima and argmaxes). Ours were 2 before each layer's input readers were pinned to
+its device (graph.h: pin_layer_boundaries) and the greedy read became one tensor.
 
     OMP_WAIT_POLICY=passive python experiments/two_hosts.py --profiles none,dc,home
 """
