@@ -165,3 +165,14 @@ def test_llama_bench_gets_the_same_split_as_ours():
         ["--rpc", "h:1", "-ts", "1/2"]
     with pytest.raises(ValueError, match="cpu"):
         llama_bench_split(Namespace(devices=["cpu", "cuda0"], rpc=None, tensor_split=None))
+
+
+def test_serve_interference_measures_the_gaps_that_overlap_the_long_prompt():
+    # Issue 38's bar: the decoding streams' inter-token p99 while a long prompt runs vs their median over the run.
+    from kvflash_ggml.bench.serve import stall
+    steady = {"stamps": [0.00, 0.01, 0.02, 0.03, 0.53, 0.54, 0.55]}   # a 0.5 s stall from 0.03 to 0.53
+    other = {"stamps": [0.005, 0.015, 0.025, 0.035, 0.045, 0.055]}    # ended before the prompt's first token
+    r = stall([steady, other], t_from=0.10, t_to=0.50)
+    assert r["gaps_during"] == 1 and abs(r["itl_p99_during_ms"] - 500.0) < 1e-6
+    assert abs(r["itl_median_ms"] - 10.0) < 1e-6 and abs(r["p99_over_median"] - 50.0) < 1e-6
+    assert stall([other], t_from=1.0, t_to=2.0)["p99_over_median"] is None   # no gap overlaps: no ratio

@@ -16,7 +16,7 @@ import pytest
 
 import kvflash_ggml
 from kvflash_ggml import _core
-from kvflash_ggml.testing.link import PROFILES, Hosts, Link, start_rpc_server_on
+from kvflash_ggml.testing.link import PROFILES, Hosts, Link, LinkProfile, start_rpc_server_on
 
 from device_check import prompt_logits_both
 
@@ -173,3 +173,27 @@ def test_cut_link_raises_and_the_session_restores_on_new_servers(smollm2_path, s
     assert found["second"] == found["error"]
     assert found["restored"] == found["reference"]
     assert found["logprob_diff"] <= 1e-5   # the same graph on the same K/V: measured 0.0
+
+
+def test_a_decode_step_is_one_round_trip_per_server(tiny_gguf, servers):
+    # Issue 40 item 4: a link's latency is paid once per round trip, and llama.cpp makes one per server per token.
+    # Two were ours before each layer's input readers ran on the layer's device (ggml's scheduler put a layer's
+    # first norm on the previous device, so the norm and the hidden state both crossed: graph.cpp,
+    # pin_layer_boundaries) and before the greedy token came back in one read (session_outputs.cpp).
+    links = [Link(e, LinkProfile("count", 0.0, 0.0)) for e in servers()]
+    try:
+        model = _core.Model(tiny_gguf(), devices=[f"rpc:{link.endpoint}" for link in links], tensor_split=[1, 1],
+                            n_threads=1)
+        s = _core.Session(model, _core.SessionConfig(max_tokens=256, pool_tokens=0))
+        token = s.forward_greedy(np.arange(1, 9, dtype=np.int32), 0)
+        for _ in range(4):   # warm: the decode graph built and its buffers placed
+            token = s.forward_greedy(np.array([token], np.int32), s.n_tokens)
+        before = [link.stats()["exchanges"] for link in links]
+        n = 16
+        for _ in range(n):
+            token = s.forward_greedy(np.array([token], np.int32), s.n_tokens)
+        per_token = [(link.stats()["exchanges"] - b) / n for link, b in zip(links, before)]
+    finally:
+        for link in links:
+            link.close()
+    assert per_token == [1.0, 1.0], per_token

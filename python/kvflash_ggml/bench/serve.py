@@ -8,6 +8,11 @@
               `-np S -c S*ctx` (its prompt cache reuses a slot's prompt the same way): --llama-server BIN, or by
               default the one built from our tree (KVFLASH_LLAMA_SERVER=ON: installed in the package, or in a
               build/*/bin folder here), if any; --llama-server none: ours only.
+  interference (--interference) S - 1 streams of --gen tokens decode (short prompts); once each has its
+              first token, one --context-token prompt arrives on the last slot. The decoding streams' inter-token
+              latency: its median over the run, and its p99 over the gaps that overlap the long prompt (from its
+              arrival to its first token): how much a long prompt stalls the streams already running (issue 38's
+              bar: p99 during the prompt <= 3x the median). Ours, then llama-server under the same load.
   soak        (--soak SECONDS) --requests requests of mixed prompt and output lengths from --concurrency
               clients, streamed and not, some leaving part way; the server's RSS sampled throughout.
 
@@ -48,10 +53,10 @@ def llama_server(args, n_slots: int, log: Path) -> ServerProcess:
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, *, leave_after: Optional[int] = None,
-                      stream: bool = True) -> dict:
-    """One completion; the arrival time of every streamed token."""
+                      stream: bool = True, stamps: Optional[list] = None) -> dict:
+    """One completion; the arrival time of every streamed token (appended to `stamps` as they come, if given)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True}
-    stamps, t0 = [], time.perf_counter()
+    stamps, t0 = [] if stamps is None else stamps, time.perf_counter()
     with httpx.Client(timeout=3600) as client:
         if not stream:
             r = client.post(f"{url}/v1/completions", json=body)
@@ -144,6 +149,56 @@ def throughput(args) -> dict:
     return {"mode": "throughput", "llama_server": args.llama_server, "rows": rows}
 
 
+def stall(streams: list[dict], t_from: float, t_to: float) -> dict:
+    """The streams' inter-token gaps: their median over the whole run and their p99 (and largest) among the gaps
+    that overlap [t_from, t_to]."""
+    gaps = [(a, b) for r in streams for a, b in zip(r["stamps"], r["stamps"][1:])]
+    during = [b - a for a, b in gaps if b > t_from and a < t_to]
+    median = float(np.median([b - a for a, b in gaps])) if gaps else float("nan")
+    p99 = float(np.percentile(during, 99)) if during else float("nan")
+    return {"itl_median_ms": median * 1e3, "itl_p99_during_ms": p99 * 1e3,
+            "itl_max_during_ms": max(during, default=float("nan")) * 1e3, "gaps_during": len(during),
+            "p99_over_median": p99 / median if during and median > 0 else None}
+
+
+def interference(args) -> dict:
+    n_streams = max(int(x) for x in args.streams.split(","))
+    if n_streams < 2:
+        raise SystemExit("--interference needs --streams of at least 2 (S - 1 decode, one brings the long prompt)")
+    n_vocab = model_vocab_size(args.model)
+    servers = [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
+    rows = {}
+    for name, start in servers:
+        server = start(args, n_streams, Path(args.logs) / f"{name}-interference.log")
+        try:
+            all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
+            results: list = [None] * (n_streams - 1)
+            live: list[list] = [[] for _ in results]
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+                i, stream_completion(server.url, prompt_ids(64, i, n_vocab), args.gen, stamps=live[i])))
+                for i in range(n_streams - 1)]
+            for t in threads:
+                t.start()
+            deadline = time.perf_counter() + 600
+            while not all(len(s) >= 2 for s in live) and time.perf_counter() < deadline:
+                time.sleep(0.02)   # every stream past its prompt and decoding
+            long = stream_completion(server.url, prompt_ids(args.context, 12345, n_vocab), 4)
+            for t in threads:
+                t.join()
+            all_answered(name, results + [long])
+            t_from, t_to = long["t0"], long["stamps"][0]
+            rows[name] = {**stall(results, t_from, t_to), "long_prompt_s": t_to - t_from,
+                          "decoding_at_arrival": sum(r["stamps"][0] < t_from < r["stamps"][-1] for r in results)}
+        finally:
+            server.stop()
+        r = rows[name]
+        print(f"{name:>12}  {n_streams - 1} streams decoding, a {args.context}-token prompt arrives "
+              f"({r['decoding_at_arrival']} still decoding then; its first token after {r['long_prompt_s']:.1f} s): "
+              f"inter-token median {r['itl_median_ms']:.1f} ms, p99 during the prompt {r['itl_p99_during_ms']:.1f} ms "
+              f"(max {r['itl_max_during_ms']:.1f}), p99 / median {r['p99_over_median'] or float('nan'):.2f}", flush=True)
+    return {"mode": "interference", "streams": n_streams, "context": args.context, "gen": args.gen, "rows": rows}
+
+
 def soak(args) -> dict:
     rng = random.Random(args.seed)
     server = ours(args, args.parallel, Path(args.logs) / "kvflash-soak.log")
@@ -213,6 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="llama-server to run beside ours, or none (default: the one built from our tree, if any)")
     ap.add_argument("--ours-flags", default="", help="more flags for kvflash serve (e.g. '--backend cuda')")
     ap.add_argument("--llama-flags", default="", help="more flags for llama-server")
+    ap.add_argument("--interference", action="store_true",
+                    help="measure how a long prompt (--context) stalls --streams - 1 decoding streams instead")
     ap.add_argument("--soak", type=float, default=None, help="run the soak for about this many seconds instead")
     ap.add_argument("--requests", type=int, default=500, help="soak: requests in all")
     ap.add_argument("--concurrency", type=int, default=8, help="soak: clients at once")
@@ -232,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(str(e))
         print(f"llama-server: {args.llama_server or 'none built (KVFLASH_LLAMA_SERVER=ON builds one); ours only'}",
               flush=True)
-    result = soak(args) if args.soak else throughput(args)
+    result = soak(args) if args.soak else interference(args) if args.interference else throughput(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
