@@ -247,3 +247,35 @@ def test_speculative_slots_step_alone_and_give_their_tokens(make_scheduler):
     spec, stats, sched = run_all(SpeculativeConfig(draft="prompt_lookup"))
     assert spec == plain and all(len(t) > 10 for t in spec)
     assert all(st["spec_accepted"] > 0 for st in stats) and sched.n_batched_steps == 0
+
+
+def test_a_prompt_arriving_while_slots_decode_takes_steps_of_about_one_decode_round(make_scheduler):
+    # Issue 38: each step of a long prompt is a gap in the decoding streams (p99 inter-token latency during a
+    # prompt <= 3x the median), so while slots decode an exact prefill's step is sized from the measured decode
+    # round and the last exact prefill's own rate: T = round x rate x n_layer, whole chunks.
+    sched, tok = make_scheduler(n_slots=2)
+    steps: list = []
+    for slot in sched.slots:
+        plain = slot.engine._exact_prefill_step
+        slot.engine._exact_prefill_step = lambda plain=plain: steps.append(
+            (plain(), sched.decode_round_s, max(s.engine.exact_prefill_tok_s or 0 for s in sched.slots))) or plain()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = Request(prompt(tok, "A lamp stood by the door. ", 1200), SamplingParams(max_tokens=1, temperature=0), loop)
+        sched.submit(first)
+        await drain(first)   # alone: the pool's step, and the rate is measured
+        a = Request(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=200, temperature=0), loop)
+        sched.submit(a)
+        await a.out.get()
+        await a.out.get()    # a decodes: rounds of decode steps are measured
+        b = Request(prompt(tok, "The river runs to the sea. ", 1200), SamplingParams(max_tokens=1, temperature=0), loop)
+        sched.submit(b)
+        await asyncio.gather(drain(a), drain(b))
+
+    run(main())
+    (alone, _, _), (capped, round_s, rate) = steps
+    assert alone == 512   # the CPU's step (n_batch): nothing decoded beside the first prompt
+    n_layer = sched.slots[0].engine.model.hparams.n_layer
+    assert round_s > 0 and rate > 0
+    assert capped == min(512, max(64, int(round_s * rate * n_layer) // 64 * 64)), (capped, round_s, rate)

@@ -55,6 +55,10 @@ class Engine:
     store_prefix() is called (the server: when a slot is taken over, and at shutdown).
     between_prefill_steps: called between the forward steps of a prompt (the server runs the other slots'
     decode steps there); it may raise to abandon the prompt (the session is rolled back).
+    prompt_step_cap: asked when an exact (layer-major) prefill starts; a number caps its tokens per step (the
+    server: so that each step, a gap in the decoding slots' streams, lasts about one decode round), None keeps
+    the pool's step. On the CPU's mul_mat path (its default) the step's size changes no byte of the result
+    (tests/test_exact_prefill.py); flash attention's sums move within rounding.
     speculative: decode by drafting and verifying on the pool (speculative.py); None: one token per step.
     arena: keep the pool in a lane of this _core.PoolArena (a server's slots: a batched decode step writes and
     attends all their pools at once).
@@ -83,6 +87,9 @@ class Engine:
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
         self.store_each_turn = store_each_turn
         self.between_prefill_steps = between_prefill_steps
+        self.prompt_step_cap: Optional[Callable[[], Optional[int]]] = None
+        self.exact_prefill_tok_s: Optional[float] = None   # the last exact prefill's, without its between() time
+        self._between_s = 0.0
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
         self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
@@ -204,9 +211,13 @@ class Engine:
         as a pooled prefill leaves it. The post-prompt reselect then pages in what the prompt's last tokens
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
+        t0, self._between_s = time.perf_counter(), 0.0
         logits, attention = self.session.prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
                                                        n_batch=self._exact_prefill_step(),
                                                        between=self._between_prefill_steps)
+        own_s = time.perf_counter() - t0 - self._between_s
+        if own_s > 0:
+            self.exact_prefill_tok_s = (len(tokens) - n_keep) / own_s
         by_policy = self.residency.prompt_scores == "policy" or \
             (self.residency.prompt_scores == "auto" and self.residency.policy not in POLICY_NAMES)
         if by_policy:
@@ -216,7 +227,9 @@ class Engine:
         return logits
 
     def _exact_prefill_step(self) -> int:
-        return self.pool.exact_prefill_batch(self.session.flash_attn)
+        step = self.pool.exact_prefill_batch(self.session.flash_attn)
+        cap = self.prompt_step_cap() if self.prompt_step_cap is not None else None
+        return step if cap is None else max(1, min(step, cap))
 
     def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
         return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,
@@ -226,7 +239,11 @@ class Engine:
         """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
         if self.between_prefill_steps is not None:
-            self.between_prefill_steps()
+            t0 = time.perf_counter()
+            try:
+                self.between_prefill_steps()
+            finally:
+                self._between_s += time.perf_counter() - t0
 
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less

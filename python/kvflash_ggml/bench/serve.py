@@ -12,7 +12,8 @@
               first token, one --context-token prompt arrives on the last slot. The decoding streams' inter-token
               latency: its median over the run, and its p99 over the gaps that overlap the long prompt (from its
               arrival to its first token): how much a long prompt stalls the streams already running (issue 38's
-              bar: p99 during the prompt <= 3x the median). Ours, then llama-server under the same load.
+              bar: p99 during the prompt <= 3x the median). Ours, then llama-server under the same load; each
+              server first runs one prompt of that length alone (a running server has seen long prompts).
   soak        (--soak SECONDS) --requests requests of mixed prompt and output lengths from --concurrency
               clients, streamed and not, some leaving part way; the server's RSS sampled throughout.
 
@@ -171,7 +172,9 @@ def interference(args) -> dict:
     for name, start in servers:
         server = start(args, n_streams, Path(args.logs) / f"{name}-interference.log")
         try:
-            all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
+            # warm up with a prompt of the same length alone: a running server has seen long prompts (ours sizes
+            # a prompt's steps while others decode from the last one's rate: Scheduler._prompt_step_cap)
+            all_answered(name, [stream_completion(server.url, prompt_ids(args.context, 999, n_vocab), 4)])
             results: list = [None] * (n_streams - 1)
             live: list[list] = [[] for _ in results]
             threads = [threading.Thread(target=lambda i=i: results.__setitem__(

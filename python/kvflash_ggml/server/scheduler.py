@@ -110,7 +110,9 @@ class Scheduler:
             if why and self.decoder:
                 log.info("slot %d decodes alone: %s", slot.id, why)
             slot.engine.between_prefill_steps = self._between_prefill_steps
+            slot.engine.prompt_step_cap = self._prompt_step_cap
             slot.stats = slot.engine.stats()
+        self.decode_round_s: Optional[float] = None   # a round of decode steps only (moving average)
         self.n_batched_steps = 0   # batched forwards run, and the tokens they decoded
         self.n_batched_tokens = 0
         self.batch_compute_bytes = 0   # the batched graphs' compute buffer (device bytes beside the slots')
@@ -189,11 +191,32 @@ class Scheduler:
         together, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
         ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.decoding)]
         batch = [s for s in ready if s.batchable and not s.request.cancelled and s.records.needs_decode_step()]
+        decode_only, t0 = all(s.decoding for s in ready), time.perf_counter()
         if len(batch) > 1 and self._batched_step(batch):
             ready = [s for s in ready if s not in batch]
         for slot in ready:
             if slot.busy:   # a batched step may have finished it
                 self._step(slot)
+        if decode_only and ready + batch:
+            took = time.perf_counter() - t0
+            self.decode_round_s = took if self.decode_round_s is None else 0.8 * self.decode_round_s + 0.2 * took
+
+    def _prompt_step_cap(self) -> Optional[int]:
+        """Tokens per step for an exact prefill starting now: while other slots decode, each of its steps is a gap
+        in their streams, so a step should take about one decode round. A layer-major step of T tokens takes about
+        T / (rate x n_layer) seconds (rate: the last exact prefill's tokens per second on its own), so T = round x
+        rate x n_layer, in whole chunks (the budget a round gives prompt tokens in nano-vllm's and vLLM's
+        schedulers). None (the pool's step) when no other slot decodes or nothing is measured yet; on a GPU the
+        answer is usually above the step anyway. On the CPU's mul_mat path the step's size changes no byte."""
+        prefilling = self._current
+        if self.decode_round_s is None or not any(s.decoding and s is not prefilling for s in self.slots):
+            return None
+        rates = [s.engine.exact_prefill_tok_s for s in self.slots if s.engine.exact_prefill_tok_s]
+        if not rates:
+            return None
+        n_layer = self.slots[0].engine.model.hparams.n_layer
+        chunk = _core.CHUNK_TOKENS
+        return max(chunk, int(self.decode_round_s * max(rates) * n_layer) // chunk * chunk)
 
     def _batched_step(self, batch: list[Slot]) -> bool:
         """One forward for the slots' decode steps; False (nothing changed) if it failed, so that each slot
