@@ -103,7 +103,7 @@ def aggregate_decode(results: list[dict]) -> dict:
             "ttft_max_s": max(ttft), "generated": sum(r["tokens"] for r in results)}
 
 
-def prompt_ids(n: int, seed: int, n_vocab: int = 32000) -> list[int]:
+def prompt_ids(n: int, seed: int, n_vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(100, n_vocab - 100, n).tolist()
 
 
@@ -115,21 +115,24 @@ def model_vocab_size(model: str) -> int:
 
 def all_answered(name: str, results: list[dict]) -> list[dict]:
     """The results, or a RuntimeError naming the statuses when a server refused any request."""
-    refused = sorted({r["status"] for r in results if r["status"] != 200})
+    refused = [r["status"] for r in results if r["status"] != 200]
     if refused:
-        raise RuntimeError(f"{name} answered {len([r for r in results if r['status'] != 200])} of {len(results)} "
-                           f"requests with HTTP {', '.join(map(str, refused))} (its log says why)")
+        raise RuntimeError(f"{name} answered {len(refused)} of {len(results)} requests with HTTP "
+                           f"{', '.join(map(str, sorted(set(refused))))} (its log says why)")
     return results
 
 
+def servers_to_run(args) -> list:
+    """(name, start) of ours, then llama-server's when one runs beside it."""
+    return [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
+
+
 def throughput(args) -> dict:
-    rows = []
-    servers = [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
-    n_vocab = model_vocab_size(args.model)
+    rows, n_vocab = [], model_vocab_size(args.model)
     for n_streams in (int(x) for x in args.streams.split(",")):
         prompts = [prompt_ids(args.context, seed=i, n_vocab=n_vocab) for i in range(n_streams)]
         row = {"streams": n_streams, "context": args.context}
-        for name, start in servers:
+        for name, start in servers_to_run(args):
             server = start(args, n_streams, Path(args.logs) / f"{name}-{n_streams}.log")
             try:
                 all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
@@ -166,10 +169,8 @@ def interference(args) -> dict:
     n_streams = max(int(x) for x in args.streams.split(","))
     if n_streams < 2:
         raise SystemExit("--interference needs --streams of at least 2 (S - 1 decode, one brings the long prompt)")
-    n_vocab = model_vocab_size(args.model)
-    servers = [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
-    rows = {}
-    for name, start in servers:
+    n_vocab, rows = model_vocab_size(args.model), {}
+    for name, start in servers_to_run(args):
         server = start(args, n_streams, Path(args.logs) / f"{name}-interference.log")
         try:
             # warm up with a prompt of the same length alone: a running server has seen long prompts (ours sizes

@@ -197,7 +197,7 @@ class Scheduler:
         for slot in ready:
             if slot.busy:   # a batched step may have finished it
                 self._step(slot)
-        if decode_only and ready + batch:
+        if decode_only and (ready or batch):
             took = time.perf_counter() - t0
             self.decode_round_s = took if self.decode_round_s is None else 0.8 * self.decode_round_s + 0.2 * took
 
