@@ -56,13 +56,13 @@ KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & L, int64_t 
         throw std::logic_error("a position-ordered copy gathers slot rows: it needs V in slot rows, not v_trans");
     }
     KvStepInputs in;
-    in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    in.slots = band ? band->counts_i64(ctx, first_pos, n_tokens) : ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     in.v_slots = L.v_trans ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.n_embd_v * n_tokens) : nullptr;
     in.band = band;
     in.first_pos = first_pos;
     in.mask = band ? nullptr : ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
     in.kv_order = gathered ? ggml_new_tensor_1d(ctx, GGML_TYPE_I64, L.pool_tokens) : nullptr;
-    for (ggml_tensor * t : {in.slots, in.v_slots, in.mask, in.kv_order}) {
+    for (ggml_tensor * t : {band ? nullptr : in.slots, in.v_slots, in.mask, in.kv_order}) {
         if (t) ggml_set_input(t);
     }
     return in;
@@ -81,17 +81,24 @@ CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_toke
     : n_slots_(n_slots), max_tokens_(max_tokens), kv_pad_(kv_pad) {
     // Triangle columns past max_tokens: a last step's n_kv is rounded up to kv_pad.
     const int64_t width = max_tokens + kv_pad;
-    ggml_init_params ip{2 * ggml_tensor_overhead(), nullptr, true};
+    ggml_init_params ip{4 * ggml_tensor_overhead(), nullptr, true};
     ctx_ = ggml_init(ip);
     zeros_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_F16, std::max<int64_t>(n_slots, 1));
     triangle_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width, max_tokens);
+    counts_i32_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I32, std::max<int64_t>(n_slots, 1));
+    counts_i64_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I64, std::max<int64_t>(n_slots, 1));
     buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
     if (!buf_) {
         ggml_free(ctx_);
-        throw std::runtime_error("could not allocate " + std::to_string((n_slots + width * max_tokens) * 2) +
-                                 " bytes for the prefill's causal mask");
+        throw std::runtime_error("could not allocate " + std::to_string((n_slots * 14 + width * max_tokens * 2)) +
+                                 " bytes for the prefill's causal mask and step indices");
     }
     ggml_backend_buffer_clear(buf_, 0);   // F16 zero is all zero bits
+    std::vector<int32_t> c32((size_t) counts_i32_->ne[0]);
+    std::vector<int64_t> c64(c32.size());
+    for (size_t i = 0; i < c32.size(); ++i) c32[i] = (int32_t) i, c64[i] = (int64_t) i;
+    ggml_backend_tensor_set(counts_i32_, c32.data(), 0, ggml_nbytes(counts_i32_));
+    ggml_backend_tensor_set(counts_i64_, c64.data(), 0, ggml_nbytes(counts_i64_));
     std::vector<ggml_fp16_t> tri((size_t) (width * max_tokens), ggml_fp32_to_fp16(-INFINITY));
     for (int64_t i = 0; i < max_tokens; ++i) {
         std::fill(tri.begin() + i * width, tri.begin() + i * width + i + 1, ggml_fp32_to_fp16(0.0f));
@@ -124,7 +131,24 @@ int64_t CausalBand::keys_seen(int64_t last_pos, int64_t n_kv) const {
     return std::min(n_kv, (last_pos + 1 + kv_pad_ - 1) / kv_pad_ * kv_pad_);
 }
 
-int64_t CausalBand::device_bytes() const { return (int64_t) (ggml_nbytes(zeros_) + ggml_nbytes(triangle_)); }
+namespace {
+
+ggml_tensor * counts_view(ggml_context * ctx, ggml_tensor * counts, int64_t first, int64_t n) {
+    if (first < 0 || n < 1 || first + n > counts->ne[0]) throw std::logic_error("CausalBand: counts outside the band");
+    return ggml_view_1d(ctx, counts, n, first * counts->nb[0]);
+}
+
+}  // namespace
+
+ggml_tensor * CausalBand::counts_i32(ggml_context * ctx, int64_t first, int64_t n) const {
+    return counts_view(ctx, counts_i32_, first, n);
+}
+
+ggml_tensor * CausalBand::counts_i64(ggml_context * ctx, int64_t first, int64_t n) const {
+    return counts_view(ctx, counts_i64_, first, n);
+}
+
+int64_t CausalBand::device_bytes() const { return (int64_t) ggml_backend_buffer_get_size(buf_); }
 
 void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKeyOrder & order, const Plan & alloc,
                         const int32_t * pos, std::vector<uint8_t> & scratch) {
@@ -137,7 +161,13 @@ void kv_step_inputs_set(const KvStepInputs & in, const KvLayout & L, const KvKey
     if (in.slots) {   // none: a step that only reads (alloc then has no slots either)
         std::vector<int64_t> slots(n);
         for (int64_t i = 0; i < n; ++i) slots[i] = alloc.slots[i];
-        ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+        if (!in.band) {
+            ggml_backend_tensor_set(in.slots, slots.data(), 0, n * sizeof(int64_t));
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                if (slots[i] != in.first_pos + i) throw std::logic_error("kv_step_inputs_set: a band's pool is not filled in order");
+            }
+        }
         if (in.v_slots) {   // value c of token i lands at element c * pool_tokens + slot (V is [pool_tokens, n_embd_v])
             const int64_t W = L.n_embd_v, P = L.pool_tokens;
             std::vector<int64_t> v_slots((size_t) (W * n));

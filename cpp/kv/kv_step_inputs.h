@@ -55,8 +55,9 @@ KvKeyOrder kv_key_order(const KvPager & pager, const KvLayout & layout, bool ord
 
 // Creates (and marks as inputs) the tensors of a step of n_tokens tokens attending n_kv slots, in the
 // no_alloc graph context ctx. gathered: the step attends a position-ordered copy (KvKeyOrder::gathered).
-// band: the step's queries are those of an identity pool filled in order from first_pos, and their mask is
-// made in the graph from the band (nothing uploaded); nullptr: the mask is an input, uploaded.
+// band: the step's queries are those of an identity pool filled in order from first_pos, and their mask and slot
+// rows are made in the graph from the band (nothing uploaded but a v_trans layout's V indices); nullptr: the mask
+// and slot rows are inputs, uploaded.
 KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int64_t n_tokens, int64_t n_kv,
                                 bool gathered, const CausalBand * band = nullptr, int64_t first_pos = 0);
 
@@ -72,6 +73,11 @@ inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots
 // compute at 32K positions; building it from F32 ops, 14% of the GPU time; a band of every step's rows
 // [n_slots + max_tokens, max_tokens] held as many bytes as the step's mask (258 MiB at 128K x 1024). A step's
 // whole mask is as large (n_kv x step), so attention asks for it a block of queries at a time (kv_mask_rows).
+// The band also holds the pool's other per-step inputs, which in such a pool are counts (position p is in slot p):
+// 0, 1, ... as I32 (positions, output rows) and as I64 (slot rows), so a step views them instead of uploading them.
+// An uploaded input makes ggml's scheduler wait for the device to finish the step before it (it copies the input
+// into the one buffer the running step reads), and a layer-major prefill has n_layer x more steps than a forward
+// pass: on the GPU those waits left the device idle once per step.
 class CausalBand {
 public:
     CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad);
@@ -82,6 +88,9 @@ public:
     ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const;
     // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
     int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
+    // first, first + 1, ..., first + n - 1 as I32 (positions, output rows) or I64 (slot rows): a view in ctx.
+    ggml_tensor * counts_i32(ggml_context * ctx, int64_t first, int64_t n) const;
+    ggml_tensor * counts_i64(ggml_context * ctx, int64_t first, int64_t n) const;
     int64_t device_bytes() const;
 
 private:
@@ -90,6 +99,8 @@ private:
     ggml_backend_buffer_t buf_ = nullptr;
     ggml_tensor * zeros_ = nullptr;      // F16 [n_slots]
     ggml_tensor * triangle_ = nullptr;   // F16 [max_tokens + kv_pad, max_tokens]
+    ggml_tensor * counts_i32_ = nullptr;   // I32 [n_slots]: 0, 1, ...
+    ggml_tensor * counts_i64_ = nullptr;   // I64 [n_slots]: 0, 1, ...
 };
 
 // Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos;

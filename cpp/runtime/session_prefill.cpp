@@ -19,7 +19,8 @@
 // PoolConfig.exact_prefill_batch(): at least 1024 with flash attention, as each step pays a fixed cost and there are
 // n_layer times more of them than in a full cache); then the layer's new K/V go to their blocks or host images.
 // A step attends under a causal mask made in its graph from a zero row (row stride 0) and a small triangle, made
-// once per prefill (CausalBand, one per device: such a view cannot cross devices); the whole mask would grow with
+// once per prefill (CausalBand, one per device: such a view cannot cross devices), which also holds the counts its
+// positions and slot rows view, so a step uploads nothing and never waits for the one before; the whole mask would grow with
 // the keys (n_kv x step F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks whose mask, and
 // on the mul_mat path whose attention matrix, fit k_attention_block_bytes (64 MiB), each attending only the keys up
 // to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
@@ -441,11 +442,14 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
     g.mtp_kv_layer = lk.mtp ? 0 : -1;   // the head's K/V go to the one-layer staging pool
     // Per-layer embeddings (gemma4) read the tokens in every layer, the MTP head its own embeddings.
     g.in.tokens = il == 0 || hp_.n_embd_per_layer > 0 || lk.mtp ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : nullptr;
-    // A linear-attention layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
-    g.in.positions = lk.recurrent ? nullptr : ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt);
-    g.in.out_ids = last_layer && mt > 1 ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 1) : nullptr;
+    // Positions and the output row are views of the device's band (CausalBand: nothing uploaded, so no step waits
+    // for the one before), a sliding-window layer's positions an input as its ring's mask is. A linear-attention
+    // layer has no positions (nothing rotates): an input the graph never reads stays unallocated.
+    const CausalBand & band = *bands_[(size_t) m_.device_of(il)];
+    g.in.positions = lk.recurrent ? nullptr : lk.swa ? ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, mt) : band.counts_i32(g.ctx, p0, mt);
+    g.in.out_ids = last_layer && mt > 1 ? band.counts_i32(g.ctx, mt - 1, 1) : nullptr;
     ggml_tensor * h_in = hidden_->input(g.ctx, k, measure);
-    for (ggml_tensor * t : {g.in.tokens, g.in.positions, g.in.out_ids}) {
+    for (ggml_tensor * t : {g.in.tokens, lk.swa ? g.in.positions : nullptr}) {
         if (t) ggml_set_input(t);
     }
     if (lk.swa) {   // the ring's mask (window and ring order) is uploaded: small, and no band has it
@@ -454,7 +458,7 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
         g.ring_in = kv_step_inputs_new(g.ctx, s_.ring_->kv().layout(), mt, n_kv, false);
     } else if (attends_staging(il)) {
         g.n_kv = n_kv;
-        g.in.kv = kv_step_inputs_new(g.ctx, sl_, mt, n_kv, false, bands_[(size_t) m_.device_of(il)].get(), p0);
+        g.in.kv = kv_step_inputs_new(g.ctx, sl_, mt, n_kv, false, &band, p0);
     }
     if (!lk.has_kv) kv_step_inputs_reads_only(lk.swa ? g.ring_in : g.in.kv);
     sg.y = lk.mtp ? build_mtp_follow(g, m_, h_in) : m_.arch().layer(g, m_, il, h_in ? h_in : m_.arch().embed(g, m_));
@@ -543,15 +547,11 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     pos_.resize((size_t) mt);
     for (int64_t i = 0; i < mt; ++i) pos_[i] = (int32_t) (p0 + i);
     if (g.in.tokens) ggml_backend_tensor_set(g.in.tokens, tokens_ + (p0 - start_), 0, mt * sizeof(int32_t));
-    if (g.in.positions) ggml_backend_tensor_set(g.in.positions, pos_.data(), 0, mt * sizeof(int32_t));
-    if (g.in.out_ids) {
-        const int32_t last = (int32_t) (mt - 1);
-        ggml_backend_tensor_set(g.in.out_ids, &last, 0, sizeof(int32_t));
-    }
+    if (lk.swa) ggml_backend_tensor_set(g.in.positions, pos_.data(), 0, mt * sizeof(int32_t));
     if (step_kv) kv_step_inputs_set(*step_kv, lk.swa ? s_.ring_->kv().layout() : sl_, order, plan, pos_.data(), s_.input_scratch_);
     s_.timings_.t_prefill_io_ms += ms_since(t_io);
-    // Queued behind the step before, which may still run: this step's graph and inputs were made meanwhile (the
-    // scheduler waits for the device before copying the inputs over). A layer's last step runs to its end: its
+    // Queued behind the step before, which may still run: this step's graph was made meanwhile (a step with an
+    // uploaded input, layer 0's tokens or a ring's mask, waits for the device first). A layer's last step runs to its end: its
     // outputs are read here and its K/V copied out by write_back.
     hidden_->before_compute(k);
     if (ggml_backend_sched_graph_compute_async(sched_.get(), g.gf) != GGML_STATUS_SUCCESS) {
