@@ -84,10 +84,12 @@ public:
     ~CausalBand();
     CausalBand(const CausalBand &) = delete;
     CausalBand & operator=(const CausalBand &) = delete;
-    // The [n_kv, n_tokens] mask of the queries whose first is at first_pos (a graph node in ctx).
+    // The [n_kv, n_tokens] mask of the queries whose first is at first_pos (a graph node in ctx): the same three
+    // nodes for every step, as ggml's allocator reuses a reservation only for a graph with as many nodes.
     ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const;
     // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
     int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
+    int64_t n_slots() const { return n_slots_; }
     // first, first + 1, ..., first + n - 1 as I32 (positions, output rows) or I64 (slot rows): a view in ctx.
     ggml_tensor * counts_i32(ggml_context * ctx, int64_t first, int64_t n) const;
     ggml_tensor * counts_i64(ggml_context * ctx, int64_t first, int64_t n) const;

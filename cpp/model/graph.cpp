@@ -290,17 +290,20 @@ struct QueryBlock {
 };
 
 // The blocks of a step's n queries: one unless the mask is made per block (or one_query: a block per query);
-// then as many queries per block as block_bytes allows at bytes_per_key per query and key, the last block whole
-// (it holds the captured queries).
-std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t n_kv, int64_t bytes_per_key,
-                                     int64_t block_bytes, bool one_query) {
+// then as many queries per block as block_bytes allows at bytes_per_key per query and key of the band's whole
+// pool, the last block whole (it holds the captured queries). Sized by the pool, not by the step's keys, every step
+// of a layer has as many blocks, so its graphs have as many nodes: ggml's allocator keeps the layer's reservation
+// only for such graphs, and re-reserving makes the host wait for the device (once per step at 128K, when a
+// layer's later steps had more blocks than its first).
+std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t bytes_per_key, int64_t block_bytes,
+                                     bool one_query) {
     if (!in.band && one_query) {
         std::vector<QueryBlock> blocks;
         for (int64_t row0 = 0; row0 < n; ++row0) blocks.push_back({row0, 1});
         return blocks;
     }
     if (!in.band) return {{0, n}};
-    const int64_t per_block = std::max(k_min_query_block, block_bytes / (n_kv * bytes_per_key));
+    const int64_t per_block = std::max(k_min_query_block, block_bytes / (in.band->n_slots() * bytes_per_key));
     const int64_t first = n - (n - 1) / per_block * per_block;   // the short block goes first
     std::vector<QueryBlock> blocks = {{0, first}};
     for (int64_t row0 = first; row0 < n; row0 += per_block) blocks.push_back({row0, per_block});
@@ -341,7 +344,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     const bool f16_products = one_token && !g.flash_attn && kv.k(kl)->type == GGML_TYPE_F16 &&
                               kv.v(kl)->type == GGML_TYPE_F16 && f16_mul_mat_usable();
     ggml_tensor * out = nullptr;
-    for (const QueryBlock & b : query_blocks(in, n, n_kv, bytes_per_key, g.attention_block_bytes, one_token && !f16_products)) {
+    for (const QueryBlock & b : query_blocks(in, n, bytes_per_key, g.attention_block_bytes, one_token && !f16_products)) {
         const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
         const bool last = b.row0 + b.n == n;
         if (capture_attn && last && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");

@@ -115,6 +115,9 @@ struct SessionTimings {
     // hidden states and K/V between host, staging and pool (the rest is the graphs' compute)
     double t_prefill_graph_ms = 0;
     double t_prefill_io_ms    = 0;
+    // layer-major prefill: steps (each layer's last aside) whose graph has other nodes than the layer's first step's;
+    // ggml's allocator re-reserves for each, which waits for the device (should stay 0)
+    int64_t n_prefill_graph_changes = 0;
 };
 
 // Held by one thread: the session's mutex and, unless taken for bookkeeping only, its model's.

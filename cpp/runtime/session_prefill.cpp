@@ -335,6 +335,7 @@ private:
     std::vector<int64_t> blocks_;   // where each chunk is read from (block, or -1: host)
     std::vector<int32_t> pos_;
     size_t k_ = 0;                  // the step
+    int layer_nodes_ = 0;           // nodes of the layer's first step's graph
     CtxPtr queued_ctx_{nullptr, ggml_free};   // the graph still running while the next one is built
 };
 
@@ -497,7 +498,9 @@ void Session::ExactPrefillPass::stage_layer(int il) {
 
 // A pooled layer's steps attend ever more slots: reserved for its largest step before the first (the last before
 // the final one, whose captures make another graph), the scheduler never has to grow its buffer, which means
-// waiting for the step before, while the steps are queued.
+// waiting for the step before, while the steps are queued. ggml's allocator keeps that reservation only while each
+// graph has as many nodes as the reserved one (else it reserves again for the graph at hand, and the next, larger,
+// step once more): every step of a layer but the last builds the same nodes (timings' n_prefill_graph_changes).
 void Session::ExactPrefillPass::reserve_layer(int il, size_t k_end) {
     if (!kind(il).pooled || !hidden_->overlaps() || k_end - k_ < 3) return;
     const HiddenStates::Step & big = steps_[k_end - 2];
@@ -534,6 +537,11 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     const auto t_graph = std::chrono::steady_clock::now();
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
+    if (!final_step) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes
+        const int n_nodes = ggml_graph_n_nodes(g.gf);
+        if (k == 0 || steps_[k - 1].layer != il) layer_nodes_ = n_nodes;
+        s_.timings_.n_prefill_graph_changes += n_nodes != layer_nodes_;
+    }
     KvStepInputs * step_kv = lk.swa ? &g.ring_in : attends_staging(il) ? &g.in.kv : nullptr;   // none: a recurrent layer
     ggml_backend_sched_reset(sched_.get());
     if (!ggml_backend_sched_alloc_graph(sched_.get(), g.gf)) {
