@@ -37,6 +37,7 @@ def traced(fn):
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     kernels, copies = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(lambda: [0, 0.0])
+    api = collections.defaultdict(lambda: [0, 0.0])
     spans = []
     for e in json.load(open(path))["traceEvents"]:
         if e.get("ph") != "X":
@@ -50,8 +51,14 @@ def traced(fn):
             c = copies[e["name"]]
             c[0] += int(e.get("args", {}).get("bytes", 0))
             c[1] += e["dur"]
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver"):   # host time in CUDA calls: where the host waits
+            a = api[e["name"]]
+            a[0] += 1
+            a[1] += e["dur"]
     del torch
     kernels[IDLE] = idle_gaps(spans)
+    for name, (n, us) in api.items():
+        copies[f"host in {name} (x{n})"] = (0, us)
     return wall, kernels, copies
 
 
@@ -82,6 +89,10 @@ def report(label: str, length: int, wall: float, kernels, copies, top: int) -> N
     if idle:
         print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones")
     for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
+        if kind.startswith("host in "):
+            if us > 20000:   # the CUDA calls the host spent more than 20 ms in, all told
+                print(f"   {kind}: {us / 1e6:.3f} s")
+            continue
         print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"   {us / 1e6:7.3f} s {100 * us / total:5.1f}%  x{n:<6} {name}")
