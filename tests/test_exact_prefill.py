@@ -184,15 +184,16 @@ def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma3"])
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
-def test_a_layers_steps_build_graphs_of_one_shape(tiny, arch, attention):
-    # ggml's allocator keeps a reservation only for a graph with as many nodes; a step whose graph has others is
-    # re-reserved, and on a GPU that waits for the device: a layer's steps then no longer queue behind each other.
-    # Counted from a fresh session (a first step at position 0 made its mask otherwise) with a block budget under
-    # which the last steps' keys alone would need more query blocks than the first steps' (the blocks are sized by
-    # the whole staging pool instead).
+@pytest.mark.parametrize("blocks", ["one", "growing"])
+def test_a_layers_steps_build_graphs_of_one_shape(tiny, arch, attention, blocks):
+    # ggml's allocator keeps a reservation only for a graph with as many nodes and leafs; a step whose graph has
+    # others is re-reserved, and on a GPU that waits for the device: a layer's steps then no longer queue behind each
+    # other. Counted from a fresh session (a first step at position 0 made its mask from other tensors) with one
+    # query block per step, and with a block budget under which the last steps' keys alone would need more query
+    # blocks than the first steps' (the blocks are sized by the whole staging pool instead).
     model = tiny(arch)
     sess = session(model, POOL, attention=attention)
-    budget = 128 * 512 * (2 if attention == "flash" else 2 + 8 * model.hparams.n_head)
+    budget = 0 if blocks == "one" else 128 * 512 * (2 if attention == "flash" else 2 + 8 * model.hparams.n_head)
     sess.prefill_exact(prompt(model, 1000, seed=3), 0, attention_block_bytes=budget)
     assert sess.timings.n_computes > 2 * model.hparams.n_layer
     assert sess.timings.n_prefill_graph_changes == 0

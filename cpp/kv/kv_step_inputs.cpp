@@ -116,17 +116,15 @@ ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_token
     if (first_pos < 0 || first_pos > n_slots_ || n_tokens > max_tokens_ || right < n_tokens || right > triangle_->ne[0]) {
         throw std::logic_error("CausalBand: a step outside the band");
     }
-    // Attention wants a contiguous mask: one F16 write of n_kv x n_tokens in the graph, a concat of two views
-    // whatever first_pos (at 0 the triangle's first column and the rest), so every step's graph has as many nodes.
-    if (first_pos == 0) {
-        const int64_t a = right > 1 ? 1 : right;
-        return ggml_concat(ctx, ggml_view_2d(ctx, triangle_, a, n_tokens, triangle_->nb[1], 0),
-                           ggml_view_2d(ctx, triangle_, right - a, n_tokens, triangle_->nb[1], a * triangle_->nb[0]), 0);
-    }
-    ggml_tensor * tri = ggml_view_2d(ctx, triangle_, right, n_tokens, triangle_->nb[1], 0);
+    // Attention wants a contiguous mask: one F16 write of n_kv x n_tokens in the graph. Every step makes it from the
+    // same two tensors and nodes (ggml's allocator keeps a reservation only for a graph with as many leafs and nodes):
+    // first_pos columns of zeros and the triangle, or at first_pos 0 the first column (key 0, which every query
+    // sees) from the zeros and the rest from the triangle's columns 1..
+    const int64_t a = first_pos == 0 ? 1 : 0;
+    ggml_tensor * tri = ggml_view_2d(ctx, triangle_, right - a, n_tokens, triangle_->nb[1], a * triangle_->nb[0]);
     // Every row the same zeros: a one-row view given n_tokens rows of stride 0 (ggml's view constructors size a
     // view as if contiguous, so they refuse this one; concat reads its sources through their strides).
-    ggml_tensor * seen = ggml_view_2d(ctx, zeros_, first_pos, 1, zeros_->nb[0] * first_pos, 0);
+    ggml_tensor * seen = ggml_view_2d(ctx, zeros_, first_pos + a, 1, zeros_->nb[0] * (first_pos + a), 0);
     seen->ne[1] = n_tokens;
     seen->nb[1] = seen->nb[2] = seen->nb[3] = 0;
     return ggml_concat(ctx, seen, tri, 0);

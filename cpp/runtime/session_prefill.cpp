@@ -49,6 +49,8 @@
 #include <chrono>
 #include <future>
 #include <stdexcept>
+#include <unordered_set>
+#include <utility>
 
 namespace kvf {
 
@@ -243,6 +245,19 @@ void check_shared_kv(const ModelHparams & hp) {
     }
 }
 
+// A graph's nodes and leafs (the tensors its nodes read that no op makes: weights, inputs, the band's): what ggml's
+// allocator compares before it reuses a reservation.
+std::pair<int, int> graph_shape(ggml_cgraph * gf) {
+    std::unordered_set<const ggml_tensor *> leafs;
+    const int n = ggml_graph_n_nodes(gf);
+    for (int i = 0; i < n; ++i) {
+        for (const ggml_tensor * src : ggml_graph_node(gf, i)->src) {
+            if (src && src->op == GGML_OP_NONE) leafs.insert(src);
+        }
+    }
+    return {n, (int) leafs.size()};
+}
+
 }  // namespace
 
 void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
@@ -335,7 +350,7 @@ private:
     std::vector<int64_t> blocks_;   // where each chunk is read from (block, or -1: host)
     std::vector<int32_t> pos_;
     size_t k_ = 0;                  // the step
-    int layer_nodes_ = 0;           // nodes of the layer's first step's graph
+    std::pair<int, int> layer_shape_;   // the layer's first step's graph_shape
     CtxPtr queued_ctx_{nullptr, ggml_free};   // the graph still running while the next one is built
 };
 
@@ -537,10 +552,10 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     const auto t_graph = std::chrono::steady_clock::now();
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
-    if (!final_step) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes
-        const int n_nodes = ggml_graph_n_nodes(g.gf);
-        if (k == 0 || steps_[k - 1].layer != il) layer_nodes_ = n_nodes;
-        s_.timings_.n_prefill_graph_changes += n_nodes != layer_nodes_;
+    if (!final_step) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
+        const std::pair<int, int> shape = graph_shape(g.gf);
+        if (k == 0 || steps_[k - 1].layer != il) layer_shape_ = shape;
+        s_.timings_.n_prefill_graph_changes += shape != layer_shape_;
     }
     KvStepInputs * step_kv = lk.swa ? &g.ring_in : attends_staging(il) ? &g.in.kv : nullptr;   // none: a recurrent layer
     ggml_backend_sched_reset(sched_.get());
