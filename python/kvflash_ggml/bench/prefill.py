@@ -84,7 +84,9 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
     out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates,
            **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))},
            "prefill_ms": {"graphs": timings.t_prefill_graph_ms, "io": timings.t_prefill_io_ms,
-                          "compute": timings.t_compute_ms, "paging": timings.t_paging_ms}}
+                          "compute": timings.t_compute_ms, "paging": timings.t_paging_ms},
+           # steps whose graph made ggml reserve again (each a wait for the device): should stay 0
+           "prefill_graph_changes": timings.n_prefill_graph_changes}
     if free_before is not None:
         out["device_bytes_taken"] = taken   # by the session (pool, buffers, workspace): weights were loaded before
     engine.close()
