@@ -32,6 +32,8 @@
 #     mg-decode    kvflash bench decode of the split beside llama-bench with the same -dev / -sm layer / -ts
 #                  (MG_DEPTHS, default 0,4096,131072; MG_FULL_UP_TO, default 4096; MG_REPS, default 3; PREFILL)
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
+#     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH), GPU
+#                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -185,6 +187,16 @@ for phase in "$@"; do
         lb=$(python3 -c 'from kvflash_ggml.bench.reference import find_llama_bench; print(find_llama_bench(None))')
         ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
             "$lb" -m "$MODEL" -p 0 -n 2 -r 1 -ngl 99 -fa 1 > "$OUT/ncu-llama.log" 2>&1; tail -3 "$OUT/ncu-llama.log" ;;
+    prefill-profile)
+        # GGML_SCHED_DEBUG_REALLOC=1: ggml aborts if a step graph makes it reserve again (each such step waited for
+        # the device: R89); then where the GPU idles and what the host waits in, ours beside libllama
+        need_model
+        for len in ${PROFILE_LENGTHS:-32768}; do
+            GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
+                --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
+            python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
+                tee -a "$OUT/prefill-profile.log"
+        done ;;
     niah)
         SMOL=${SMOL:-/tmp/smollm2.gguf}
         python3 -m kvflash_ggml bench niah --model "$SMOL" --lengths 8192 --kvflash 512,1024 \
