@@ -95,3 +95,12 @@ def test_measured_costs_cover_a_real_session(smollm2):
 def test_cpu_backend_keeps_the_engine_rule(smollm2):
     fit = fit_pool_tokens(smollm2, PoolConfig(n_ctx=16384, pool_tokens="auto"), 4)
     assert fit.pool_tokens == 4096 and "CPU" in fit.reason
+
+
+def test_a_cuda_pool_off_the_256_grid_is_warned_about():
+    from kvflash_ggml.engine_parts import pool_alignment_warning
+    warning = pool_alignment_warning("CUDA0", True, 4160)
+    assert "4160" in warning and "4352" in warning
+    assert pool_alignment_warning("CUDA0", True, 4096) is None    # on the grid
+    assert pool_alignment_warning("CUDA0", False, 4160) is None   # mul_mat attention
+    assert pool_alignment_warning("CPU", True, 4160) is None

@@ -5,6 +5,7 @@ so that engines built from one configuration share the weights they load."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Callable, Optional, Union
 
@@ -14,7 +15,7 @@ from .companion import Companion, same_vocabulary
 from .drafter import DrafterPolicy
 from .known_models import resolve_model_path
 from .mtp import MtpDraft, check_mtp, wants_mtp
-from .options import SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SpeculativeConfig
+from .options import GPU_POOL_ALIGN, SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy
 from .speculative import DraftModel, PromptLookup, Speculator, TextMappedDraft
 from .tokenizer import Tokenizer
@@ -31,10 +32,26 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
         attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
         tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries, mtp=mtp)
-    return _core.Session(model, config, arena=arena)
+    session = _core.Session(model, config, arena=arena)
+    warning = pool_alignment_warning(model.backend_name, session.flash_attn, session.pager.config().pool_tokens)
+    if warning:
+        log.warning(warning)
+    return session
+
+
+def pool_alignment_warning(backend_name: str, flash_attn: bool, pool_slots: int) -> Optional[str]:
+    """What a CUDA pool that is not a multiple of GPU_POOL_ALIGN slots costs (None: nothing): once full (a whole-context
+    pool too, near the context's end), each decode step attends all of its slots, and ggml-cuda's flash attention
+    leaves its grouped-query kernels for that n_kv."""
+    if "CUDA" not in backend_name or not flash_attn or pool_slots % GPU_POOL_ALIGN == 0:
+        return None
+    better = -(-pool_slots // GPU_POOL_ALIGN) * GPU_POOL_ALIGN
+    return (f"a pool of {pool_slots} slots, not a multiple of {GPU_POOL_ALIGN}: once full, CUDA's flash attention reads "
+            f"it without its grouped-query kernels and decode is slower (docs/RESULTS.md, R81); {better} slots would not be")
 
 
 POLICY_NAMES = ("lru", "qk", "quest", "drafter")
+log = logging.getLogger(__name__)
 
 
 def session_device_bytes(session: _core.Session) -> int:

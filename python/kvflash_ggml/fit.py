@@ -21,16 +21,11 @@ from typing import Optional
 
 from . import _core
 from .fit_probe import SlotCosts, measure, measure_devices
-from .options import PoolConfig
+from .options import GPU_POOL_ALIGN, PoolConfig
 
 __all__ = ["Fit", "SlotCosts", "measure", "measure_devices", "solve", "fit_pool_tokens", "resolve_pool"]
 log = logging.getLogger(__name__)
 
-# A GPU pool 'auto' chooses is a multiple of this many slots: a decode step attends n_kv = min(occupied rounded up
-# to 256, pool) slots, and ggml-cuda's flash attention takes its grouped-query kernels only when n_kv % 256 == 0
-# (fattn.cu: gqa_opt_applies); a whole-context pool of 32,960 slots (8 x 32K served) left n_kv at 32,960 for every
-# decode step. The core pads n_kv to 256 for the same reason (session.cpp: k_kv_pad).
-GPU_POOL_ALIGN = 256
 HEADROOM_FRACTION = 0.05      # of the device's memory, left free for the backend's own allocations
 MIN_HEADROOM = 512 << 20      # a GPU's (or RPC device's) CUDA context, cuBLAS workspace, allocator slack
 GIB, MIB = float(1 << 30), float(1 << 20)

@@ -11,6 +11,11 @@ from . import _core
 
 EXACT_PREFILL_STEP = 1024
 AUTO_POOL_TOKENS = 4096
+# A GPU pool 'auto' chooses is a multiple of this many slots: a decode step attends n_kv = min(occupied rounded up
+# to 256, pool) slots, and ggml-cuda's flash attention takes its grouped-query kernels only when n_kv % 256 == 0
+# (fattn.cu: gqa_opt_applies); a whole-context pool of 32,960 slots (8 x 32K served) left n_kv at 32,960 for every
+# decode step. The core pads n_kv to 256 for the same reason (session.cpp: k_kv_pad).
+GPU_POOL_ALIGN = 256
 # Adaptive tau: decode tokens between reselects are max(tau, held tokens // TAU_CONTEXT_DIVISOR), so a long
 # context is rescored less often (each rescore costs more) while a short one follows tau.
 TAU_CONTEXT_DIVISOR = 45
