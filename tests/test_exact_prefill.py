@@ -8,6 +8,8 @@ for every case here. A bug in the staging copy, the placement or the layer order
 """
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from kvflash_ggml import _core
@@ -304,6 +306,93 @@ def test_an_interrupted_exact_prefill_leaves_what_was_held(tiny, arch):
         assert chunk_bytes(sess, c) == chunk_bytes(other, c)
     if sess.ring_tokens:
         assert_same_rings(sess, other)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma3"])
+def test_an_exact_prefill_run_step_by_step_equals_one_call(tiny, arch):
+    # Session.begin_prefill_exact: the same prefill as a resumable state (a server's rounds interleave other slots'
+    # steps with its steps); advanced a few steps at a time it writes the same bytes as one prefill_exact call.
+    model = tiny(arch)
+    tokens = prompt(model, 700, seed=6)
+    one = session(model, POOL)
+    one.prefill_exact(tokens[:130], 0)
+    logits_one, attention_one = one.prefill_exact(tokens[130:], 130)
+    sess = session(model, POOL)
+    sess.prefill_exact(tokens[:130], 0)
+    run = sess.begin_prefill_exact(tokens[130:], 130)
+    assert run.open and run.steps_run == 0 and sess.timings.n_computes > 0   # timings stay readable
+    advances = 0
+    while not run.advance(3):
+        advances += 1
+        assert run.steps_run == 3 * advances
+    assert advances >= run.n_steps // 3 - 1 and run.steps_run == run.n_steps
+    logits, attention_to = run.finish()
+    assert not run.open
+    np.testing.assert_array_equal(logits, logits_one)
+    np.testing.assert_array_equal(attention_to, attention_one)
+    assert sess.n_tokens == one.n_tokens == 700
+    for c in range(700 // C):
+        assert chunk_bytes(sess, c) == chunk_bytes(one, c), f"chunk {c}"
+    if sess.ring_tokens:
+        assert_same_rings(sess, one)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma3"])
+@pytest.mark.parametrize("how", ["close", "del", "error"])
+def test_an_unfinished_exact_prefill_run_leaves_what_was_held(tiny, arch, how):
+    model = tiny(arch)
+    tokens = prompt(model, 800, seed=7)
+    sess = session(model, POOL)
+    sess.prefill_exact(tokens[:192], 0)
+    before = [chunk_bytes(sess, c) for c in range(3)]
+    rings = [sess.ring_block(b) for b in range(sess.ring_tokens // C)]
+    recurrent = sess.recurrent_state() if sess.has_recurrent_state else None
+    run = sess.begin_prefill_exact(tokens[192:], 192)
+    run.advance(run.n_steps // 2)   # past layer 0: the prompt's positions are placed
+    with pytest.raises(RuntimeError, match="middle of an exact prefill"):
+        sess.forward(tokens[192:200], 192)
+    with pytest.raises(RuntimeError, match="middle of an exact prefill"):
+        sess.n_tokens
+    if how == "close":
+        run.close()
+    elif how == "del":
+        del run
+        gc.collect()
+    else:
+        with pytest.raises(ValueError, match="max_steps"):
+            run.advance(-1)   # refused before anything runs: the run stays open
+        run.close()
+    assert sess.n_tokens == 192 and list(sess.tokens) == tokens[:192].tolist()
+    sess.pager.check_invariants()
+    assert [chunk_bytes(sess, c) for c in range(3)] == before
+    assert [sess.ring_block(b) for b in range(sess.ring_tokens // C)] == rings
+    if recurrent is not None:
+        assert sess.recurrent_state() == recurrent
+    # and it goes on as if the run never began
+    logits, _ = sess.prefill_exact(tokens[192:], 192)
+    other = session(model, POOL)
+    other.prefill_exact(tokens[:192], 0)
+    logits_other, _ = other.prefill_exact(tokens[192:], 192)
+    np.testing.assert_array_equal(logits, logits_other)
+
+
+def test_an_exact_prefill_run_refuses_misuse(tiny):
+    model = tiny("llama")
+    tokens = prompt(model, 600, seed=8)
+    sess = session(model, POOL)
+    with pytest.raises(ValueError, match="start=5"):
+        sess.begin_prefill_exact(tokens, 5)
+    run = sess.begin_prefill_exact(tokens, 0)
+    with pytest.raises(RuntimeError, match="steps left"):
+        run.finish()
+    with pytest.raises(RuntimeError, match="middle of an exact prefill"):
+        sess.begin_prefill_exact(tokens, 0)   # one run at a time
+    with run:
+        assert run.advance() is True
+        run.finish()
+    with pytest.raises(RuntimeError, match="closed"):
+        run.advance()
+    assert sess.n_tokens == 600   # finished runs stay
 
 
 @pytest.mark.parametrize("call,message", [

@@ -62,6 +62,28 @@ void bind_config_and_timings(py::module_ & m) {
         .def_readonly("capture_attention", &SessionConfig::capture_attention)
         .def_readonly("mtp", &SessionConfig::mtp);
 
+    py::class_<Session::ExactPrefillRun>(m, "ExactPrefillRun",
+                                         "a layer-major exact prefill run step by step (Session.begin_prefill_exact)")
+        .def("advance", [](Session::ExactPrefillRun & r, int64_t max_steps) {
+                 return without_gil([&] { return r.advance(max_steps); });
+             }, py::arg("max_steps") = 0,
+             "run up to max_steps more steps (0: the rest); True once every step ran. If it raises, the session holds "
+             "its first `start` tokens again and the run is closed")
+        .def("finish", [](Session::ExactPrefillRun & r) {
+                 ExactPrefill out = without_gil([&] { return r.finish(); });
+                 return py::make_tuple(float_array(out.logits), float_array(out.attention));
+             }, "after the last step: (logits [n_vocab], attention [n_tokens]) as prefill_exact returns them")
+        .def("close", [](Session::ExactPrefillRun & r) { without_gil([&] { r.close(); }); },
+             "unfinished: the session holds its first `start` tokens again; then the workspace is released")
+        .def_property_readonly("n_steps", &Session::ExactPrefillRun::n_steps)
+        .def_property_readonly("steps_run", &Session::ExactPrefillRun::steps_run)
+        .def_property_readonly("open", &Session::ExactPrefillRun::open)
+        .def("__enter__", [](Session::ExactPrefillRun & r) -> Session::ExactPrefillRun & { return r; },
+             py::return_value_policy::reference)
+        .def("__exit__", [](Session::ExactPrefillRun & r, py::object, py::object, py::object) {
+                 without_gil([&] { r.close(); });
+             });
+
     py::class_<SessionTimings>(m, "SessionTimings")
         .def_readonly("t_paging_ms", &SessionTimings::t_paging_ms)
         .def_readonly("t_compute_ms", &SessionTimings::t_compute_ms)
@@ -174,6 +196,16 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
+        .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
+                                       int64_t attention_block_bytes) {
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 return without_gil([&] {
+                     return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, attention_block_bytes);
+                 });
+             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
+             py::keep_alive<0, 1>(),
+             "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
+             "is open the session refuses every other call but timings() and memory()")
         .def("memory", [](const Session & s) {
                  const SessionMemory m = without_gil([&] { return s.memory(); });
                  py::dict d;

@@ -202,9 +202,13 @@ void Session::execute(const Plan & plan) {
     if (plan.moves_bytes()) timings_.t_paging_ms += ms_since(t0);
 }
 
-SessionLock Session::lock(bool device) const {
+SessionLock Session::lock(bool device, bool during_run) const {
     SessionLock held;
     held.session = std::unique_lock<std::recursive_mutex>(mutex_);
+    if (open_run_ && !in_run_ && !during_run) {
+        throw std::runtime_error("the session is in the middle of an exact prefill (an open ExactPrefillRun): "
+                                 "finish or close it first");
+    }
     if (device) held.device = std::unique_lock<std::recursive_mutex>(model_->compute_mutex());
     return held;
 }
@@ -215,7 +219,7 @@ int64_t Session::n_tokens() const {
 }
 
 SessionTimings Session::timings() const {
-    const SessionLock held = lock(false);
+    const SessionLock held = lock(false, true);
     return timings_;
 }
 

@@ -174,6 +174,39 @@ public:
     // matrix) may hold; a step attends its queries in blocks that fit (0: k_attention_block_bytes).
     ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
                                const std::function<void()> & between = {}, int64_t attention_block_bytes = 0);
+    // The same prefill as a resumable state, for a caller that interleaves other work between its steps (a server's
+    // rounds): begin_prefill_exact checks the arguments and makes the workspace, changing nothing; advance(k) runs up
+    // to k more steps (0: all that are left) and says whether all have run; finish() returns the result. While a
+    // run is open the session refuses every other call (SessionLock) but timings() and memory(); a run closed or
+    // destroyed unfinished, or whose advance threw, leaves the session holding its first `start` tokens. On a GPU
+    // an advance may return while its steps still run on the device: the next call on the model queues behind them.
+private:
+    class ExactPrefillPass;   // one exact prefill: its workspace, stage a layer, run it, write back, roll back
+public:
+    class ExactPrefillRun {
+    public:
+        ~ExactPrefillRun();
+        ExactPrefillRun(const ExactPrefillRun &) = delete;
+        ExactPrefillRun & operator=(const ExactPrefillRun &) = delete;
+        bool advance(int64_t max_steps);
+        ExactPrefill finish();
+        void close();                 // unfinished: roll the session back; then (or finished) release the workspace
+        int64_t n_steps() const;      // every layer's steps
+        int64_t steps_run() const;
+        bool open() const { return pass_ != nullptr; }
+
+    private:
+        friend class Session;
+        ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
+                        int64_t attention_block_bytes);
+        Session & s_;
+        std::vector<int32_t> tokens_;
+        std::function<void()> between_;   // none: the caller's loop is the interrupt point
+        std::unique_ptr<ExactPrefillPass> pass_;
+        bool done_ = false;
+    };
+    std::unique_ptr<ExactPrefillRun> begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+                                                         int64_t n_batch = 0, int64_t attention_block_bytes = 0);
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.
@@ -207,8 +240,9 @@ public:
     // The latest step's captured attention (session_capture.cpp); needs cfg.capture_attention.
     AttentionCapture attention_capture() const;
 
-    // This session's mutex, then (device) its model's compute mutex; see "Threads" above.
-    SessionLock lock(bool device = true) const;
+    // This session's mutex, then (device) its model's compute mutex; see "Threads" above. Throws while an
+    // ExactPrefillRun is open, unless during_run (a read that the run's steps do not disturb).
+    SessionLock lock(bool device = true, bool during_run = false) const;
 
     int64_t n_tokens() const;
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
@@ -247,7 +281,8 @@ private:
     ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;
     ggml_context * new_graph_ctx(size_t n_nodes = 0) const;     // a no_alloc context for one graph
     // ---- layer-major prefill (session_prefill.cpp) ----
-    class ExactPrefillPass;   // one exact prefill: its workspace, stage a layer, run it, write back, roll back
+    const ExactPrefillRun * open_run_ = nullptr;   // set while a run is open: every other call is refused
+    mutable bool in_run_ = false;                   // the open run's own calls (under the mutex)
     void place_prompt(const int32_t * tokens, int64_t n, int64_t start);
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
     // Allocate, compute and read back in steps of at most n_batch tokens; either output may be null.

@@ -286,7 +286,14 @@ class Session::ExactPrefillPass {
 public:
     ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
                      const std::function<void()> & between, int64_t attention_block_bytes);
-    ExactPrefill run();
+    ExactPrefill run() { advance(0); return finish(); }
+    // Up to max_steps more steps (0: the rest), staging and writing back layers as their steps begin and end; true
+    // once every step ran. On any exception the session is rolled back first.
+    bool advance(int64_t max_steps);
+    ExactPrefill finish();   // after the last advance
+    void roll_back();
+    size_t n_steps() const { return steps_.size(); }
+    size_t steps_run() const { return k_; }
 
 private:
     struct LayerKind {
@@ -315,8 +322,8 @@ private:
     void run_step(size_t k);
     void capture(const GraphCtx & g, const LayerKind & lk);
     void write_back(int il);
-    void roll_back();
     void account();
+    size_t layer_end(int il) const;
 
     Session & s_;
     const Model & m_;
@@ -351,6 +358,8 @@ private:
     std::vector<int32_t> pos_;
     size_t k_ = 0;                  // the step
     std::pair<int, int> layer_shape_;   // the layer's first step's graph_shape
+    int il_ = 0;                    // the layer whose steps run (n_stack_: all ran)
+    bool begun_ = false, layer_open_ = false;   // the prompt placed for the recurrent layers; il_ staged
     CtxPtr queued_ctx_{nullptr, ggml_free};   // the graph still running while the next one is built
 };
 
@@ -651,31 +660,51 @@ void Session::ExactPrefillPass::roll_back() {
     s_.truncate(start_);
 }
 
-ExactPrefill Session::ExactPrefillPass::run() {
+size_t Session::ExactPrefillPass::layer_end(int il) const {
+    size_t k = k_;
+    while (k < steps_.size() && steps_[k].layer == il) ++k;
+    return k;
+}
+
+bool Session::ExactPrefillPass::advance(int64_t max_steps) {
     try {
-        if (s_.recurrent_) s_.recurrent_->place(start_, n_);   // every recurrent layer consumes the prompt in turn
-        blocks_ = s_.pager_->chunk_blocks();   // the held chunks' places before the prompt is placed
-        for (int il = 0; il < n_stack_; ++il) {
-            auto t_io = std::chrono::steady_clock::now();
-            stage_layer(il);
-            s_.timings_.t_prefill_io_ms += ms_since(t_io);
-            size_t k_end = k_;
-            while (k_end < steps_.size() && steps_[k_end].layer == il) ++k_end;
-            reserve_layer(il, k_end);
-            for (; k_ < k_end; ++k_) run_step(k_);
-            if (il == 0) {
+        if (!begun_) {
+            if (s_.recurrent_) s_.recurrent_->place(start_, n_);   // every recurrent layer consumes the prompt in turn
+            blocks_ = s_.pager_->chunk_blocks();   // the held chunks' places before the prompt is placed
+            begun_ = true;
+        }
+        for (int64_t ran = 0; il_ < n_stack_;) {
+            if (!layer_open_) {
+                auto t_io = std::chrono::steady_clock::now();
+                stage_layer(il_);
+                s_.timings_.t_prefill_io_ms += ms_since(t_io);
+                reserve_layer(il_, layer_end(il_));
+                layer_open_ = true;
+            }
+            for (const size_t k_end = layer_end(il_); k_ < k_end; ++k_, ++ran) {
+                if (max_steps > 0 && ran == max_steps) return false;
+                run_step(k_);
+            }
+            if (il_ == 0) {
                 s_.kv_->add_slabs(slabs_.get());
                 s_.place_prompt(tokens_, n_, start_);
                 blocks_ = s_.pager_->chunk_blocks();   // every chunk's final place
             }
-            write_back(il);
+            write_back(il_);
+            layer_open_ = false;
+            ++il_;
             if (between_) between_();
         }
         s_.kv_->synchronize();
+        return true;
     } catch (...) {
         roll_back();
         throw;
     }
+}
+
+ExactPrefill Session::ExactPrefillPass::finish() {
+    if (il_ < n_stack_) throw std::logic_error("ExactPrefillPass::finish: steps are left");
     account();
     return std::move(out_);
 }
@@ -706,6 +735,87 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
     return pass.run();
 }
 
+Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
+                                          int64_t attention_block_bytes)
+    : s_(s), tokens_(tokens, tokens + n) {
+    pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, n_batch, between_, attention_block_bytes);
+    s_.open_run_ = this;
+}
+
+Session::ExactPrefillRun::~ExactPrefillRun() {
+    try {
+        close();
+    } catch (...) {   // a destructor must not throw; close() itself only fails on a lost device
+    }
+}
+
+namespace {
+
+// The open run's own calls pass SessionLock's check (set under the session's mutex, which the caller holds).
+struct InRun {
+    bool & flag;
+    explicit InRun(bool & f) : flag(f) { flag = true; }
+    ~InRun() { flag = false; }
+};
+
+}  // namespace
+
+bool Session::ExactPrefillRun::advance(int64_t max_steps) {
+    if (max_steps < 0) throw std::invalid_argument("ExactPrefillRun.advance: max_steps must be >= 0 (0: the rest)");
+    const SessionLock held = s_.lock(true, true);
+    if (!pass_) throw std::runtime_error("ExactPrefillRun.advance: the run is closed");
+    if (done_) return true;
+    const InRun in(s_.in_run_);
+    try {
+        done_ = pass_->advance(max_steps);
+    } catch (...) {   // rolled back: the run is over
+        pass_.reset();
+        s_.open_run_ = nullptr;
+        throw;
+    }
+    return done_;
+}
+
+ExactPrefill Session::ExactPrefillRun::finish() {
+    const SessionLock held = s_.lock(true, true);
+    if (!pass_ || !done_) throw std::runtime_error("ExactPrefillRun.finish: the run is closed or has steps left");
+    const InRun in(s_.in_run_);
+    ExactPrefill out = pass_->finish();
+    pass_.reset();
+    s_.open_run_ = nullptr;
+    return out;
+}
+
+void Session::ExactPrefillRun::close() {
+    const SessionLock held = s_.lock(true, true);
+    if (!pass_) return;
+    const InRun in(s_.in_run_);
+    std::unique_ptr<ExactPrefillPass> pass = std::move(pass_);
+    s_.open_run_ = nullptr;
+    if (!done_) pass->roll_back();
+}
+
+int64_t Session::ExactPrefillRun::n_steps() const {
+    const SessionLock held = s_.lock(false, true);
+    return pass_ ? (int64_t) pass_->n_steps() : 0;
+}
+
+int64_t Session::ExactPrefillRun::steps_run() const {
+    const SessionLock held = s_.lock(false, true);
+    return pass_ ? (int64_t) pass_->steps_run() : 0;
+}
+
+std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
+                                                                       int64_t n_batch, int64_t attention_block_bytes) {
+    const SessionLock held = lock();
+    check_tokens(tokens, n, start);
+    if (n_batch < 0) throw std::invalid_argument("begin_prefill_exact: n_batch must be >= 0 (0: the session's)");
+    if (n_batch == 0) n_batch = cfg_.n_batch;
+    if (attention_block_bytes < 0) throw std::invalid_argument("begin_prefill_exact: attention_block_bytes must be >= 0");
+    if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
+    return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes));
+}
+
 int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device) {
     int64_t n = 0;
     for (int d = 0; d < m.n_devices(); ++d) {
@@ -715,7 +825,7 @@ int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int devi
 }
 
 SessionMemory Session::memory() const {
-    const SessionLock held = lock(false);
+    const SessionLock held = lock(false, true);
     SessionMemory mem;
     mem.pool_bytes = kv_->device_bytes();
     mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
