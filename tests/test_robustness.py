@@ -180,6 +180,54 @@ def test_interrupted_prompt_leaves_the_session_as_it_was(tiny, pool_tokens, monk
         assert eng.session.tokens.tolist() == first[:40]
 
 
+@pytest.mark.parametrize("pool_tokens", [None, 448])
+def test_a_prompt_run_a_step_at_a_time_is_the_prompt_run_whole(tiny, pool_tokens):
+    # Generation.step_prompt: a server's round runs one step of a prompt (a forward step, or one layer-step of an
+    # exact prefill), then the other slots' decode steps; the first record is the one next() gives.
+    def open_model():
+        return kvf.Model(tiny, n_ctx=2048, pool_tokens=pool_tokens, n_batch=64, backend="cpu", n_threads=1)
+
+    params = kvf.SamplingParams(**GREEDY)
+    with open_model() as m, open_model() as twin:
+        tokens = m.tokenize(TEXT * 10)
+        g = m.engine.generate(tokens, params)
+        steps = 0
+        while (first := g.step_prompt()) is None:
+            steps += 1
+        assert steps > 5 and g.started
+        whole = twin.engine.generate(tokens, params)
+        mine, theirs = [first] + list(g), list(whole)
+        assert [(r.token, r.text, r.finish_reason) for r in mine] == [(r.token, r.text, r.finish_reason) for r in theirs]
+        assert m.engine.session.tokens.tolist() == twin.engine.session.tokens.tolist()
+
+
+@pytest.mark.parametrize("pool_tokens", [None, 448])
+@pytest.mark.parametrize("how", ["close", "next call"])
+def test_a_prompt_left_part_way_leaves_the_session_as_it_was(tiny, pool_tokens, how):
+    def open_model():
+        return kvf.Model(tiny, n_ctx=2048, pool_tokens=pool_tokens, n_batch=64, backend="cpu", n_threads=1)
+
+    with open_model() as m, open_model() as twin:
+        first = m.tokenize(TEXT * 2)
+        for model in (m, twin):
+            model.create_completion(first, **GREEDY)
+        eng = m.engine
+        held = eng.session.tokens.tolist()
+        longer = held + m.tokenize(TEXT * 8, add_bos=False)
+        g = eng.generate(longer, kvf.SamplingParams(**GREEDY))
+        for _ in range(3):
+            assert g.step_prompt() is None
+        if how == "close":
+            g.close()
+            assert eng.session.tokens.tolist() == held
+            eng.session.pager.check_invariants()
+        # the next call (superseding the stream if it was not closed) starts from what was held
+        assert text(m.create_completion(longer, **GREEDY)) == text(twin.create_completion(longer, **GREEDY))
+        if how == "next call":
+            with pytest.raises(kvf.StreamSuperseded):
+                next(g)
+
+
 def test_interrupt_between_a_forward_and_its_bookkeeping(tiny):
     # Ctrl-C can land after a decode step's forward returned and before the engine recorded its token
     # (in a REPL that catches it and goes on): the next call must start from what the session holds.

@@ -1,5 +1,5 @@
 """The server's scheduler in-process: slot choice by longest shared prefix, a long prompt interleaved with the
-other slots' decoding, cancellation inside a prompt, the bounded queue, slot commands. SmolLM2 on the CPU."""
+other slots' decoding (its steps and theirs one after another in the rounds), cancellation inside a prompt, the bounded queue, slot commands. SmolLM2 on the CPU."""
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +82,47 @@ def test_a_long_prompt_does_not_stall_a_decoding_slot(make_scheduler, prefill):
     during = [t for name, t, item in events if name == "a" and b.t_start < t < b_first]
     # a 2000-token prompt takes many forward steps (exact: one per layer per step; pooled: pool/8 tokens each)
     assert len(during) >= 10, (len(during), b_first - b.t_start)
+
+
+@pytest.mark.parametrize("prefill", ["exact", "pooled"])
+def test_a_round_runs_prompt_steps_and_decode_steps_one_after_another(make_scheduler, prefill):
+    # Issue 38: a prompt is a resumable state the round steps (at most one prompt step a round, after the decode
+    # steps), not a call that steps the other slots from inside its own prefill.
+    sched, tok = make_scheduler(prefill=prefill)
+    inside, nested, order = [0], [], []
+
+    def watched(fn, kind):
+        def call(*a, **k):
+            if inside[0]:
+                nested.append(kind)
+            inside[0] += 1
+            order.append(kind)
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] -= 1
+        return call
+
+    for slot in sched.slots:
+        slot.engine._prompt_step = watched(slot.engine._prompt_step, "prompt")
+        slot.engine._prefill = watched(slot.engine._prefill, "prompt")
+        slot.engine._decode_one_greedy = watched(slot.engine._decode_one_greedy, "decode")
+    sched._batched_step = watched(sched._batched_step, "decode")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = Request(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=200, temperature=0), loop)
+        sched.submit(a)
+        await a.out.get()
+        b = Request(prompt(tok, "The river runs to the sea. ", 1500), SamplingParams(max_tokens=1, temperature=0), loop)
+        sched.submit(b)
+        await asyncio.gather(drain(a), drain(b))
+
+    run(main())
+    assert nested == []
+    # b's prompt ran in many steps, with a's decode steps between them
+    switches = sum(1 for x, y in zip(order, order[1:]) if x == "prompt" and y == "decode")
+    assert order.count("prompt") >= 10 and switches >= 5, (order.count("prompt"), switches)
 
 
 def test_requests_go_to_the_slot_holding_their_prefix(make_scheduler):

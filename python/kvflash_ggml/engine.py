@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Generator, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -25,25 +25,19 @@ from . import _core
 from .drafter import prompt_attention_scores
 from .engine_parts import (POLICY_NAMES, make_companion, make_policy, make_session, make_speculator,
                            session_device_bytes)
-from .generation import Generation
+from .generation import Generation, StreamSuperseded
 from .mtp import check_mtp, wants_mtp
 from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import Tokenizer, check_messages
-from .tokens import chunk_aligned_batches, common_prefix, forward_in_steps, rewind, text_if_bytes, token_ids
+from .tokens import chunk_aligned_batches, common_prefix, drive, forward_steps, rewind, text_if_bytes, token_ids
 
 log = logging.getLogger(__name__)
 
 CLOSED = "Model is closed: close() was called on it (or on its Engine)"
 
 
-class StreamSuperseded(RuntimeError):
-    """The next step of a stream after a later call on the same Model / Engine took its session."""
-
-    def __init__(self) -> None:
-        super().__init__("this stream was superseded by a later call on the same Model; streams on one Model "
-                         "cannot interleave (finish a stream before the next call, or use one Model per stream)")
 
 
 class Engine:
@@ -53,8 +47,9 @@ class Engine:
     least recently used out first) and start a prompt from the longest cached prefix of it; a folder that
     cannot be read or written is a logged warning, never an error. store_each_turn=False stores only when
     store_prefix() is called (the server: when a slot is taken over, and at shutdown).
-    between_prefill_steps: called between the forward steps of a prompt (the server runs the other slots'
-    decode steps there); it may raise to abandon the prompt (the session is rolled back).
+    between_prefill_steps: called between the steps of a prompt run whole (prefill(), a Generation's first next());
+    it may raise to abandon the prompt (the session is rolled back). A server runs a prompt a step per round
+    instead (Generation.step_prompt), the other slots' decode steps between.
     prompt_step_cap: asked when an exact (layer-major) prefill starts; a number caps its tokens per step (the
     server: so that each step, a gap in the decoding slots' streams, lasts about one decode round), None keeps
     the pool's step. On the CPU's mul_mat path (its default) the step's size changes no byte of the result
@@ -89,13 +84,13 @@ class Engine:
         self.between_prefill_steps = between_prefill_steps
         self.prompt_step_cap: Optional[Callable[[], Optional[int]]] = None
         self.exact_prefill_tok_s: Optional[float] = None   # the last exact prefill's, without its between() time
-        self._between_s = 0.0
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
         self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
         self._t_policy_ms = 0.0
         self._lock = threading.RLock()   # reentrant: a step calls stats() and reselect() under it
         self._owner = 0                  # the call that owns the session; older streams are superseded
+        self._prompt: Optional[Generator[None, None, np.ndarray]] = None   # a prompt run part way (_prompt_step)
         self._closed = False
 
     # -- threads, streams, lifetime -----------------------------------------------------------------
@@ -110,7 +105,9 @@ class Engine:
             yield
 
     def _take(self) -> int:
-        """A new call takes the session: streams begun before it are superseded."""
+        """A new call takes the session: streams begun before it are superseded (a prompt one of them left part
+        way is dropped first: the session holds what it held before that prompt)."""
+        self._drop_prompt()
         self._owner += 1
         return self._owner
 
@@ -122,6 +119,7 @@ class Engine:
         """Free the session, the policy and the companion (a drafter's model and session); later calls raise
         ValueError. Waits for a step running in another thread."""
         with self._lock:
+            self._drop_prompt()
             self._closed = True
             self.session = self.policy = self.companion = self.prefix_cache = self.model = self.speculator = None
 
@@ -147,6 +145,35 @@ class Engine:
         return tokens
 
     def _prefill(self, tokens: list[int]) -> np.ndarray:
+        """The prompt run whole: the rest of one that prompt_step() began, or all of it."""
+        steps, self._prompt = self._prompt or self._prefill_steps(tokens), None
+        return drive(steps, self._between_prefill_steps)
+
+    def _prompt_step(self, tokens: list[int]) -> Optional[np.ndarray]:
+        """One step of the prompt (begun at the first call): None while steps are left, then the logits. A step
+        that raises has rolled the session back."""
+        if self._prompt is None:
+            self._prompt = self._prefill_steps(tokens)
+        try:
+            next(self._prompt)
+            return None
+        except StopIteration as done:
+            self._prompt = None
+            return done.value
+        except BaseException:
+            self._prompt = None
+            raise
+
+    def _drop_prompt(self) -> None:
+        """A prompt left part way is closed: its steps roll the session back."""
+        if self._prompt is not None:
+            steps, self._prompt = self._prompt, None
+            steps.close()
+
+    def _prefill_steps(self, tokens: list[int]) -> Generator[None, None, np.ndarray]:
+        """The prompt as a generator of its steps (a forward step, or one step of an exact prefill's layer): it
+        yields between them and returns the logits; closed (or failing) part way, the session rolls back to
+        what the call began from. _prefill runs it whole; a server's rounds run one step each."""
         if self.companion is not None:   # a drafter that cannot hold the prompt: before any state changes
             self.companion.check(tokens)
         n_keep = common_prefix(self.session.tokens, tokens)
@@ -156,7 +183,7 @@ class Engine:
         if n_keep < self.session.n_tokens:
             n_keep = rewind(self.session, n_keep)
         try:
-            logits = self._run_prompt(tokens, n_keep)
+            logits = yield from self._run_prompt(tokens, n_keep)
         except BaseException:
             self._roll_back(n_keep)
             raise
@@ -176,28 +203,28 @@ class Engine:
             return n_keep
         return common_prefix(self.session.tokens, tokens)
 
-    def _run_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
+    def _run_prompt(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
         if not self.session.has_recurrent_state or len(tokens) - n_keep < 2:
-            return self._compute_prompt(tokens, n_keep)
+            return (yield from self._compute_prompt(tokens, n_keep))
         # A linear-attention state cannot go back: keep it before the prompt's last token, which every later
         # prompt sharing this one (the next chat turn, a rerun) reruns for its logits anyway, so it restarts
         # there instead of at 0. Costs one more one-token step per prompt and a host copy of the state.
-        self._compute_prompt(tokens[:-1], n_keep)
+        yield from self._compute_prompt(tokens[:-1], n_keep)
         self.session.checkpoint()
-        return self._forward_prompt(self.session, tokens[-1:], len(tokens) - 1)
+        return (yield from self._forward_prompt(self.session, tokens[-1:], len(tokens) - 1))
 
-    def _compute_prompt(self, tokens: list[int], n_keep: int) -> np.ndarray:
+    def _compute_prompt(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
         if self._layer_major(tokens):
-            return self._exact_prefill(tokens, n_keep)
+            return (yield from self._exact_prefill(tokens, n_keep))
         logits = None
         for lo, hi in self._prefill_batches(n_keep, len(tokens)):
             if lo > n_keep and self.residency.prefill_reselect:
                 self.reselect()   # query-aware prefill: the previous batch's queries pick what stays
-            logits = self._forward_prompt(self.session, tokens[lo:hi], lo)
+            logits = yield from self._forward_prompt(self.session, tokens[lo:hi], lo)
         page_ins = self.session.pager.stats().page_ins
         self.reselect()   # the prompt's last queries pull their evidence back before the first token
         if self.session.pager.stats().page_ins > page_ins and self.residency.refresh_tokens:
-            logits = self._recompute_tail(tokens, n_keep, logits)
+            logits = yield from self._recompute_tail(tokens, n_keep, logits)
         return logits
 
     def _layer_major(self, tokens: list[int]) -> bool:
@@ -206,16 +233,24 @@ class Engine:
         return self.residency.prefill == "exact" and not self.session.full_cache and \
             len(tokens) > self.session.pager.config().pool_tokens
 
-    def _exact_prefill(self, tokens: list[int], n_keep: int) -> np.ndarray:
+    def _exact_prefill(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
         """Run tokens[n_keep:] layer-major: every position gets the K/V a full cache writes, and the pager ends
         as a pooled prefill leaves it. The post-prompt reselect then pages in what the prompt's last tokens
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
-        t0, self._between_s = time.perf_counter(), 0.0
-        logits, attention = self.session.prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
-                                                       n_batch=self._exact_prefill_step(),
-                                                       between=self._between_prefill_steps)
-        own_s = time.perf_counter() - t0 - self._between_s
+        own_s = 0.0   # in the run's own calls: not the other slots' steps a server runs between them
+        with self.session.begin_prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
+                                              n_batch=self._exact_prefill_step()) as run:
+            while True:
+                t0 = time.perf_counter()
+                done = run.advance(1)
+                own_s += time.perf_counter() - t0
+                if done:
+                    break
+                yield
+            t0 = time.perf_counter()
+            logits, attention = run.finish()
+            own_s += time.perf_counter() - t0
         if own_s > 0:
             self.exact_prefill_tok_s = (len(tokens) - n_keep) / own_s
         by_policy = self.residency.prompt_scores == "policy" or \
@@ -231,19 +266,14 @@ class Engine:
         cap = self.prompt_step_cap() if self.prompt_step_cap is not None else None
         return step if cap is None else max(1, min(step, cap))
 
-    def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> np.ndarray:
-        return forward_in_steps(session, np.asarray(tokens, dtype=np.int32), start,
-                                between=self._between_prefill_steps)
+    def _forward_prompt(self, session: _core.Session, tokens: Sequence[int], start: int) -> Generator[None, None, np.ndarray]:
+        return (yield from forward_steps(session, np.asarray(tokens, dtype=np.int32), start))
 
     def _between_prefill_steps(self) -> None:
-        """Called between the forward steps of a prompt (Python's signal handlers run around it; tests
+        """Called between the steps of a prompt run whole (Python's signal handlers run around it; tests
         raise here to check the roll back)."""
         if self.between_prefill_steps is not None:
-            t0 = time.perf_counter()
-            try:
-                self.between_prefill_steps()
-            finally:
-                self._between_s += time.perf_counter() - t0
+            self.between_prefill_steps()
 
     def _roll_back(self, n_keep: int) -> None:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
@@ -255,7 +285,7 @@ class Engine:
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()
 
-    def _recompute_tail(self, tokens: list[int], floor: int, logits: np.ndarray) -> np.ndarray:
+    def _recompute_tail(self, tokens: list[int], floor: int, logits: np.ndarray) -> Generator[None, None, np.ndarray]:
         """The logits of the last prompt token were computed before the reselect brought the evidence in:
         run the last refresh_tokens prompt tokens again (the question, at the end of a long document), so the
         first generated token and the K/V of the question, which later tokens attend to, see the chunks the
@@ -267,7 +297,7 @@ class Engine:
             log.info("refresh skipped: the sliding-window rings cannot rewind %d tokens", len(tokens) - lo)
             return logits
         self.session.truncate(lo)
-        return self._forward_prompt(self.session, tokens[lo:], lo)
+        return (yield from self._forward_prompt(self.session, tokens[lo:], lo))
 
     def _prefill_batches(self, start: int, end: int) -> list[tuple[int, int]]:
         """One batch (run in steps) unless reselecting between pool-sized batches."""

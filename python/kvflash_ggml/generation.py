@@ -16,6 +16,14 @@ from .speculative import accept
 from .tokenizer import TextStream
 
 
+class StreamSuperseded(RuntimeError):
+    """The next step of a stream after a later call on the same Model / Engine took its session."""
+
+    def __init__(self) -> None:
+        super().__init__("this stream was superseded by a later call on the same Model; streams on one Model "
+                         "cannot interleave (finish a stream before the next call, or use one Model per stream)")
+
+
 @dataclass
 class GenerationRecord:
     token: Optional[int]          # None on the closing record
@@ -61,10 +69,7 @@ class Generation:
         with e._turn(self.owner):
             if self._state == "prompt":
                 self._state = "decoding"
-                token, logprobs = self._choose(e._prefill(self.tokens))
-                if self._speculate:
-                    e.speculator.follow(self.tokens)
-                return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
+                return self._first(e._prefill(self.tokens))
             if self._state == "stopped" or self._at_limit():
                 return self._close("stop" if self._state == "stopped" else "length")
             if self._speculate:
@@ -74,6 +79,30 @@ class Generation:
             if not self.wants_logits:
                 return self._emit(e._decode_one_greedy(self.token), None)
             return self._emit(*self._choose(e._decode_one(self.token)))
+
+    def step_prompt(self) -> Optional[GenerationRecord]:
+        """One step of the prompt (a forward step, or one step of an exact prefill's layer), for a caller that runs
+        other work between them (a server's round): None while steps are left, then the first record, as next()
+        would give it. If a step raises, the session is rolled back and the generation is over."""
+        e = self.engine
+        with e._turn(self.owner):
+            if self._state != "prompt":
+                raise RuntimeError("step_prompt() after the prompt ran")
+            try:
+                logits = e._prompt_step(self.tokens)
+            except BaseException:
+                self._state = "closed"
+                raise
+            if logits is None:
+                return None
+            self._state = "decoding"
+            return self._first(logits)
+
+    def _first(self, logits: np.ndarray) -> GenerationRecord:
+        token, logprobs = self._choose(logits)
+        if self._speculate:
+            self.engine.speculator.follow(self.tokens)
+        return self._close("length") if self.params.max_tokens == 0 else self._emit(token, logprobs)
 
     @property
     def started(self) -> bool:
@@ -105,6 +134,13 @@ class Generation:
             return self._emit(int(next_token), None)
 
     def close(self) -> None:
+        """Stop here; a prompt left part way (step_prompt) is dropped and the session rolled back."""
+        if self._state == "prompt":
+            try:
+                with self.engine._turn(self.owner):
+                    self.engine._drop_prompt()
+            except (StreamSuperseded, ValueError):   # another call took the engine (it dropped the prompt), or closed it
+                pass
         self._state = "closed"
 
     def _at_limit(self) -> bool:

@@ -3,11 +3,13 @@ drafter share (no module of the package below this one)."""
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Sequence, Union
+from typing import Callable, Generator, Sequence, TypeVar, Union
 
 import numpy as np
 
 from . import _core
+
+T = TypeVar("T")
 
 
 def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
@@ -17,6 +19,12 @@ def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
     the captured tokens whole), with between() called between them: a long prompt is then many short C calls,
     and Python runs its signal handlers (Ctrl-C) after each rather than after the whole prompt. Same steps,
     so the same numbers as one call. The logits after the last token."""
+    return drive(forward_steps(session, tokens, start), between)
+
+
+def forward_steps(session: _core.Session, tokens: np.ndarray, start: int) -> Generator[None, None, np.ndarray]:
+    """forward_in_steps as a generator: it yields between the steps and returns the logits (a server's round
+    runs one step of a prompt, then the other slots' decode steps)."""
     n, done = len(tokens), 0
     while True:
         step = session.step_tokens(n - done)
@@ -24,7 +32,22 @@ def forward_in_steps(session: _core.Session, tokens: np.ndarray, start: int, *,
             return session.forward(tokens[done:], start + done)
         session.forward(tokens[done:done + step], start + done)
         done += step
-        between()
+        yield
+
+
+def drive(steps: Generator[None, None, T], between: Callable[[], None]) -> T:
+    """Run a generator of steps to its end, calling between() at each of its yields; if between() raises, the
+    generator is closed first (its clean-up runs: a prompt rolls back), then the exception goes on."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        try:
+            between()
+        except BaseException:
+            steps.close()
+            raise
 
 
 def rewind(session: _core.Session, n: int) -> int:

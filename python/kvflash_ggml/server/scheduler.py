@@ -6,16 +6,18 @@ prompt (ties: the least recently used), and a slot taken over for another conver
 chunk-aligned prefix in the prefix cache, so a conversation that comes back resumes from it.
 
 All computing happens on the scheduler thread, as in llama-server's main loop: each round steps every
-active slot once (the first step of a request runs its prompt and picks the first token, later steps one
-token each). The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
+decoding slot once (a token each), then runs one step of at most one prompt (a forward step, or one step of
+an exact prefill's layer: the prompt is a resumable state, Generation.step_prompt; its last step picks the first
+token): chunked prefill interleaved by the scheduler, as nano-vllm's and vLLM's rounds, with no callback into the
+scheduler from inside a prompt. The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
 read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
 per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
 greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
 drafter) and hybrid (linear-attention) models step alone; sliding-window layers attend each slot's own ring. A long prompt does
-not stall the others: between its forward steps (and between layers of an exact prefill) the engine calls
-back here and the slots that are decoding take one step each. Records go to the request's asyncio queue on
+not stall the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's
+steps are sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on
 the event loop that submitted it. A cancelled request (the client went away) ends at its slot's next step,
-or at the next forward step of its prompt.
+prompt steps included (the prompt is dropped: the session rolls back).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class SlotBusy(RuntimeError):
 
 
 class RequestCancelled(Exception):
-    """Raised inside a cancelled request's prompt so the engine rolls the session back and stops."""
+    """A request whose client went away (or the server stopping): its slot finishes it at its next step."""
 
 
 @dataclass
@@ -109,7 +111,6 @@ class Scheduler:
             slot.batchable = why is None
             if why and self.decoder:
                 log.info("slot %d decodes alone: %s", slot.id, why)
-            slot.engine.between_prefill_steps = self._between_prefill_steps
             slot.engine.prompt_step_cap = self._prompt_step_cap
             slot.stats = slot.engine.stats()
         self.decode_round_s: Optional[float] = None   # a round of decode steps only (moving average)
@@ -120,7 +121,6 @@ class Scheduler:
         self._pending: collections.deque[Request] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._wake = threading.Condition()
-        self._current: Optional[Slot] = None   # the slot whose step is running (its prompt calls back here)
         self._stopping = False
         self.on_finish: Callable[[Slot, Request, Optional[GenerationRecord], Optional[BaseException]], None] = \
             lambda *a: None
@@ -186,20 +186,23 @@ class Scheduler:
             self._round()
         self._shutdown()
 
-    def _round(self, prefilling: Optional[Slot] = None) -> None:
-        """Every busy slot (but `prefilling`) takes one step: the decode steps that can share one batched forward
-        together, the others alone. Inside a prompt (prefilling set), only slots already decoding step."""
-        ready = [s for s in self.slots if s.busy and s is not prefilling and (prefilling is None or s.decoding)]
-        batch = [s for s in ready if s.batchable and not s.request.cancelled and s.records.needs_decode_step()]
-        decode_only, t0 = all(s.decoding for s in ready), time.perf_counter()
+    def _round(self) -> None:
+        """Every decoding slot takes one step, the decode steps that can share one batched forward together and the
+        others alone; then the prompt that arrived first takes one step (at most one prompt step a round)."""
+        decoding = [s for s in self.slots if s.busy and s.decoding]
+        batch = [s for s in decoding if s.batchable and not s.request.cancelled and s.records.needs_decode_step()]
+        t0 = time.perf_counter()
         if len(batch) > 1 and self._batched_step(batch):
-            ready = [s for s in ready if s not in batch]
-        for slot in ready:
+            decoding = [s for s in decoding if s not in batch]
+        for slot in decoding:
             if slot.busy:   # a batched step may have finished it
                 self._step(slot)
-        if decode_only and (ready or batch):
+        if decoding or batch:
             took = time.perf_counter() - t0
             self.decode_round_s = took if self.decode_round_s is None else 0.8 * self.decode_round_s + 0.2 * took
+        prompts = [s for s in self.slots if s.busy and not s.decoding]
+        if prompts:
+            self._step(min(prompts, key=lambda s: s.request.t_start))
 
     def _prompt_step_cap(self) -> Optional[int]:
         """Tokens per step for an exact prefill starting now: while other slots decode, each of its steps is a gap
@@ -208,8 +211,7 @@ class Scheduler:
         rate x n_layer, in whole chunks (the budget a round gives prompt tokens in nano-vllm's and vLLM's
         schedulers). None (the pool's step) when no other slot decodes or nothing is measured yet; on a GPU the
         answer is usually above the step anyway. On the CPU's mul_mat path the step's size changes no byte."""
-        prefilling = self._current
-        if self.decode_round_s is None or not any(s.decoding and s is not prefilling for s in self.slots):
+        if self.decode_round_s is None or not any(s.busy and s.decoding for s in self.slots):
             return None
         rates = [s.engine.exact_prefill_tok_s for s in self.slots if s.engine.exact_prefill_tok_s]
         if not rates:
@@ -269,39 +271,28 @@ class Scheduler:
             self._finish(slot, None, e)
 
     def _step(self, slot: Slot) -> None:
-        if slot.request.cancelled:
+        """One step of the slot's request: a prompt step (no record until its last) or a decode step."""
+        if slot.request.cancelled or self._stopping:
             self._finish(slot, None, RequestCancelled())
             return
-        self._deliver(slot, lambda: next(slot.records))
+        self._deliver(slot, (lambda: next(slot.records)) if slot.decoding else slot.records.step_prompt)
 
-    def _deliver(self, slot: Slot, step: Callable[[], GenerationRecord]) -> None:
-        """Run one step of the slot's generation and hand its record to the request."""
+    def _deliver(self, slot: Slot, step: Callable[[], Optional[GenerationRecord]]) -> None:
+        """Run one step of the slot's generation and hand its record (if it made one) to the request."""
         request = slot.request
-        outer, self._current = self._current, slot
         try:
             record = step()
-        except RequestCancelled as e:
-            self._finish(slot, None, e)
-            return
         except Exception as e:   # noqa: BLE001 - a failed request must not stop the others
             log.exception("slot %d: request failed", slot.id)
             self._finish(slot, None, e)
             return
-        finally:
-            self._current = outer
+        if record is None:   # a prompt step with steps left
+            return
         if request.t_first is None:
             request.t_first = time.perf_counter()
         request.deliver(record)
         if record.finish_reason is not None:
             self._finish(slot, record, None)
-
-    def _between_prefill_steps(self) -> None:
-        """A slot's prompt between two forward steps: stop it if its client left, else let each slot that is
-        decoding take one step."""
-        prefilling = self._current
-        if self._stopping or (prefilling is not None and prefilling.request is not None and prefilling.request.cancelled):
-            raise RequestCancelled()
-        self._round(prefilling)
 
     def _finish(self, slot: Slot, record: Optional[GenerationRecord], error: Optional[BaseException]) -> None:
         request = slot.request
