@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 CLOSED = "Model is closed: close() was called on it (or on its Engine)"
 
 
-
-
 class Engine:
     """pool: where the KV cache lives; residency: which chunks stay in the pool and how a prompt is computed
     (see ResidencyConfig).
@@ -83,7 +81,7 @@ class Engine:
         self.store_each_turn = store_each_turn
         self.between_prefill_steps = between_prefill_steps
         self.prompt_step_cap: Optional[Callable[[], Optional[int]]] = None
-        self.exact_prefill_tok_s: Optional[float] = None   # the last exact prefill's, without its between() time
+        self.exact_prefill_tok_s: Optional[float] = None   # the last exact prefill's, in its own calls' time
         self.n_reused = 0              # of the last prompt: tokens whose K/V were already held or restored
         self.n_computed = 0            # ... and tokens run through the model
         self._since_reselect = 0
