@@ -23,13 +23,14 @@ CHUNK = 64
 
 
 def traced(fn):
-    """Runs fn under the CUDA activity profiler; returns (wall s, {kernel: (count, us)}, {copy kind: (bytes, us)})."""
+    """Runs fn under the CUDA activity profiler; returns (wall s, {kernel: (count, us)}, {copy kind: (bytes, us)},
+    {CUDA call: (count, us)}: the host's time in each)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     if not torch.cuda.is_available():   # nothing to trace: wall time only
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0, {}, {}
+        return time.perf_counter() - t0, {}, {}, {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()
@@ -57,9 +58,7 @@ def traced(fn):
             a[1] += e["dur"]
     del torch
     kernels[IDLE] = idle_gaps(spans)
-    for name, (n, us) in api.items():
-        copies[f"host in {name} (x{n})"] = (0, us)
-    return wall, kernels, copies
+    return wall, kernels, copies, api
 
 
 IDLE = "__idle__"
@@ -81,7 +80,7 @@ def idle_gaps(spans, long_us: float = 50.0):
     return long_n, long_us_sum, short_us_sum
 
 
-def report(label: str, length: int, wall: float, kernels, copies, top: int) -> None:
+def report(label: str, length: int, wall: float, kernels, copies, api, top: int) -> None:
     idle = kernels.pop(IDLE, None)
     total = sum(us for _, us in kernels.values())
     print(f"\n== {label}: {length} tokens, wall {wall:.2f} s ({length / wall:.0f} tok/s), kernels {total / 1e6:.2f} s "
@@ -89,11 +88,10 @@ def report(label: str, length: int, wall: float, kernels, copies, top: int) -> N
     if idle:
         print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones")
     for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
-        if kind.startswith("host in "):
-            if us > 20000:   # the CUDA calls the host spent more than 20 ms in, all told
-                print(f"   {kind}: {us / 1e6:.3f} s")
-            continue
         print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
+    for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1]):
+        if us > 20000:   # the CUDA calls the host spent more than 20 ms in, all told: where it waits
+            print(f"   host in {name} (x{n}): {us / 1e6:.3f} s")
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"   {us / 1e6:7.3f} s {100 * us / total:5.1f}%  x{n:<6} {name}")
 
@@ -161,8 +159,8 @@ def main() -> int:
             step(prompt[:256], 0)
             sess.reset()
             run = lambda: step(prompt, 0)
-        wall, kernels, copies = traced(run)
-        report(mode, n, wall, kernels, copies, args.top)
+        wall, kernels, copies, api = traced(run)
+        report(mode, n, wall, kernels, copies, api, args.top)
         if mode != "llama":
             t = sess.timings
             print(f"   timings: compute {t.t_compute_ms / 1e3:.2f} s, paging {t.t_paging_ms / 1e3:.2f} s, "

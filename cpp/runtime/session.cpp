@@ -516,4 +516,37 @@ void Session::reset() {
     if (summaries_) summaries_->clear();
 }
 
+int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device) {
+    int64_t n = 0;
+    for (int d = 0; d < m.n_devices(); ++d) {
+        if (device < 0 || d == device) n += (int64_t) ggml_backend_sched_get_buffer_size(sched, m.device_backend(d));
+    }
+    return n;
+}
+
+SessionMemory Session::memory() const {
+    const SessionLock held = lock(false, true);
+    SessionMemory mem;
+    mem.pool_bytes = kv_->device_bytes();
+    mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
+    mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
+    mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
+    mem.prefill_peak_bytes = prefill_peak_bytes_;
+    mem.prefill_staging_bytes = prefill_staging_bytes_;
+    mem.prefill_host_bytes = prefill_host_bytes_;
+    for (int d = 0; d < model_->n_devices(); ++d) {
+        ggml_backend_t b = model_->device_backend(d);
+        DeviceMemory dm;
+        dm.name = ggml_backend_name(b);
+        dm.weight_bytes = model_->device_weight_bytes(d);
+        dm.pool_bytes = kv_->device_bytes_on(b);
+        dm.ring_bytes = ring_ ? ring_->kv().device_bytes_on(b) : 0;
+        dm.recurrent_bytes = recurrent_ ? recurrent_->device_bytes_on(b) : 0;
+        dm.compute_bytes = sched_device_bytes(*model_, sched_, d) + (b == model_->backend() ? mtp_compute_bytes() : 0);
+        mem.devices.push_back(dm);
+        mem.compute_bytes += dm.compute_bytes;
+    }
+    return mem;
+}
+
 }  // namespace kvf

@@ -175,7 +175,8 @@ public:
     ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
                                const std::function<void()> & between = {}, int64_t attention_block_bytes = 0);
     // The same prefill as a resumable state, for a caller that interleaves other work between its steps (a server's
-    // rounds): begin_prefill_exact checks the arguments and makes the workspace, changing nothing; advance(k) runs up
+    // rounds; prefill_exact is one advanced to its end under the session's lock): begin_prefill_exact checks the
+    // arguments and makes the workspace, changing nothing; between: prefill_exact's callback; advance(k) runs up
     // to k more steps (0: all that are left) and says whether all have run; finish() returns the result. While a
     // run is open the session refuses every other call (SessionLock) but timings() and memory(); a run closed or
     // destroyed unfinished, or whose advance threw, leaves the session holding its first `start` tokens. On a GPU
@@ -198,15 +199,16 @@ public:
     private:
         friend class Session;
         ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                        int64_t attention_block_bytes);
+                        int64_t attention_block_bytes, std::function<void()> between);
         Session & s_;
         std::vector<int32_t> tokens_;
-        std::function<void()> between_;   // none: the caller's loop is the interrupt point
+        std::function<void()> between_;   // prefill_exact's; none for a caller whose loop is the interrupt point
         std::unique_ptr<ExactPrefillPass> pass_;
         bool done_ = false;
     };
     std::unique_ptr<ExactPrefillRun> begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
-                                                         int64_t n_batch = 0, int64_t attention_block_bytes = 0);
+                                                         int64_t n_batch = 0, int64_t attention_block_bytes = 0,
+                                                         std::function<void()> between = {});
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.
@@ -259,7 +261,7 @@ public:
     const RecurrentState * recurrent() const { return recurrent_.get(); }   // null: no linear-attention layers
     bool mtp() const { return cfg_.mtp; }
     SessionTimings timings() const;   // a copy: the live counters change under the lock
-    SessionMemory memory() const;   // session_prefill.cpp
+    SessionMemory memory() const;
 
     // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
     static constexpr uint32_t k_state_version = 2;   // 2: the mtp flag

@@ -5,7 +5,7 @@
 // layer's K/V of all earlier positions must be on the device. Layer-major turns the loops around: layer l
 // takes the whole prompt, in the steps a full-cache session takes (n_batch tokens; same shapes, so the
 // same kernels), before layer l+1 starts. Layer l then needs only its own K/V of every position, in a
-// one-layer staging pool; the hidden states wait in host memory between layers. Weights are still read
+// one-layer staging pool; the hidden states wait in host memory between layers (runtime/hidden_states.h). Weights are still read
 // once per step per layer, as in any prefill. A layer that attends an earlier layer's K/V (gemma4's shared
 // K/V) needs none of its own and runs the prompt's last step only (check_shared_kv says why). The MTP head (cfg.mtp,
 // model/mtp.h) runs as one more pooled layer after the trunk: its steps read the trunk's final hidden states (which
@@ -42,6 +42,7 @@
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
+#include "runtime/hidden_states.h"
 #include "model/mtp.h"
 #include "model/rpc.h"
 
@@ -64,154 +65,6 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 using SchedPtr = std::unique_ptr<ggml_backend_sched, decltype(&ggml_backend_sched_free)>;
 using CtxPtr = std::unique_ptr<ggml_context, decltype(&ggml_free)>;
-
-// The hidden states between layers: every prompt position's row in host memory, as the prompt goes
-// through one layer after another in steps (layer, positions). On a GPU with events, two device tiles
-// carry the steps' rows, and a second stream (a second backend on the same device) fills a tile with a
-// step's input and drains its output while the compute stream works on the other tile: those copies
-// (16 KiB per token per layer each way on an 8B model) overlap the compute instead of adding to it, and
-// no step has to wait on the host for the one before it (the streams wait on each other's events).
-// Elsewhere a step's graph reads its rows from host memory in place and its output is read back.
-class HiddenStates {
-public:
-    struct Step {
-        int layer;
-        int64_t p0, n;   // positions [p0, p0 + n)
-    };
-
-    HiddenStates(ggml_backend_t backend, int64_t n_embd, int64_t start, int64_t n_prompt, std::vector<Step> steps,
-                 bool pin)
-        : host_((size_t) (n_prompt * n_embd) * sizeof(float), pin), n_embd_(n_embd), start_(start),
-          steps_(std::move(steps)), backend_(backend) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-        ggml_backend_dev_props props;
-        ggml_backend_dev_get_props(dev, &props);
-        if (!host_.pinned() || !props.caps.async || !props.caps.events) return;   // the host path
-        int64_t max_n = 0;
-        for (const Step & s : steps_) max_n = std::max(max_n, s.n);
-        ggml_init_params ip = {2 * ggml_tensor_overhead(), nullptr, true};
-        ctx_ = ggml_init(ip);
-        for (ggml_tensor *& t : tile_) t = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, n_embd, max_n);
-        buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
-        copy_ = ggml_backend_dev_init(dev, nullptr);
-        for (ggml_backend_event_t & e : done_) e = ggml_backend_event_new(dev);
-        computed_ = ggml_backend_event_new(dev);
-        if (!buf_ || !copy_ || !done_[0] || !done_[1] || !computed_) {
-            release();
-            throw std::runtime_error("could not allocate the layer-major prefill's hidden-state tiles on the device");
-        }
-        produced_.assign(steps_.empty() ? 0 : (size_t) steps_.back().layer + 1, start);
-        prefetch(1);
-    }
-    ~HiddenStates() { release(); }
-    HiddenStates(const HiddenStates &) = delete;
-    HiddenStates & operator=(const HiddenStates &) = delete;
-
-    const HostMemory & host() const { return host_; }
-    bool overlaps() const { return copy_ != nullptr; }   // false: every step runs to its end before the next
-    int64_t device_bytes() const { return buf_ ? (int64_t) ggml_backend_buffer_get_size(buf_) : 0; }
-
-    // Step k's input for its graph (none for layer 0): a view of its device tile, or its host rows in place.
-    // measure: for a graph only measured, never run: nothing is queued.
-    ggml_tensor * input(ggml_context * ctx, size_t k, bool measure = false) {
-        const Step & s = steps_.at(k);
-        if (s.layer == 0) return nullptr;
-        if (!copy_) {
-            ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd_, s.n);
-            if (ggml_backend_tensor_alloc(host_.buffer(), t, rows(s)) != GGML_STATUS_SUCCESS) {
-                throw std::runtime_error("could not place a tensor in host memory");
-            }
-            return t;
-        }
-        if (measure) return tile_view(ctx, k);
-        prefetch(k);   // already queued, unless the step's rows were made just now
-        if (queued_ <= k) throw std::logic_error("layer-major prefill: a step's input rows were not computed");
-        return tile_view(ctx, k);
-    }
-
-    // Before step k's graph is queued: the compute stream waits for the copies on the step's tile.
-    void before_compute(size_t k) {
-        if (copy_) ggml_backend_event_wait(backend_, done_[k % 2]);
-    }
-
-    // What step k's graph computes to hand its output y on: a copy into the step's tile (written in place
-    // of its input, which nothing reads after y), or y itself.
-    ggml_tensor * output(ggml_context * ctx, size_t k, ggml_tensor * y) {
-        if (!copy_) {
-            ggml_set_output(y);
-            return y;
-        }
-        return ggml_cpy(ctx, y, tile_view(ctx, k));
-    }
-
-    // After step k's graph was queued (overlapping) or has run (the host path): its output y (none on the
-    // last layer) goes to host memory once computed, and the copies of the steps ahead are queued.
-    void queued(size_t k, ggml_tensor * y) {
-        const Step & s = steps_.at(k);
-        if (!copy_) {
-            if (y) ggml_backend_tensor_get(y, rows(s), 0, ggml_nbytes(y));
-            return;
-        }
-        ggml_backend_event_record(computed_, backend_);
-        ggml_backend_event_wait(copy_, computed_);   // every copy queued from here on follows step k
-        if (y) {
-            ggml_backend_tensor_get_async(copy_, tile_[k % 2], rows(s), 0, (size_t) (s.n * n_embd_) * sizeof(float));
-            ggml_backend_event_record(done_[k % 2], copy_);
-            produced_[(size_t) s.layer] = s.p0 + s.n;
-        }
-        prefetch(k + 2);   // the tile step k used is free now
-    }
-
-private:
-    float * rows(const Step & s) const {
-        return reinterpret_cast<float *>(host_.data()) + (s.p0 - start_) * n_embd_;
-    }
-
-    ggml_tensor * tile_view(ggml_context * ctx, size_t k) {
-        ggml_tensor * t = tile_[k % 2];
-        return ggml_view_2d(ctx, t, n_embd_, steps_[k].n, t->nb[1], 0);
-    }
-
-    // Queues the inputs of steps up to `last`, in order, as far as the rows they need have been produced.
-    // The copy stream is in order, and step j's tile was last used by step j - 2, which the copy stream
-    // follows once queued(j - 2) ran: the only place that queues step j's input before step j - 1 is queued.
-    void prefetch(size_t last) {
-        for (; queued_ <= last && queued_ < steps_.size(); ++queued_) {
-            const Step & s = steps_[queued_];
-            if (s.layer == 0) continue;
-            if (produced_[(size_t) s.layer - 1] < s.p0 + s.n) return;   // a step still to run makes them
-            ggml_backend_tensor_set_async(copy_, tile_[queued_ % 2], rows(s), 0, (size_t) (s.n * n_embd_) * sizeof(float));
-            ggml_backend_event_record(done_[queued_ % 2], copy_);
-        }
-    }
-
-    void release() {
-        if (copy_) ggml_backend_synchronize(copy_);   // nothing may still copy into memory about to go
-        for (ggml_backend_event_t * e : {&done_[0], &done_[1], &computed_}) {
-            if (*e) ggml_backend_event_free(*e);
-            *e = nullptr;
-        }
-        if (copy_) ggml_backend_free(copy_);
-        if (buf_) ggml_backend_buffer_free(buf_);
-        if (ctx_) ggml_free(ctx_);
-        copy_ = nullptr;
-        buf_ = nullptr;
-        ctx_ = nullptr;
-    }
-
-    HostMemory host_;
-    int64_t n_embd_, start_;
-    std::vector<Step> steps_;
-    ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
-    ggml_tensor * tile_[2] = {nullptr, nullptr};
-    ggml_backend_t backend_;   // the compute stream's
-    ggml_backend_t copy_ = nullptr;
-    ggml_backend_event_t done_[2] = {nullptr, nullptr};   // recorded after the last copy queued on each tile
-    ggml_backend_event_t computed_ = nullptr;             // recorded after the last step queued
-    std::vector<int64_t> produced_;   // per layer: its output rows are queued to host memory up to here
-    size_t queued_ = 0;               // steps whose inputs are queued (or need none)
-};
 
 // Layers without K/V of their own (gemma4's last attention.shared_kv_layers: ModelHparams::has_kv, kv_source)
 // attend their source layer's and write none, so what they compute for a position feeds only that position in
@@ -286,7 +139,6 @@ class Session::ExactPrefillPass {
 public:
     ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
                      const std::function<void()> & between, int64_t attention_block_bytes);
-    ExactPrefill run() { advance(0); return finish(); }
     // Up to max_steps more steps (0: the rest), staging and writing back layers as their steps begin and end; true
     // once every step ran. On any exception the session is rolled back first.
     bool advance(int64_t max_steps);
@@ -725,19 +577,15 @@ void Session::ExactPrefillPass::account() {
 
 ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
                                     const std::function<void()> & between, int64_t attention_block_bytes) {
-    const SessionLock held = lock();
-    check_tokens(tokens, n, start);
-    if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
-    if (n_batch == 0) n_batch = cfg_.n_batch;
-    if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
-    if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
-    ExactPrefillPass pass(*this, tokens, n, start, n_batch, between, attention_block_bytes);
-    return pass.run();
+    const SessionLock held = lock();   // the whole prefill: another thread's call waits instead of meeting the run
+    const std::unique_ptr<ExactPrefillRun> run = begin_prefill_exact(tokens, n, start, n_batch, attention_block_bytes, between);
+    run->advance(0);
+    return run->finish();
 }
 
 Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                          int64_t attention_block_bytes)
-    : s_(s), tokens_(tokens, tokens + n) {
+                                          int64_t attention_block_bytes, std::function<void()> between)
+    : s_(s), tokens_(tokens, tokens + n), between_(std::move(between)) {
     pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, n_batch, between_, attention_block_bytes);
     s_.open_run_ = this;
 }
@@ -806,47 +654,16 @@ int64_t Session::ExactPrefillRun::steps_run() const {
 }
 
 std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
-                                                                       int64_t n_batch, int64_t attention_block_bytes) {
+                                                                       int64_t n_batch, int64_t attention_block_bytes,
+                                                                       std::function<void()> between) {
     const SessionLock held = lock();
     check_tokens(tokens, n, start);
-    if (n_batch < 0) throw std::invalid_argument("begin_prefill_exact: n_batch must be >= 0 (0: the session's)");
+    if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (n_batch == 0) n_batch = cfg_.n_batch;
-    if (attention_block_bytes < 0) throw std::invalid_argument("begin_prefill_exact: attention_block_bytes must be >= 0");
+    if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
-    return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes));
-}
-
-int64_t sched_device_bytes(const Model & m, ggml_backend_sched_t sched, int device) {
-    int64_t n = 0;
-    for (int d = 0; d < m.n_devices(); ++d) {
-        if (device < 0 || d == device) n += (int64_t) ggml_backend_sched_get_buffer_size(sched, m.device_backend(d));
-    }
-    return n;
-}
-
-SessionMemory Session::memory() const {
-    const SessionLock held = lock(false, true);
-    SessionMemory mem;
-    mem.pool_bytes = kv_->device_bytes();
-    mem.ring_bytes = ring_ ? ring_->device_bytes() : 0;
-    mem.recurrent_bytes = recurrent_ ? recurrent_->device_bytes() : 0;
-    mem.recurrent_checkpoint_bytes = recurrent_ ? recurrent_->checkpoint_bytes() : 0;
-    mem.prefill_peak_bytes = prefill_peak_bytes_;
-    mem.prefill_staging_bytes = prefill_staging_bytes_;
-    mem.prefill_host_bytes = prefill_host_bytes_;
-    for (int d = 0; d < model_->n_devices(); ++d) {
-        ggml_backend_t b = model_->device_backend(d);
-        DeviceMemory dm;
-        dm.name = ggml_backend_name(b);
-        dm.weight_bytes = model_->device_weight_bytes(d);
-        dm.pool_bytes = kv_->device_bytes_on(b);
-        dm.ring_bytes = ring_ ? ring_->kv().device_bytes_on(b) : 0;
-        dm.recurrent_bytes = recurrent_ ? recurrent_->device_bytes_on(b) : 0;
-        dm.compute_bytes = sched_device_bytes(*model_, sched_, d) + (b == model_->backend() ? mtp_compute_bytes() : 0);
-        mem.devices.push_back(dm);
-        mem.compute_bytes += dm.compute_bytes;
-    }
-    return mem;
+    return std::unique_ptr<ExactPrefillRun>(
+        new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes, std::move(between)));
 }
 
 }  // namespace kvf
