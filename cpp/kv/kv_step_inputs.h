@@ -85,7 +85,7 @@ public:
     CausalBand(const CausalBand &) = delete;
     CausalBand & operator=(const CausalBand &) = delete;
     // The [n_kv, n_tokens] mask of the queries whose first is at first_pos (a graph node in ctx): the same three
-    // nodes for every step, as ggml's allocator reuses a reservation only for a graph with as many nodes.
+    // nodes and two leafs for every step, as ggml's allocator reuses a reservation only for a graph with as many.
     ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const;
     // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
     int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
