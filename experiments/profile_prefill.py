@@ -66,18 +66,21 @@ IDLE = "__idle__"
 
 def idle_gaps(spans, long_us: float = 50.0):
     """Where no kernel ran between the first and the last: (count, us) of gaps longer than long_us (the host
-    between graphs, or waiting on a copy) and of the shorter ones (launch latency inside a graph)."""
+    between graphs, or waiting on a copy) and of the shorter ones (launch latency inside a graph), and (count, us) of those over 1 ms (a layer-major prefill's layer ends)."""
     spans.sort()
     long_n, long_us_sum, short_us_sum, end = 0, 0.0, 0.0, None
+    ms_n, ms_us_sum = 0, 0.0
     for t0, t1 in spans:
         if end is not None and t0 > end:
             gap = t0 - end
             if gap > long_us:
                 long_n, long_us_sum = long_n + 1, long_us_sum + gap
+            if gap > 1000:
+                ms_n, ms_us_sum = ms_n + 1, ms_us_sum + gap
             else:
                 short_us_sum += gap
         end = t1 if end is None else max(end, t1)
-    return long_n, long_us_sum, short_us_sum
+    return long_n, long_us_sum, short_us_sum, ms_n, ms_us_sum
 
 
 def report(label: str, length: int, wall: float, kernels, copies, api, top: int) -> None:
@@ -86,7 +89,8 @@ def report(label: str, length: int, wall: float, kernels, copies, api, top: int)
     print(f"\n== {label}: {length} tokens, wall {wall:.2f} s ({length / wall:.0f} tok/s), kernels {total / 1e6:.2f} s "
           f"in {sum(n for n, _ in kernels.values())} launches")
     if idle:
-        print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones")
+        print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones; "
+              f"{idle[4] / 1e6:.3f} s in {idle[3]} gaps > 1 ms")
     for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
         print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
     for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1]):
@@ -135,6 +139,8 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=4096)
     ap.add_argument("--n-batch", type=int, default=512, help="our step (libllama: ubatch 512)")
     ap.add_argument("--exact-batch", type=int, default=0, help="the exact prefill's step (0: --n-batch)")
+    ap.add_argument("--attention-block-mib", type=int, default=0,
+                    help="the exact prefill's attention block (0: the default); at 32K keys 64 MiB = 1024 queries")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--host-memory", type=float, default=0, help="GiB for the host-memory timings (0: skip)")
     args = ap.parse_args()
@@ -155,7 +161,8 @@ def main() -> int:
             cfg = _core.SessionConfig(max_tokens=n_ctx, pool_tokens=pool, allow_beyond_train_ctx=True,
                                       n_batch=args.n_batch)
             sess = _core.Session(model, cfg)
-            step = sess.forward if mode == "full" else (lambda t, s: sess.prefill_exact(t, s, n_batch=args.exact_batch))
+            step = sess.forward if mode == "full" else (lambda t, s: sess.prefill_exact(
+                t, s, n_batch=args.exact_batch, attention_block_bytes=args.attention_block_mib << 20))
             step(prompt[:256], 0)
             sess.reset()
             run = lambda: step(prompt, 0)
