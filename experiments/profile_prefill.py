@@ -39,7 +39,7 @@ def traced(fn):
     prof.export_chrome_trace(path)
     kernels, copies = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(lambda: [0, 0.0])
     api = collections.defaultdict(lambda: [0, 0.0])
-    spans = []
+    spans, copy_spans, api_spans = [], [], []
     for e in json.load(open(path))["traceEvents"]:
         if e.get("ph") != "X":
             continue
@@ -52,16 +52,19 @@ def traced(fn):
             c = copies[e["name"]]
             c[0] += int(e.get("args", {}).get("bytes", 0))
             c[1] += e["dur"]
+            copy_spans.append((e["ts"], e["ts"] + e["dur"], e["name"], int(e.get("args", {}).get("bytes", 0))))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver"):   # host time in CUDA calls: where the host waits
             a = api[e["name"]]
             a[0] += 1
             a[1] += e["dur"]
+            api_spans.append((e["ts"], e["ts"] + e["dur"], e["name"]))
     del torch
     kernels[IDLE] = idle_gaps(spans)
+    kernels[GAPS] = largest_gaps(spans, copy_spans, api_spans)
     return wall, kernels, copies, api
 
 
-IDLE = "__idle__"
+IDLE, GAPS = "__idle__", "__gaps__"
 
 
 def idle_gaps(spans, long_us: float = 50.0):
@@ -83,14 +86,43 @@ def idle_gaps(spans, long_us: float = 50.0):
     return long_n, long_us_sum, short_us_sum, ms_n, ms_us_sum
 
 
+def largest_gaps(spans, copy_spans, api_spans, n: int = 10):
+    """The n longest stretches with no kernel running, each as (start ms after the first kernel, ms, what was
+    copied in it, the host's CUDA calls in it): what a layer's end waits for."""
+    spans = sorted(spans)
+    gaps, end = [], None
+    for t0, t1 in spans:
+        if end is not None and t0 > end:
+            gaps.append((end, t0))
+        end = t1 if end is None else max(end, t1)
+    out = []
+    for g0, g1 in sorted(gaps, key=lambda g: g[0] - g[1])[:n]:
+        overlap = lambda a0, a1: max(0.0, min(a1, g1) - max(a0, g0))
+        copied, calls = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(lambda: [0, 0.0])
+        for a0, a1, name, nbytes in copy_spans:
+            if overlap(a0, a1) > 0:
+                copied[name][0] += nbytes
+                copied[name][1] += overlap(a0, a1)
+        for a0, a1, name in api_spans:
+            if overlap(a0, a1) > 0:
+                calls[name][0] += 1
+                calls[name][1] += overlap(a0, a1)
+        out.append(((g0 - spans[0][0]) / 1e3, (g1 - g0) / 1e3, dict(copied), dict(calls)))
+    return sorted(out)
+
+
 def report(label: str, length: int, wall: float, kernels, copies, api, top: int) -> None:
-    idle = kernels.pop(IDLE, None)
+    idle, gaps = kernels.pop(IDLE, None), kernels.pop(GAPS, [])
     total = sum(us for _, us in kernels.values())
     print(f"\n== {label}: {length} tokens, wall {wall:.2f} s ({length / wall:.0f} tok/s), kernels {total / 1e6:.2f} s "
           f"in {sum(n for n, _ in kernels.values())} launches")
     if idle:
         print(f"   no kernel running: {idle[1] / 1e6:.3f} s in {idle[0]} gaps > 50 us, {idle[2] / 1e6:.3f} s in shorter ones; "
               f"{idle[4] / 1e6:.3f} s in {idle[3]} gaps > 1 ms")
+    for at_ms, ms, copied, calls in gaps:
+        what = ", ".join(f"{k.split('(')[-1].rstrip(')')} {b / 2**20:.0f} MiB {us / 1e3:.1f} ms" for k, (b, us) in copied.items())
+        host = ", ".join(f"{k} x{c} {us / 1e3:.1f} ms" for k, (c, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:3])
+        print(f"   gap at {at_ms:8.1f} ms: {ms:6.2f} ms; copies: {what or '-'}; host: {host or '-'}")
     for kind, (nbytes, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
         print(f"   copy {kind}: {nbytes / 2**30:.2f} GiB in {us / 1e6:.3f} s")
     for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1]):

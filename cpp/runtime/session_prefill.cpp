@@ -21,7 +21,8 @@
 // A step attends under a causal mask made in its graph from a zero row (row stride 0) and a small triangle, made
 // once per prefill (CausalBand, one per device: such a view cannot cross devices), which also holds the counts its
 // positions and slot rows view, so a step uploads nothing and never waits for the one before; the whole mask would grow with
-// the keys (n_kv x step F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks whose mask, and
+// the keys (n_kv x step F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks (at most 512,
+// llama.cpp's ubatch, which ggml-cuda's flash attention runs faster than 1024: R91) whose mask, and
 // on the mul_mat path whose attention matrix, fit k_attention_block_bytes (64 MiB), each attending only the keys up
 // to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
 // never grows its buffer mid-layer (growing waits for the device). A sliding-window layer needs no staging: it runs
