@@ -276,12 +276,13 @@ def test_adopt_on_cuda_moves_exact_bytes_between_v_layouts(model_path, src_atten
 
 
 @pytest.mark.parametrize("attention,kv_type,start", [("flash", "f16", 0), ("flash", "q8_0", 0), ("matmul", "f16", 0),
-                                                      ("flash", "f16", 450)])
+                                                      ("flash", "f16", 450), ("flash", "f16", 448)])
 def test_exact_prefill_on_cuda_writes_the_full_cache_bytes(model_path, attention, kv_type, start):
     """Layer-major prefill on the GPU: the one-layer staging pool, the hidden states through pinned host
-    memory (filled and drained by a second stream while the compute stream works), the per-layer copies to
-    blocks and host images give every chunk the full cache's K/V, also for a prompt that extends held tokens
-    (start > 0, inside a chunk). The same CUDA kernels run on the same shapes, except that the full cache's
+    memory (filled and drained by a second stream while the compute stream works), the copies to blocks and host
+    images (on that stream step by step after layer 0, where steps end on chunk boundaries; at each layer's end
+    otherwise) give every chunk the full cache's K/V, also for a prompt that extends held tokens (start > 0, on a
+    chunk boundary or inside a chunk). The same CUDA kernels run on the same shapes, except that the full cache's
     graph spans all layers (ggml-cuda may fuse across a layer boundary), so logits are compared at TOL_SAME
     and K/V bytes reported."""
     gpu = _core.Model(model_path("llama-q4_0"), backend="cuda")

@@ -258,17 +258,17 @@ void PooledKV::execute(const Plan & plan, int64_t uncomputed_from) {
     for (const ChunkMove & m : plan.fresh) release_image(m.chunk);
 }
 
-void PooledKV::get_layer_async(int64_t block, int64_t il, uint8_t * out) const {
+void PooledKV::get_layer_async(int64_t block, int64_t il, uint8_t * out, ggml_backend_t stream) const {
     if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
     for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-        ggml_backend_tensor_get_2d_async(backends_[il], t, out + img_off, off, size, n, stride, size);
+        ggml_backend_tensor_get_2d_async(stream ? stream : backends_[il], t, out + img_off, off, size, n, stride, size);
     }, il);
 }
 
-void PooledKV::set_layer_async(int64_t block, int64_t il, const uint8_t * in) {
+void PooledKV::set_layer_async(int64_t block, int64_t il, const uint8_t * in, ggml_backend_t stream) {
     if (il < 0) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
     for_each_region(block, [&](int64_t, ggml_tensor * t, size_t off, size_t size, size_t n, size_t stride, size_t img_off) {
-        ggml_backend_tensor_set_2d_async(backends_[il], t, in + img_off, off, size, n, stride, size);
+        ggml_backend_tensor_set_2d_async(stream ? stream : backends_[il], t, in + img_off, off, size, n, stride, size);
     }, il);
 }
 

@@ -94,9 +94,10 @@ public:
     // ---- one layer of one chunk (layer-major prefill): K then V, in the pool's native layout ----
     int64_t layer_chunk_bytes() const { return chunk_bytes() / layout_.n_layer; }
     // Layer il of `block` to or from host memory of layer_chunk_bytes(); queued on the backend's stream
-    // like paging (the caller synchronizes before it reads `out` or reuses `in`).
-    void get_layer_async(int64_t block, int64_t il, uint8_t * out) const;
-    void set_layer_async(int64_t block, int64_t il, const uint8_t * in);
+    // like paging (the caller synchronizes before it reads `out` or reuses `in`), or on `stream`: another backend
+    // of the layer's device, whose queue the copy joins (the exact prefill's copy stream).
+    void get_layer_async(int64_t block, int64_t il, uint8_t * out, ggml_backend_t stream = nullptr) const;
+    void set_layer_async(int64_t block, int64_t il, const uint8_t * in, ggml_backend_t stream = nullptr);
     // Layer il inside the chunk's host image; the image is made (its bytes undefined) if it has none.
     uint8_t * image_layer(int64_t chunk, int64_t il);
 

@@ -59,7 +59,7 @@ ggml_tensor * HiddenStates::output(ggml_context * ctx, size_t k, ggml_tensor * y
     return ggml_cpy(ctx, y, tile_view(ctx, k));
 }
 
-void HiddenStates::queued(size_t k, ggml_tensor * y) {
+void HiddenStates::queued(size_t k, ggml_tensor * y, const std::function<void(ggml_backend_t)> & also) {
     const Step & s = steps_.at(k);
     if (!copy_) {
         if (y) ggml_backend_tensor_get(y, rows(s), 0, ggml_nbytes(y));
@@ -72,7 +72,12 @@ void HiddenStates::queued(size_t k, ggml_tensor * y) {
         ggml_backend_event_record(done_[k % 2], copy_);
         produced_[(size_t) s.layer] = s.p0 + s.n;
     }
+    if (also) also(copy_);
     prefetch(k + 2);   // the tile step k used is free now
+}
+
+void HiddenStates::synchronize_copies() const {
+    if (copy_) ggml_backend_synchronize(copy_);
 }
 
 float * HiddenStates::rows(const Step & s) const {

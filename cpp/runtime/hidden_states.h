@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace kvf {
@@ -45,8 +46,12 @@ public:
     // of its input, which nothing reads after y), or y itself.
     ggml_tensor * output(ggml_context * ctx, size_t k, ggml_tensor * y);
     // After step k's graph was queued (overlapping) or has run (the host path): its output y (none on the
-    // last layer) goes to host memory once computed, and the copies of the steps ahead are queued.
-    void queued(size_t k, ggml_tensor * y);
+    // last layer) goes to host memory once computed, then `also` (overlapping only) queues on the copy stream what
+    // else is to leave the device once step k ran (its K/V), and the copies of the steps ahead are queued. Queued
+    // ahead of those inputs, `also`'s copies have read what they copy before a later step's input is in its
+    // tile, hence before any later step that waits for it (before_compute) overwrites it.
+    void queued(size_t k, ggml_tensor * y, const std::function<void(ggml_backend_t)> & also = {});
+    void synchronize_copies() const;   // every copy queued on the copy stream has ended
 
 private:
     float * rows(const Step & s) const;
