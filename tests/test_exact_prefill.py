@@ -184,6 +184,23 @@ def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides
         np.testing.assert_allclose(mine, theirs, atol=5e-3, err_msg=f"chunk {c}")
 
 
+def test_the_captured_attention_over_key_blocks_of_whole_partial_maxima(tiny):
+    # On the flash path the captured queries' attention over more keys than one block holds takes each block's
+    # maximum per query and head first through 256-key partial maxima (when the block is a multiple of 256 keys):
+    # 1000 keys in blocks of 512 give what one pass over all keys gives, within summation order. (A log-sum-exp is
+    # the same whichever finite shift it takes: this checks the path's result, not that its shift is the maximum.)
+    model = tiny("llama")
+    tokens = prompt(model, 1000, seed=7)
+    per_key = _core.CAPTURE_TOKENS * model.hparams.n_head * 2 * 4   # scores and their exp, F32
+    whole = session(model, POOL, attention="flash")
+    logits_whole, attention_whole = whole.prefill_exact(tokens, 0)
+    sess = session(model, POOL, attention="flash")
+    logits, attention_to = sess.prefill_exact(tokens, 0, attention_block_bytes=512 * per_key)
+    assert np.abs(attention_whole).max() > 0
+    np.testing.assert_allclose(attention_to, attention_whole, atol=1e-5)
+    np.testing.assert_allclose(logits, logits_whole, atol=1e-3)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma3"])
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
 @pytest.mark.parametrize("blocks", ["one", "growing"])

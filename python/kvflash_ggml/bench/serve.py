@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -279,10 +280,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="soak: clients at once")
     ap.add_argument("--parallel", type=int, default=4, help="soak: our server's slots")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--logs", default=".", help="folder for the servers' logs")
+    ap.add_argument("--logs", default=None, help="folder for the servers' logs (default: a new temporary folder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    # Not the current folder: a run from a checkout would leave its logs among the sources.
+    args.logs = args.logs or tempfile.mkdtemp(prefix="kvflash-bench-serve-")
     Path(args.logs).mkdir(parents=True, exist_ok=True)
+    print(f"servers' logs: {args.logs}", flush=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.llama_server == "none":
         args.llama_server = None
