@@ -4,13 +4,10 @@
 
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <future>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace kvf {
 
@@ -178,22 +175,12 @@ int64_t PooledKV::host_slots_short(int64_t n_images) const {
 
 std::vector<std::unique_ptr<HostMemory>> PooledKV::make_slabs(int64_t n_slots) const {
     const size_t slot = (size_t) chunk_bytes(), per_slab = std::max<size_t>(1, k_max_slab_bytes / slot);
-    std::vector<size_t> sizes;
-    for (int64_t left = n_slots; left > 0; left -= (int64_t) per_slab) sizes.push_back(std::min((size_t) left, per_slab) * slot);
-    std::vector<std::unique_ptr<HostMemory>> slabs(sizes.size());
-    // Several slabs at once, each faulting its pages in on a few threads (host_memory.cpp): one after another, a
-    // 256 MiB slab kept 4 threads busy and its registration none, and an 8B model's 32K prompt waited 255-410 ms at
-    // layer 0's end for its 3.5 GiB of images (H100 machine, 16 cores, R92-R93).
-    const size_t n_workers = std::min(sizes.size(), std::max<size_t>(1, std::thread::hardware_concurrency() / 4));
-    std::atomic<size_t> next{0};
-    std::vector<std::future<void>> workers;
-    for (size_t w = 0; w < n_workers; ++w) {
-        workers.push_back(std::async(std::launch::async, [&] {
-            for (size_t i; (i = next++) < sizes.size();) slabs[i] = std::make_unique<HostMemory>(sizes[i], can_pin_);
-        }));
+    std::vector<std::unique_ptr<HostMemory>> slabs;
+    // One after another: slabs registered from several threads at once blocked the prefill's kernel launches in the
+    // driver (32K on an H100: 3.2 s in cudaHostRegister instead of 0.2 s, 1.2 s of GPU idle instead of 0.35; R94).
+    for (int64_t left = n_slots; left > 0; left -= (int64_t) per_slab) {
+        slabs.push_back(std::make_unique<HostMemory>(std::min((size_t) left, per_slab) * slot, can_pin_));
     }
-    for (auto & w : workers) w.wait();
-    for (auto & w : workers) w.get();   // the first failure, once no worker runs
     return slabs;
 }
 
