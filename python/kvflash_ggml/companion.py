@@ -16,9 +16,10 @@ from typing import Optional, Union
 import numpy as np
 
 from . import _core
-from .known_models import resolve_model_path
+from .options import DeviceConfig
 from .tokenizer import Tokenizer
 from .tokens import common_prefix, forward_in_steps, rewind
+from .weights import load_model
 
 GROWTH = 1.25  # a grown context holds this much more than the history that outgrew it
 
@@ -62,7 +63,7 @@ class Companion:
         if isinstance(model, _core.Model):
             self.model = model
         else:
-            self.model = _core.Model(resolve_model_path(model), backend=backend, n_threads=n_threads or 0)
+            _, self.model = load_model(model, DeviceConfig(backend=backend, n_threads=n_threads))
         if n_ctx > self.model.hparams.n_ctx_train:
             raise ValueError(f"the drafter {os.path.basename(self.model.path)} was trained for "
                              f"{self.model.hparams.n_ctx_train} tokens, less than n_ctx={n_ctx}: its context is "

@@ -15,10 +15,11 @@ from .companion import Companion, same_vocabulary
 from .drafter import DrafterPolicy
 from .known_models import resolve_model_path
 from .mtp import MtpDraft, check_mtp, wants_mtp
-from .options import GPU_POOL_ALIGN, SPECULATIVE_MODES, PoolConfig, ResidencyConfig, SpeculativeConfig
+from .options import GPU_POOL_ALIGN, SPECULATIVE_MODES, DeviceConfig, PoolConfig, ResidencyConfig, SpeculativeConfig
 from .policy import LRU, BuiltinScorer, CallablePolicy, Policy
 from .speculative import DraftModel, PromptLookup, Speculator, TextMappedDraft
 from .tokenizer import Tokenizer
+from .weights import load_model
 
 
 def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool = False,
@@ -86,7 +87,7 @@ def load_like(spec: Union[str, os.PathLike, _core.Model], model: _core.Model) ->
         return spec
     path = resolve_model_path(spec)
     return model if path == model.path else \
-        _core.Model(path, backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads)
+        load_model(path, DeviceConfig(backend="auto" if model.on_gpu else "cpu", n_threads=model.n_threads))[1]
 
 
 def with_loaded_draft(speculative: Optional[SpeculativeConfig], model: _core.Model) -> Optional[SpeculativeConfig]:

@@ -2,7 +2,7 @@
 the Model, `kvflash serve` and the benches call it, so a GGUF, a split and pool_tokens="auto" mean the same in each.
 
 load(): the GGUF (a path or a short name), its weights where DeviceConfig puts them with the thread count resolved
-(threads.py), and its tokenizer. load_for_slots(): what n_slots sessions of that model run with: the trained
+(weights.py, which drafters and draft models load through too), and its tokenizer. load_for_slots(): what n_slots sessions of that model run with: the trained
 context checked, a drafter's and a draft model's weights loaded once (every slot shares them) and before the pool
 is fitted (their weights take device memory too), and the pool resolved by fit.resolve_pool ('auto' sized on
 every device of a split, a number checked against max_device_bytes). Building the engines stays with the caller
@@ -16,13 +16,12 @@ from typing import Optional, Union
 from . import _core
 from .engine_parts import draft_model_of, with_loaded_draft, with_loaded_drafter
 from .fit import resolve_pool
-from .known_models import resolve_model_path
 from .mtp import wants_mtp
 from .options import DeviceConfig, PoolConfig, ResidencyConfig, SpeculativeConfig
-from .threads import cpu_threads
 from .tokenizer import Tokenizer
+from .weights import load_model
 
-__all__ = ["Loaded", "SlotOptions", "check_train_ctx", "load", "load_for_slots", "load_model"]
+__all__ = ["Loaded", "SlotOptions", "check_train_ctx", "load", "load_for_slots"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +40,6 @@ class SlotOptions:
     why: str
     residency: ResidencyConfig
     speculative: Optional[SpeculativeConfig]
-
-
-def load_model(model_path: Union[str, os.PathLike], devices: DeviceConfig, *,
-               mtp: bool = False) -> tuple[str, _core.Model]:
-    """The GGUF's path and its weights on `devices` (mtp: with its multi-token-prediction head). FileNotFoundError
-    for a missing file or package; ValueError for a bad split, ConnectionError for an RPC server that does not
-    answer, RuntimeError for a file the core cannot load."""
-    path = resolve_model_path(model_path)
-    return path, _core.Model(path, n_threads=cpu_threads(devices.n_threads), mtp=mtp, **devices.placement())
 
 
 def load(model_path: Union[str, os.PathLike], devices: DeviceConfig, *, mtp: bool = False,

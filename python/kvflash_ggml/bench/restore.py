@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _core
 from ..commands.flags import add_model_flags, add_pool_flags, device_config, pool_config
-from ..loading import load_model
+from ..weights import load_model
 from ..testing.prose import prose
 
 CHUNK = _core.CHUNK_TOKENS

@@ -29,16 +29,12 @@ CONFIGS = {
 def one_run(model: str, threads: str, n_gen: int) -> dict:
     """Decode tok/s of the full cache after a 64-token prompt (greedy, n_gen tokens after 4 untimed)."""
     import numpy as np
-    from .. import _core
     from ..engine import Engine
-    from ..known_models import resolve_model_path
-    from ..options import PoolConfig, ResidencyConfig
-    from ..threads import cpu_threads
+    from ..options import DeviceConfig, PoolConfig, ResidencyConfig
     from ..tokenizer import Tokenizer
-    path = resolve_model_path(model)
-    n_threads = cpu_threads(None) if threads == "auto" else int(threads)
-    engine = Engine(_core.Model(path, backend="cpu", n_threads=n_threads), Tokenizer(path), PoolConfig(n_ctx=1024),
-                    ResidencyConfig())
+    from ..weights import load_model
+    path, weights = load_model(model, DeviceConfig(backend="cpu", n_threads=None if threads == "auto" else int(threads)))
+    engine = Engine(weights, Tokenizer(path), PoolConfig(n_ctx=1024), ResidencyConfig())
     token = int(engine.prefill(np.random.default_rng(0).integers(100, 10000, 64).tolist()).argmax())
     for _ in range(4):
         token = engine.decode_one_greedy(token)
@@ -46,7 +42,7 @@ def one_run(model: str, threads: str, n_gen: int) -> dict:
     for _ in range(n_gen):
         token = engine.decode_one_greedy(token)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"threads": n_threads, "tok_s": n_gen / wall, "cpu_ms_per_token": 1e3 * cpu / n_gen}
+    return {"threads": weights.n_threads, "tok_s": n_gen / wall, "cpu_ms_per_token": 1e3 * cpu / n_gen}
 
 
 def run_config(name: str, model: str, n_gen: int) -> dict:
