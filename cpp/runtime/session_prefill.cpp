@@ -497,8 +497,10 @@ void Session::ExactPrefillPass::capture(const GraphCtx & g, const LayerKind & lk
 // the host), on the copy stream's device, and with steps that end on chunk boundaries: a chunk is then written
 // by one step of a layer, and the next layer's step that rewrites it waits for its input, queued after the drain.
 bool Session::ExactPrefillPass::drains_per_step(int il) const {
-    return il > 0 && kind(il).pooled && !s_.summaries_ && hidden_->overlaps() && start_ % C_ == 0 && n_batch_ % C_ == 0 &&
-           ggml_backend_get_device(stage_of(il).backend_of(0)) == ggml_backend_get_device(backend_);
+    if (il == 0 || !kind(il).pooled || s_.summaries_ || !hidden_->overlaps() || start_ % C_ != 0 || n_batch_ % C_ != 0) return false;
+    const ggml_backend_dev_t copies = ggml_backend_get_device(backend_);   // the copy stream's device
+    return ggml_backend_get_device(stage_of(il).backend_of(0)) == copies &&
+           ggml_backend_get_device(s_.kv_->backend_of(kind(il).pl)) == copies;
 }
 
 // Queues layer il of the new chunks complete at position `upto` (all at the prompt's end) to where the pager placed
