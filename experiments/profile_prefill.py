@@ -59,42 +59,37 @@ def traced(fn):
             a[1] += e["dur"]
             api_spans.append((e["ts"], e["ts"] + e["dur"], e["name"]))
     del torch
-    kernels[IDLE] = idle_gaps(spans)
-    kernels[GAPS] = largest_gaps(spans, copy_spans, api_spans)
+    gaps = kernel_gaps(spans)
+    kernels[IDLE] = idle_gaps(gaps)
+    kernels[GAPS] = largest_gaps(gaps, min(spans)[0] if spans else 0.0, copy_spans, api_spans)
     return wall, kernels, copies, api
 
 
 IDLE, GAPS = "__idle__", "__gaps__"
 
 
-def idle_gaps(spans, long_us: float = 50.0):
-    """Where no kernel ran between the first and the last: (count, us) of gaps longer than long_us (the host
-    between graphs, or waiting on a copy) and of the shorter ones (launch latency inside a graph), and (count, us) of those over 1 ms (a layer-major prefill's layer ends)."""
-    spans.sort()
-    long_n, long_us_sum, short_us_sum, end = 0, 0.0, 0.0, None
-    ms_n, ms_us_sum = 0, 0.0
-    for t0, t1 in spans:
-        if end is not None and t0 > end:
-            gap = t0 - end
-            if gap > long_us:
-                long_n, long_us_sum = long_n + 1, long_us_sum + gap
-            if gap > 1000:
-                ms_n, ms_us_sum = ms_n + 1, ms_us_sum + gap
-            else:
-                short_us_sum += gap
-        end = t1 if end is None else max(end, t1)
-    return long_n, long_us_sum, short_us_sum, ms_n, ms_us_sum
-
-
-def largest_gaps(spans, copy_spans, api_spans, n: int = 10):
-    """The n longest stretches with no kernel running, each as (start ms after the first kernel, ms, what was
-    copied in it, the host's CUDA calls in it): what a layer's end waits for."""
-    spans = sorted(spans)
+def kernel_gaps(spans):
+    """Where no kernel ran between the first kernel and the last: (start, end) in us, in order."""
     gaps, end = [], None
-    for t0, t1 in spans:
+    for t0, t1 in sorted(spans):
         if end is not None and t0 > end:
             gaps.append((end, t0))
         end = t1 if end is None else max(end, t1)
+    return gaps
+
+
+def idle_gaps(gaps, long_us: float = 50.0):
+    """(count, us) of the gaps longer than long_us (the host between graphs, or waiting on a copy), us of the
+    shorter ones (launch latency inside a graph), and (count, us) of those over 1 ms (a layer-major prefill's layer
+    ends)."""
+    lengths = [g1 - g0 for g0, g1 in gaps]
+    long, ms = [g for g in lengths if g > long_us], [g for g in lengths if g > 1000]
+    return len(long), sum(long), sum(lengths) - sum(long), len(ms), sum(ms)
+
+
+def largest_gaps(gaps, origin, copy_spans, api_spans, n: int = 10):
+    """The n longest gaps, each as (start ms after origin, ms, what was copied in it, the host's CUDA calls in it):
+    what a layer's end waits for."""
     out = []
     for g0, g1 in sorted(gaps, key=lambda g: g[0] - g[1])[:n]:
         overlap = lambda a0, a1: max(0.0, min(a1, g1) - max(a0, g0))
@@ -107,7 +102,7 @@ def largest_gaps(spans, copy_spans, api_spans, n: int = 10):
             if overlap(a0, a1) > 0:
                 calls[name][0] += 1
                 calls[name][1] += overlap(a0, a1)
-        out.append(((g0 - spans[0][0]) / 1e3, (g1 - g0) / 1e3, dict(copied), dict(calls)))
+        out.append(((g0 - origin) / 1e3, (g1 - g0) / 1e3, dict(copied), dict(calls)))
     return sorted(out)
 
 

@@ -453,11 +453,8 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     s_.timings_.n_computes++;
     t_io = std::chrono::steady_clock::now();
     if (final_step || !hidden_->overlaps()) ggml_backend_sched_synchronize(sched_.get());
-    if (drain_per_step_) {
-        hidden_->queued(k, last_layer ? nullptr : sg.y, [&](ggml_backend_t stream) { drain(il, p0 + mt, stream); });
-    } else {
-        hidden_->queued(k, last_layer ? nullptr : sg.y);
-    }
+    const auto drain_step = [&](ggml_backend_t stream) { drain(il, p0 + mt, stream); };
+    hidden_->queued(k, last_layer ? nullptr : sg.y, drain_per_step_ ? std::function<void(ggml_backend_t)>(drain_step) : nullptr);
     if (last_layer && final_step) ggml_backend_tensor_get(sg.y, out_.logits.data(), 0, ggml_nbytes(sg.y));
     if (final_step && lk.pooled && !lk.mtp) capture(g, lk);
     s_.timings_.t_prefill_io_ms += ms_since(t_io);
