@@ -169,6 +169,8 @@ def main() -> int:
     ap.add_argument("--attention-block-mib", type=int, default=0,
                     help="the exact prefill's attention block (0: the default); at 32K keys 64 MiB = 1024 queries")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--cold-host", action="store_true",
+                    help="do not pin the host store before the traced prompt (as kvflash bench prefill --cold-host)")
     ap.add_argument("--host-memory", type=float, default=0, help="GiB for the host-memory timings (0: skip)")
     args = ap.parse_args()
     if args.host_memory:
@@ -192,6 +194,8 @@ def main() -> int:
                 t, s, n_batch=args.exact_batch, attention_block_bytes=args.attention_block_mib << 20))
             step(prompt[:256], 0)
             sess.reset()
+            if not args.cold_host:
+                sess.reserve_host(n)
             run = lambda: step(prompt, 0)
         wall, kernels, copies, api = traced(run)
         report(mode, n, wall, kernels, copies, api, args.top)

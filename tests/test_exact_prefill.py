@@ -159,18 +159,20 @@ def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides
     # then the probabilities). The mul_mat path computes each query's row alone: the full cache's bytes. The CPU flash kernel tiles a block
     # of 32 queries otherwise than one of 128: summation order only (measured max |diff| of logits / attention /
     # K/V values: llama 2.5e-4 / 1.2e-7 / 4.9e-4, qwen35 7.6e-5 / 1.8e-5 / 2.4e-3 on K/V of ~1, gemma4 0).
+    # The prompt's second part starts at 603, off a multiple of 8: the band's mask views then start at another row
+    # of its table (kv_step_inputs.h).
     model = tiny(arch, **overrides)
-    tokens = prompt(model, 1000, seed=5)
+    tokens, split = prompt(model, 1000, seed=5), 603
     full = session(model, 0, attention=attention)
-    full.forward(tokens[:600], 0)
-    logits_full = full.forward(tokens[600:], 600)
+    full.forward(tokens[:split], 0)
+    logits_full = full.forward(tokens[split:], split)
     whole = session(model, POOL, attention=attention)
-    whole.prefill_exact(tokens[:600], 0)
-    _, attention_whole = whole.prefill_exact(tokens[600:], 600)
+    whole.prefill_exact(tokens[:split], 0)
+    _, attention_whole = whole.prefill_exact(tokens[split:], split)
     sess = session(model, POOL, attention=attention)
-    sess.prefill_exact(tokens[:600], 0, attention_block_bytes=1)
+    sess.prefill_exact(tokens[:split], 0, attention_block_bytes=1)
     assert sess.pager.n_host_images() > 0
-    logits, attention_to = sess.prefill_exact(tokens[600:], 600, attention_block_bytes=1)
+    logits, attention_to = sess.prefill_exact(tokens[split:], split, attention_block_bytes=1)
     if attention == "matmul":
         np.testing.assert_array_equal(logits, logits_full)
         np.testing.assert_array_equal(attention_to, attention_whole)
@@ -476,3 +478,26 @@ def test_exact_prefill_step_is_large_with_flash_attention_only():
     assert pool.exact_prefill_batch(True) == 1024
     assert PoolConfig(n_ctx=8192, pool_tokens=1024, n_batch=2048).exact_prefill_batch(True) == 2048
     assert pool.exact_prefill_batch(False) == pool.n_batch
+
+
+def test_a_reserved_host_store_is_the_one_a_prompt_then_fills(tiny):
+    # reserve_host makes the images a context's evicted chunks need before any prompt (llama.cpp makes its KV cache
+    # with its context): the prompt that follows adds no slab and computes the same bytes as one that pins its own.
+    model = tiny("llama")
+    tokens = prompt(model, 1000, seed=9)
+    cold, warm = session(model, POOL), session(model, POOL)
+    held = warm.reserve_host(len(tokens))
+    needed = (-(-len(tokens) // C) - POOL // C) * warm.kv.chunk_bytes
+    assert held >= needed and warm.memory()["host_store_bytes"] == held
+    assert warm.reserve_host(len(tokens)) == held   # a second call makes nothing more
+    logits_cold, _ = cold.prefill_exact(tokens, 0)
+    logits_warm, _ = warm.prefill_exact(tokens, 0)
+    assert warm.memory()["host_store_bytes"] == held and warm.kv.host_bytes == needed
+    np.testing.assert_array_equal(logits_warm, logits_cold)
+    for c in range(len(tokens) // C):
+        assert chunk_bytes(warm, c) == chunk_bytes(cold, c), f"chunk {c}"
+    warm.reset()   # the store stays, empty
+    assert warm.memory()["host_store_bytes"] == held and warm.kv.host_bytes == 0
+    assert session(model, 0).reserve_host(len(tokens)) == 0   # a full cache has no host store
+    with pytest.raises(ValueError, match="n_tokens"):
+        warm.reserve_host(-1)

@@ -480,3 +480,14 @@ def test_converter_without_the_gguf_package(tmp_path, monkeypatch):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert "pip install gguf" in proc.stderr
+
+
+def test_reserve_host_pins_the_store_for_n_ctx_and_refuses_more(tiny):
+    # Engine.reserve_host: the host store for the context's positions beyond the pool, made before any prompt;
+    # stats() reports it; a context it cannot be for is refused before anything is made.
+    with kvf.Model(tiny, n_ctx=1024, pool_tokens=448, backend="cpu", n_threads=1) as m:
+        held = m.engine.reserve_host()
+        assert held >= (1024 // 64 - 448 // 64) * m.engine.session.kv.chunk_bytes
+        assert m.engine.stats()["host_store_bytes"] == held and m.engine.stats()["host_kv_bytes"] == 0
+        with pytest.raises(ValueError, match="outside 0..n_ctx=1024"):
+            m.engine.reserve_host(1025)

@@ -217,6 +217,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  d["prefill_peak_bytes"] = m.prefill_peak_bytes;
                  d["prefill_staging_bytes"] = m.prefill_staging_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;
+                 d["host_store_bytes"] = m.host_store_bytes;
                  py::list devices;
                  for (const DeviceMemory & dm : m.devices) {
                      py::dict e;
@@ -239,6 +240,9 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  without_gil([&] { s.reselect(v); });
              }, py::arg("scores"))
         .def("reset", &Session::reset, released)
+        .def("reserve_host", &Session::reserve_host, py::arg("n_tokens"), released,
+             "make the host store hold the images of a context of n_tokens positions now (those the pool cannot hold), "
+             "as llama.cpp makes its KV cache with a context; returns the store's bytes")
         .def("pin", &Session::pin, py::arg("lo"), py::arg("hi"), released,
              "pin the chunks of positions [lo, hi): paged in if evicted, never evicted until unpin_all()")
         .def("unpin_all", &Session::unpin_all, released)

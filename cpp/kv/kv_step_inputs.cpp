@@ -77,33 +77,43 @@ KvMaskRows kv_mask_rows(ggml_context * ctx, const KvStepInputs & in, int64_t n_k
     return {ggml_view_2d(ctx, in.mask, in.mask->ne[0], n_rows, in.mask->nb[1], row0 * in.mask->nb[1]), n_kv};
 }
 
-CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad)
-    : n_slots_(n_slots), max_tokens_(max_tokens), kv_pad_(kv_pad) {
-    // Triangle columns past max_tokens: a last step's n_kv is rounded up to kv_pad.
-    const int64_t width = max_tokens + kv_pad;
+ggml_tensor * kv_mask_exact(ggml_context * ctx, const KvMaskRows & mr) {
+    if (mr.mask->ne[0] == mr.n_kv) return mr.mask;
+    return ggml_cont(ctx, ggml_view_2d(ctx, mr.mask, mr.n_kv, mr.mask->ne[1], mr.mask->nb[1], 0));
+}
+
+CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad)
+    : n_slots_(n_slots), max_rows_(max_rows), kv_pad_(kv_pad) {
+    // The table's geometry (header): a row offset rho < 8 keeps each view's first column a multiple of 8 halves, as
+    // flash attention's 16-byte loads of a mask row want; the last view's keys reach past n_slots by kv_pad.
+    edge_ = round_up(std::max<int64_t>(n_slots, 1), 8);
+    width_ = round_up(edge_ + max_rows + kv_pad + 8, 8);
+    const int64_t rows = max_rows + 8;
     ggml_init_params ip{4 * ggml_tensor_overhead(), nullptr, true};
     ctx_ = ggml_init(ip);
-    zeros_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_F16, std::max<int64_t>(n_slots, 1));
-    triangle_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width, max_tokens);
+    table_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width_, rows);
     counts_i32_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I32, std::max<int64_t>(n_slots, 1));
     counts_i64_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I64, std::max<int64_t>(n_slots, 1));
     buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
     if (!buf_) {
         ggml_free(ctx_);
-        throw std::runtime_error("could not allocate " + std::to_string((n_slots * 14 + width * max_tokens * 2)) +
+        throw std::runtime_error("could not allocate " + std::to_string(n_slots * 12 + width_ * rows * 2) +
                                  " bytes for the prefill's causal mask and step indices");
     }
-    ggml_backend_buffer_clear(buf_, 0);   // F16 zero is all zero bits
     std::vector<int32_t> c32((size_t) counts_i32_->ne[0]);
     std::vector<int64_t> c64(c32.size());
     for (size_t i = 0; i < c32.size(); ++i) c32[i] = (int32_t) i, c64[i] = (int64_t) i;
     ggml_backend_tensor_set(counts_i32_, c32.data(), 0, ggml_nbytes(counts_i32_));
     ggml_backend_tensor_set(counts_i64_, c64.data(), 0, ggml_nbytes(counts_i64_));
-    std::vector<ggml_fp16_t> tri((size_t) (width * max_tokens), ggml_fp32_to_fp16(-INFINITY));
-    for (int64_t i = 0; i < max_tokens; ++i) {
-        std::fill(tri.begin() + i * width, tri.begin() + i * width + i + 1, ggml_fp32_to_fp16(0.0f));
+    // Row r: 0 up to column edge + r, -inf after. Set a row at a time: the table is about one attention block.
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), masked = ggml_fp32_to_fp16(-INFINITY);
+    std::vector<ggml_fp16_t> row((size_t) width_);
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t seen = std::min(width_, edge_ + r + 1);
+        std::fill(row.begin(), row.begin() + seen, zero);
+        std::fill(row.begin() + seen, row.end(), masked);
+        ggml_backend_tensor_set(table_, row.data(), (size_t) (r * table_->nb[1]), row.size() * sizeof(ggml_fp16_t));
     }
-    ggml_backend_tensor_set(triangle_, tri.data(), 0, tri.size() * sizeof(ggml_fp16_t));
 }
 
 CausalBand::~CausalBand() {
@@ -111,23 +121,17 @@ CausalBand::~CausalBand() {
     ggml_free(ctx_);
 }
 
-ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const {
-    const int64_t right = n_kv - first_pos;
-    if (first_pos < 0 || first_pos > n_slots_ || n_tokens > max_tokens_ || right < n_tokens || right > triangle_->ne[0]) {
-        throw std::logic_error("CausalBand: a step outside the band");
+ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows, int64_t first_pos) const {
+    // Query i at first_pos + i sees key k iff k - i <= first_pos; table row r sees column c iff c - r <= edge. So
+    // query i is row rho + i from column col: c - r = k - i + col - rho, and col = edge + rho - first_pos.
+    const int64_t rho = first_pos % 8, col = edge_ + rho - first_pos;
+    if (first_pos < 0 || first_pos >= std::max<int64_t>(n_slots_, 1) || n_rows < 1 || n_rows > max_rows_ ||
+        n_kv < first_pos + n_rows || col + n_kv > width_) {
+        throw std::logic_error("CausalBand: a block of queries outside the band");
     }
-    // Attention wants a contiguous mask: one F16 write of n_kv x n_tokens in the graph. Every step makes it from the
-    // same two tensors and nodes (ggml's allocator keeps a reservation only for a graph with as many leafs and nodes):
-    // first_pos columns of zeros and the triangle, or at first_pos 0 the first column (key 0, which every query
-    // sees) from the zeros and the rest from the triangle's columns 1..
-    const int64_t a = first_pos == 0 ? 1 : 0;
-    ggml_tensor * tri = ggml_view_2d(ctx, triangle_, right - a, n_tokens, triangle_->nb[1], a * triangle_->nb[0]);
-    // Every row the same zeros: a one-row view given n_tokens rows of stride 0 (ggml's view constructors size a
-    // view as if contiguous, so they refuse this one; concat reads its sources through their strides).
-    ggml_tensor * seen = ggml_view_2d(ctx, zeros_, first_pos + a, 1, zeros_->nb[0] * (first_pos + a), 0);
-    seen->ne[1] = n_tokens;
-    seen->nb[1] = seen->nb[2] = seen->nb[3] = 0;
-    return ggml_concat(ctx, seen, tri, 0);
+    // A contiguous view, rows of the table's whole width: flash attention reads the first n_kv columns of each
+    // row (ggml refuses a mask view with a row stride other than its width, though every kernel honours it).
+    return ggml_view_2d(ctx, table_, width_, n_rows, table_->nb[1], (size_t) (rho * table_->nb[1] + col * table_->nb[0]));
 }
 
 int64_t CausalBand::keys_seen(int64_t last_pos, int64_t n_kv) const {

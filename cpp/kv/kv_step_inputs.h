@@ -32,12 +32,15 @@ struct KvStepInputs {
 
 // The mask of queries [row0, row0 + n_rows) of a step, over the keys they can see: the first n_kv keys, or
 // fewer when the mask comes from a band (keys past the block's last position are masked for all of its
-// queries, so attention over the shorter prefix is the same sum). A graph node in ctx, F16 [n_kv, n_rows].
+// queries, so attention over the shorter prefix is the same sum). A graph node in ctx, F16 [>= n_kv, n_rows] and
+// contiguous: a band's rows are wider than n_kv, which flash attention allows (it reads the first n_kv columns).
 struct KvMaskRows {
     ggml_tensor * mask;
     int64_t n_kv;
 };
 KvMaskRows kv_mask_rows(ggml_context * ctx, const KvStepInputs & in, int64_t n_kv, int64_t row0, int64_t n_rows);
+// The same mask as F16 [n_kv, n_rows], as soft_max wants it: mr.mask itself, or a copy of its first n_kv columns.
+ggml_tensor * kv_mask_exact(ggml_context * ctx, const KvMaskRows & mr);
 
 // The key order of one step: per attended key, the position it holds, as attention sees the keys.
 struct KvKeyOrder {
@@ -66,13 +69,14 @@ KvStepInputs kv_step_inputs_new(ggml_context * ctx, const KvLayout & layout, int
 inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots = nullptr; }
 
 // The slot masks of an identity pool (slot j holds position j) filled in order, for every step of a
-// layer-major prefill: query i of a step at first_pos sees slots j <= first_pos + i. A step's mask is made
-// in its graph by one concat of two small device tensors made once: first_pos columns of zeros (one zero row
-// read with a row stride of 0) and a triangle [max_tokens + kv_pad, max_tokens] (row i: 0 up to column i,
-// -inf after). Equal to build_slot_mask's for that pool. Uploading a mask per layer per step cost more than the
-// compute at 32K positions; building it from F32 ops, 14% of the GPU time; a band of every step's rows
-// [n_slots + max_tokens, max_tokens] held as many bytes as the step's mask (258 MiB at 128K x 1024). A step's
-// whole mask is as large (n_kv x step), so attention asks for it a block of queries at a time (kv_mask_rows).
+// layer-major prefill: query i of a step at first_pos sees slots j <= first_pos + i. Every block of queries' mask
+// is a view of one table made once, [width, max_rows + 8] with row r 0 up to column edge + r and -inf after
+// (edge = n_slots rounded up to 8): the block's rows start at row first_pos % 8 and column edge + first_pos % 8 -
+// first_pos, so the mask costs no work per step. Equal to build_slot_mask's for that pool. What it replaced, each
+// measured: a mask uploaded per layer and step cost more than the compute at 32K positions; one made from F32 ops,
+// 14% of the GPU time; one concatenated from a zero row and a triangle per block, 1.5 s of a 128K prefill on an H100
+// (ggml's strided concat, ~10% of the memory bandwidth; R92). The table holds one attention block's mask (the
+// block's rows are sized so: graph.h's attention_block_rows), as the concatenated one did in the compute buffer.
 // The band also holds the pool's other per-step inputs, which in such a pool are counts (position p is in slot p):
 // 0, 1, ... as I32 (positions, output rows) and as I64 (slot rows), so a step views them instead of uploading them.
 // An uploaded input makes ggml's scheduler wait for the device to finish the step before it (it copies the input
@@ -80,13 +84,14 @@ inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots
 // pass: on the GPU those waits left the device idle once per step.
 class CausalBand {
 public:
-    CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_tokens, int64_t kv_pad);
+    // max_rows: the most queries a block asks a mask for.
+    CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad);
     ~CausalBand();
     CausalBand(const CausalBand &) = delete;
     CausalBand & operator=(const CausalBand &) = delete;
-    // The [n_kv, n_tokens] mask of the queries whose first is at first_pos (a graph node in ctx): the same three
-    // nodes and two leafs for every step, as ggml's allocator reuses a reservation only for a graph with as many.
-    ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_tokens, int64_t first_pos) const;
+    // The mask of n_rows queries from first_pos over their first n_kv keys: a view in ctx, F16 [width, n_rows] and
+    // contiguous, whose columns past n_kv flash attention does not read (kv_mask_exact cuts them off for others).
+    ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows, int64_t first_pos) const;
     // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
     int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
     int64_t n_slots() const { return n_slots_; }
@@ -96,11 +101,11 @@ public:
     int64_t device_bytes() const;
 
 private:
-    int64_t n_slots_, max_tokens_, kv_pad_;
+    int64_t n_slots_, max_rows_, kv_pad_;
+    int64_t edge_ = 0, width_ = 0;   // the table's (above)
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
-    ggml_tensor * zeros_ = nullptr;      // F16 [n_slots]
-    ggml_tensor * triangle_ = nullptr;   // F16 [max_tokens + kv_pad, max_tokens]
+    ggml_tensor * table_ = nullptr;        // F16 [width, max_rows + 8]
     ggml_tensor * counts_i32_ = nullptr;   // I32 [n_slots]: 0, 1, ...
     ggml_tensor * counts_i64_ = nullptr;   // I64 [n_slots]: 0, 1, ...
 };

@@ -141,6 +141,12 @@ int64_t PooledKV::device_bytes_on(ggml_backend_t backend) const {
 
 int64_t PooledKV::host_bytes() const { return (int64_t) host_.size() * chunk_bytes(); }
 
+int64_t PooledKV::host_store_bytes() const {
+    int64_t n = 0;
+    for (const auto & slab : slabs_) n += (int64_t) slab->size();
+    return n;
+}
+
 void PooledKV::synchronize() const {
     for (ggml_backend_t b : distinct_) ggml_backend_synchronize(b);
 }

@@ -84,6 +84,7 @@ public:
     int64_t device_bytes_on(ggml_backend_t backend) const;   // its layers on that backend
     ggml_backend_t backend_of(int64_t il) const { return backends_[(size_t) il]; }
     int64_t host_bytes() const;         // images held in the host store
+    int64_t host_store_bytes() const;   // the host store's slabs: held images and free slots
 
     // Carry out a pager plan on the tensors: page-outs (block -> host image) first, then page-ins
     // (host image -> block); dropped chunks lose their host image. Call before KvPager::apply(plan).

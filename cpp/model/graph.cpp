@@ -247,6 +247,8 @@ void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor
     if (keys_per_block >= n_kv) {
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
         ggml_prec_set_acc(kq, GGML_PREC_F32);
+        // soft_max wants a contiguous mask; a band's rows are wider than n_kv (kv_step_inputs.h)
+        if (!ggml_is_contiguous(mask_last)) mask_last = ggml_cont(ctx, mask_last);
         keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f)));
         return;
     }
@@ -299,6 +301,18 @@ struct QueryBlock {
     int64_t row0, n;
 };
 
+}  // namespace
+
+int64_t attention_block_rows(int64_t n_slots, int64_t bytes_per_key, int64_t block_bytes) {
+    return std::clamp(block_bytes / (std::max<int64_t>(n_slots, 1) * bytes_per_key), k_min_query_block, k_max_query_block);
+}
+
+int64_t attention_bytes_per_key(bool flash_attn, int64_t n_head) {
+    return sizeof(ggml_fp16_t) + (flash_attn ? 0 : 2 * n_head * sizeof(float));
+}
+
+namespace {
+
 // The blocks of a step's n queries: one unless the mask is made per block (or one_query: a block per query);
 // then as many queries per block as block_bytes allows at bytes_per_key per query and key of the band's whole
 // pool (at most k_max_query_block), the last block whole (it holds the captured queries). Sized by the pool, not by the step's keys, every step
@@ -313,7 +327,7 @@ std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t
         return blocks;
     }
     if (!in.band) return {{0, n}};
-    const int64_t per_block = std::clamp(block_bytes / (in.band->n_slots() * bytes_per_key), k_min_query_block, k_max_query_block);
+    const int64_t per_block = attention_block_rows(in.band->n_slots(), bytes_per_key, block_bytes);
     const int64_t first = n - (n - 1) / per_block * per_block;   // the short block goes first
     std::vector<QueryBlock> blocks = {{0, first}};
     for (int64_t row0 = first; row0 < n; row0 += per_block) blocks.push_back({row0, per_block});
@@ -332,7 +346,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     if (k) ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
     if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
-    const int64_t bytes_per_key = sizeof(ggml_fp16_t) + (g.flash_attn ? 0 : 2 * n_head * sizeof(float));
+    const int64_t bytes_per_key = attention_bytes_per_key(g.flash_attn, n_head);
     // The pool's views for the keys a block sees, made once for every block that sees as many (a position-ordered
     // pool gathers its rows, and V rows are transposed, in each view).
     struct Views {
@@ -377,7 +391,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
             };
             ggml_tensor * kq = product(kp, qb);   // [n_kv, b.n, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
-            kq = ggml_soft_max_ext(ctx, kq, mr.mask, kq_scale, 0.0f);
+            kq = ggml_soft_max_ext(ctx, kq, kv_mask_exact(ctx, mr), kq_scale, 0.0f);
             if (capture_attn && last) capture_head_max(g, kq);
             ggml_tensor * kqv = product(kv_views.v, kq);                 // [head_dim_v, b.n, n_head]
             o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, b.n);

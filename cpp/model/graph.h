@@ -21,6 +21,13 @@ namespace kvf {
 // and cost 4% of its speed; 64 MiB keeps them whole there, and at 128K (four blocks) was as fast as one block.
 constexpr int64_t k_attention_block_bytes = 64ll << 20;
 
+// Queries per attention call of a layer-major prefill's step over a pool of n_slots keys: as many as block_bytes
+// holds at bytes_per_key (attention_bytes_per_key) per query and key, between 32 and 512 (llama.cpp's ubatch).
+int64_t attention_block_rows(int64_t n_slots, int64_t bytes_per_key, int64_t block_bytes);
+// What an attention call holds per query and key: its F16 mask and, without flash attention, the F32 attention
+// matrix of each of the n_head heads twice (scores and softmax).
+int64_t attention_bytes_per_key(bool flash_attn, int64_t n_head);
+
 struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
     ggml_tensor * positions = nullptr;   // I32 [n_tokens]

@@ -505,6 +505,14 @@ void Session::unpin_all() {
     pager_->unpin_all();
 }
 
+int64_t Session::reserve_host(int64_t n_tokens) {
+    const SessionLock held = lock();
+    if (n_tokens < 0) throw std::invalid_argument("reserve_host: n_tokens must be >= 0");
+    const int64_t C = cfg_.chunk_tokens, n_images = std::max<int64_t>(0, (n_tokens + C - 1) / C - pager_->n_blocks());
+    kv_->add_slabs(kv_->make_slabs(kv_->host_slots_short(n_images)));
+    return kv_->host_store_bytes();
+}
+
 void Session::reset() {
     const SessionLock held = lock();
     pager_->reset();
@@ -534,6 +542,7 @@ SessionMemory Session::memory() const {
     mem.prefill_peak_bytes = prefill_peak_bytes_;
     mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;
+    mem.host_store_bytes = kv_->host_store_bytes();
     for (int d = 0; d < model_->n_devices(); ++d) {
         ggml_backend_t b = model_->device_backend(d);
         DeviceMemory dm;

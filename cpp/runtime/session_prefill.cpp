@@ -20,13 +20,12 @@
 // n_layer times more of them than in a full cache); the layer's new K/V go to their blocks or host images, step by
 // step on the hidden states' copy stream while the next steps compute (drain: after layer 0, whose end places the
 // prompt), else at the layer's end.
-// A step attends under a causal mask made in its graph from a zero row (row stride 0) and a small triangle, made
-// once per prefill (CausalBand, one per device: such a view cannot cross devices), which also holds the counts its
-// positions and slot rows view, so a step uploads nothing and never waits for the one before; the whole mask would grow with
-// the keys (n_kv x step F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks (at most 512,
-// llama.cpp's ubatch, which ggml-cuda's flash attention runs faster than 1024: R91) whose mask, and
-// on the mul_mat path whose attention matrix, fit k_attention_block_bytes (64 MiB), each attending only the keys up
-// to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
+// A step attends under a causal mask that is a view of a table made once per prefill (CausalBand, one per device: such
+// a view cannot cross devices), which also holds the counts its positions and slot rows view, so a step uploads
+// nothing, never waits for the one before and makes no mask; a step's whole mask would grow with the keys (n_kv x step
+// F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks (at most 512, llama.cpp's ubatch, which
+// ggml-cuda's flash attention runs faster than 1024: R91) whose mask, and on the mul_mat path whose attention matrix,
+// fit k_attention_block_bytes (64 MiB), each attending only the keys up to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
 // never grows its buffer mid-layer (growing waits for the device). A sliding-window layer needs no staging: it runs
 // the prompt through its own ring (steps of at most max_step), from the ring as it stood before the prompt; a
 // linear-attention layer runs its steps in order through its state, copied first so that a failure can put it back.
@@ -45,6 +44,7 @@
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
+#include "model/graph.h"
 #include "runtime/hidden_states.h"
 #include "model/mtp.h"
 #include "model/rpc.h"
@@ -242,8 +242,13 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     plan_steps();
     hidden_ = std::make_unique<HiddenStates>(backend_, hp_.n_embd, start_, n_, steps_, pin);
     bounce_buf_ = std::make_unique<HostMemory>((size_t) (s_.pager_->n_blocks() * lcb_), pin);
+    // The band's table holds the largest block of queries any layer asks a mask for: the layer with the fewest heads.
+    int64_t fewest_heads = hp_.n_head_of(0);
+    for (int il = 1; il < (int) hp_.n_layer; ++il) fewest_heads = std::min(fewest_heads, hp_.n_head_of(il));
+    const int64_t block_rows = std::min({n_batch_, n_, attention_block_rows(spc_.pool_tokens, attention_bytes_per_key(
+                                                           s_.flash_attn_, fewest_heads), attention_block_bytes_)});
     for (int d = 0; d < m_.n_devices(); ++d) {
-        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, std::min(n_batch_, n_), s_.kv_pad_));
+        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_));
     }
     sched_.reset(s_.new_sched());
     out_.logits.resize((size_t) hp_.n_vocab);

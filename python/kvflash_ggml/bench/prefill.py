@@ -59,9 +59,11 @@ class FreeMemorySampler:
         self.taken = max(self.taken, self.start_free - gpu_free_bytes())
 
 
-def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, reps: int, seed: int) -> dict:
+def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, reps: int, seed: int,
+                 reserve_host: bool = True) -> dict:
     """Median prompt tok/s over `reps` prefills of the same `length` random tokens, each from an empty session,
-    with the engine's own memory figures and (GPU) the driver's."""
+    with the engine's own memory figures and (GPU) the driver's. reserve_host: the host store is pinned before the
+    timing, as llama-bench's KV cache is made with its context (timed apart: host_reserve_s)."""
     C = _core.CHUNK_TOKENS
     pool = dataclasses.replace(pool, n_ctx=-(-length // C) * C, allow_beyond_train_ctx=True)
     prompt = np.random.default_rng(seed).integers(100, model.hparams.n_vocab - 100, length, dtype=np.int32).tolist()
@@ -70,6 +72,10 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
     # One short prompt first, untimed: a process's first prefill also loads the device's kernels (a 32K exact prefill
     # run first timed 0.60x llama-bench on the H100, after another mode 0.85x: R87, R88).
     engine.prefill(prompt[:min(length, WARM_UP_TOKENS)])
+    t0 = time.perf_counter()
+    if reserve_host:
+        engine.reserve_host(length)
+    host_reserve_s = time.perf_counter() - t0
     rates, taken = [], 0
     for _ in range(reps):
         engine.session.reset()
@@ -85,7 +91,7 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
             elapsed = time.perf_counter() - t0
         rates.append(length / elapsed)
     stats, timings = engine.stats(), engine.session.timings
-    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates,
+    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates, "host_reserve_s": host_reserve_s if reserve_host else None,
            **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))},
            "prefill_ms": {"graphs": timings.t_prefill_graph_ms, "io": timings.t_prefill_io_ms,
                           "compute": timings.t_compute_ms, "paging": timings.t_paging_ms},
@@ -105,6 +111,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--lengths", default="2048,8192", help="comma-separated prompt lengths")
     ap.add_argument("--modes", default=",".join(MODES), help=f"which of ours to run (of {','.join(MODES)})")
     ap.add_argument("--reps", type=int, default=REPS, help="prefills per length and mode (llama-bench -r); median")
+    ap.add_argument("--cold-host", action="store_true",
+                    help="do not pin the host store before timing: the first prompt's pinning is timed with it (by "
+                         "default it is pinned first, as llama-bench makes its KV cache before it times)")
     add_reference_flags(ap)
     ap.add_argument("--json", default="bench-out/prefill.json", help="where to write the JSON")
     args = ap.parse_args(argv)
@@ -143,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pool = dataclasses.replace(pooled, pool_tokens=None) if mode == "full" else pooled
             progress(f"length {n}: {mode}: {args.reps} prefills")
             row[mode] = time_prefill(model, tokenizer, n, pool, "pooled" if mode == "pooled" else "exact",
-                                     args.reps, seed=n)
+                                     args.reps, seed=n, reserve_host=not args.cold_host)
             print(f"length {n}: {mode} {row[mode]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         rows.append(row)
     for row in rows:
@@ -152,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 row["llama_fa1" if r["flash_attn"] else "llama_fa0"] = median_ts(r)
     gpus = _core.gpu_devices() if model.on_gpu else []
     report = {"model": path, "pool": pooled.pool_tokens, "kv_type": pooled.kv_type, "n_batch": pooled.n_batch,
-              "reps": args.reps, "threads": args.threads, "weight_bytes": model.weight_bytes,
+              "reps": args.reps, "threads": args.threads, "cold_host": args.cold_host, "weight_bytes": model.weight_bytes,
               "device": model.backend_name + (f" ({gpus[0]['description']})" if gpus else ""), "llama_bench": binary,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     print_table(report, modes)
@@ -187,10 +196,18 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
             if e.get("prefill_graph_changes"):
                 print(f"exact prefill at {r['length']}: {e['prefill_graph_changes']} steps built another graph than "
                       "their layer's first, and each waited for the device (a bug: report it)")
+    for r in report["rows"]:
+        for m in modes:
+            e = r[m]
+            if e.get("host_reserve_s") is not None and e.get("host_store_bytes"):
+                print(f"host store at {r['length']} ({m}): {e['host_store_bytes'] / 2**30:.2f} GiB pinned in "
+                      f"{e['host_reserve_s']:.2f} s before the timing")
     print(f"tok/s: median of {report['reps']} prefills from an empty session, after one untimed prompt of up to "
-          f"{WARM_UP_TOKENS} tokens (llama-bench -p N -n 0, best of flash attention on/off); device MiB besides the "
-          "weights: on a GPU the driver's free memory sampled while the prompt ran, else stats()' pool + compute "
-          "buffers + prefill workspace")
+          f"{WARM_UP_TOKENS} tokens (llama-bench -p N -n 0, best of flash attention on/off) and "
+          + ("no host store made before (--cold-host)" if report.get("cold_host") else
+             "the host store pinned for the prompt (Engine.reserve_host), as llama-bench makes its KV cache first")
+          + "; device MiB besides the weights: on a GPU the driver's free memory sampled while the prompt ran, else "
+          "stats()' pool + compute buffers + prefill workspace")
 
 
 if __name__ == "__main__":
