@@ -241,7 +241,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
              }, py::arg("scores"))
         .def("reset", &Session::reset, released)
         .def("reserve_host", &Session::reserve_host, py::arg("n_tokens"), released,
-             "make the host store hold the images of a context of n_tokens positions now (those the pool cannot hold), "
+             "make the host store hold the images of a context of n_tokens positions now (one per chunk), "
              "as llama.cpp makes its KV cache with a context; returns the store's bytes")
         .def("pin", &Session::pin, py::arg("lo"), py::arg("hi"), released,
              "pin the chunks of positions [lo, hi): paged in if evicted, never evicted until unpin_all()")

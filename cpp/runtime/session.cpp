@@ -508,7 +508,9 @@ void Session::unpin_all() {
 int64_t Session::reserve_host(int64_t n_tokens) {
     const SessionLock held = lock();
     if (n_tokens < 0) throw std::invalid_argument("reserve_host: n_tokens must be >= 0");
-    const int64_t C = cfg_.chunk_tokens, n_images = std::max<int64_t>(0, (n_tokens + C - 1) / C - pager_->n_blocks());
+    // Every chunk of the context: those the pool cannot hold, and those a reselect pages back in, which keep their
+    // images (the pager's clean copies). A full cache pages nothing.
+    const int64_t C = cfg_.chunk_tokens, n_images = full_cache_ ? 0 : (n_tokens + C - 1) / C;
     kv_->add_slabs(kv_->make_slabs(kv_->host_slots_short(n_images)));
     return kv_->host_store_bytes();
 }

@@ -216,7 +216,7 @@ public:
     void pin(int64_t lo, int64_t hi);
     void unpin_all();
     void reset();
-    // Make the host store hold the images of a context of n_tokens positions (those the pool cannot hold) now, as
+    // Make the host store hold the images of a context of n_tokens positions (all its chunks: paged-in ones keep theirs) now, as
     // llama.cpp makes its KV cache when a context is created: a first long prompt then pins nothing (pinning runs
     // at ~8 GiB/s and held the first layer of a 32K exact prefill on an H100 for 0.3 s, R93). Returns the store's
     // bytes. The store keeps its slabs until the session goes (reset() empties it but keeps them).

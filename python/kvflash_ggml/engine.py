@@ -134,8 +134,8 @@ class Engine:
 
     def reserve_host(self, n_tokens: Optional[int] = None) -> int:
         """Pin the host store for a context of `n_tokens` positions (default n_ctx) now, as llama.cpp makes its
-        KV cache with its context: the images of the positions the pool cannot hold, so a long prompt later pins
-        nothing on its critical path (about 8 GiB/s on the H100 machines). Returns the store's bytes
+        KV cache with its context: an image per chunk (evicted chunks have one, paged-in ones keep theirs), so a
+        long prompt pins nothing on its critical path (about 8 GiB/s on the H100 machines). Returns the store's bytes
         (stats()["host_store_bytes"]). The store keeps them until close(); on the CPU it is plain memory."""
         n_tokens = self.pool.n_ctx if n_tokens is None else n_tokens
         if not 0 <= n_tokens <= self.pool.n_ctx:
