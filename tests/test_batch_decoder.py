@@ -191,6 +191,15 @@ def test_bad_steps_change_nothing(tiny_gguf):
         with pytest.raises(ValueError, match=match):
             decoder.step_greedy(sessions, tokens)
     assert [pager_state(s) for s in (a, b)] == before
+    # Regression: a session inside an open exact prefill (its prompt's positions placed already) joined a step.
+    running = session(model, 448)
+    run = running.begin_prefill_exact(np.arange(1, 300, dtype=np.int32), 0, n_batch=64)
+    run.advance(1)
+    with pytest.raises(ValueError, match="exact prefill"):
+        decoder.step_greedy([a, b, running], [5, 6, 7])
+    assert [pager_state(s) for s in (a, b)] == before
+    run.close()
+    assert running.n_tokens == 0
     full = _core.Session(model, _core.SessionConfig(max_tokens=70, pool_tokens=0))
     full.forward(np.arange(1, 71, dtype=np.int32), 0)
     with pytest.raises(ValueError, match="max_tokens"):

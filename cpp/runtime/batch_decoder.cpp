@@ -147,6 +147,10 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         const Session & s = *sessions[i];
         const std::string why = ineligible(s);
         if (!why.empty()) throw std::invalid_argument("session " + std::to_string(i) + " cannot join a batched step: " + why);
+        if (s.open_run_) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
+            throw std::invalid_argument("session " + std::to_string(i) + " is in the middle of an exact prefill (an open "
+                                        "ExactPrefillRun): finish or close it first");
+        }
         if (s.flash_attn() != sessions.front()->flash_attn()) {
             throw std::invalid_argument("session " + std::to_string(i) + " takes another attention path than session 0");
         }
