@@ -78,6 +78,14 @@ void RecurrentState::place(int64_t start, int64_t n) {
     n_tokens_ += n;
 }
 
+void RecurrentState::unplace(int64_t start) {
+    if (start < 0 || start > n_tokens_) {
+        throw std::logic_error("recurrent state: cannot unplace from " + std::to_string(start) + " with " +
+                               std::to_string(n_tokens_) + " consumed");
+    }
+    n_tokens_ = start;
+}
+
 bool RecurrentState::can_truncate(int64_t n) const {
     if (n == n_tokens_ || n == 0 || n == stash_n_) return true;
     for (const Copy & c : checkpoints_) if (c.n_tokens == n) return true;

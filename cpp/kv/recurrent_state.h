@@ -54,6 +54,9 @@ public:
 
     // Positions [start, start+n) are consumed next (start == n_tokens()): the graph about to run writes them.
     void place(int64_t start, int64_t n);
+    // Forget the positions [start, n_tokens()) the last place() gave a graph that never ran (a batched step that failed
+    // before its compute): the state's bytes have not moved, so this is exact, unlike a truncate.
+    void unplace(int64_t start);
     bool can_truncate(int64_t n) const;
     // Back to n: nothing (the end), zero state (0), or the checkpoint at n; later checkpoints are dropped.
     void truncate(int64_t n);   // throws std::invalid_argument unless can_truncate(n)

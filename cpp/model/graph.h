@@ -86,6 +86,9 @@ struct GraphCtx {
     // Per token of a batched decode, its session's sliding-window rings (the sliding-window layers attend these
     // one session at a time; empty when the model has no such layers).
     std::vector<Lane> lane_rings;
+    // Per token of a batched decode, its session's linear-attention state (empty when the model has no such layers):
+    // each token's conv and delta rule read and write back that session's own state (qwen35.cpp: linear_attention).
+    std::vector<const RecurrentState *> lane_recurrent;
     // A batched decode whose sessions all keep their pools in one arena (kv/pool_arena.h; lanes then stays
     // empty): one K/V write for every token, and one attention call per run of tokens whose lanes follow
     // one another (tokens [token, token + n) are lanes [lane, lane + n)), the lanes along ne3.

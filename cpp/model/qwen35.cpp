@@ -175,21 +175,27 @@ ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
 
-ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
-    const ModelHparams & hp = m.hparams();
-    const LayerWeights & w = m.layers[il];
-    ggml_context * ctx = g.ctx;
-    const int64_t n = g.n_tokens, S = hp.ssm_d_state, Hk = hp.ssm_n_group, Hv = hp.ssm_dt_rank, Dv = hp.ssm_head_v();
-    const int64_t channels = hp.ssm_conv_channels(), key_dim = S * Hk, K = hp.ssm_d_conv;
-    const int64_t l = hp.kv_index(il);
-    ggml_tensor * conv_state = ggml_reshape_2d(ctx, g.recurrent->conv(l), K - 1, channels);
-    ggml_tensor * state = ggml_reshape_4d(ctx, g.recurrent->ssm(l), Dv, Dv, Hv, 1);
+// What the delta rule reads of every token of a step, projected from the normed input in one pass over the
+// weights, whichever sequence each token belongs to.
+struct DeltaInputs {
+    ggml_tensor * qkv;     // [channels, n]: the conv's input
+    ggml_tensor * decay;   // [1, Hv, n, 1]: log of the decay, <= 0
+    ggml_tensor * beta;    // [1, Hv, n, 1]: write strength
+};
 
-    ggml_tensor * qkv = ggml_mul_mat(ctx, w.ssm_qkv, x);   // [channels, n]
-    ggml_tensor * z = ggml_mul_mat(ctx, w.ssm_z, x);       // [Dv * Hv, n]
-    ggml_tensor * beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ssm_beta, x)), 1, Hv, n, 1);
-    ggml_tensor * decay = ggml_softplus(ctx, ggml_add(ctx, ggml_mul_mat(ctx, w.ssm_alpha, x), w.ssm_dt));
-    decay = ggml_reshape_4d(ctx, ggml_mul(ctx, decay, w.ssm_a), 1, Hv, n, 1);   // log of the decay: <= 0
+// The causal conv and the gated delta rule for tokens [t0, t0 + n) of the step, all of one sequence, over layer l of
+// that sequence's state `rs`, which they read and overwrite in place: the output [Dv, Hv, n, 1].
+ggml_tensor * delta_rule(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, const RecurrentState & rs,
+                         int64_t l, const DeltaInputs & in, int64_t t0, int64_t n) {
+    ggml_context * ctx = g.ctx;
+    const int64_t S = hp.ssm_d_state, Hk = hp.ssm_n_group, Hv = hp.ssm_dt_rank, Dv = hp.ssm_head_v();
+    const int64_t channels = hp.ssm_conv_channels(), key_dim = S * Hk, K = hp.ssm_d_conv;
+    ggml_tensor * conv_state = ggml_reshape_2d(ctx, rs.conv(l), K - 1, channels);
+    ggml_tensor * state = ggml_reshape_4d(ctx, rs.ssm(l), Dv, Dv, Hv, 1);
+    ggml_tensor * qkv = ggml_view_2d(ctx, in.qkv, channels, n, in.qkv->nb[1], t0 * in.qkv->nb[1]);
+    auto tokens = [&](ggml_tensor * x) {   // [1, Hv, n, 1] of the step's [1, Hv, n_tokens, 1]
+        return ggml_view_4d(ctx, x, 1, Hv, n, 1, x->nb[1], x->nb[2], n * x->nb[2], t0 * x->nb[2]);
+    };
 
     // The causal conv sees the kept inputs, then the step's; its last K - 1 inputs are kept for the next step.
     ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);   // [K - 1 + n, channels]
@@ -205,12 +211,40 @@ ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tenso
     k = l2_norm(ctx, k, hp.rms_eps);
 
     // Output [Dv, Hv, n] followed by the final state; the state goes back where it came from.
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, decay, beta, state, 1);
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, tokens(in.decay), tokens(in.beta), state, 1);
     const size_t rf = ggml_element_size(res);
     ggml_tensor * out = ggml_view_4d(ctx, res, Dv, Hv, n, 1, Dv * rf, Dv * Hv * rf, Dv * Hv * n * rf, 0);
     ggml_tensor * next = ggml_view_4d(ctx, res, Dv, Dv, Hv, 1, Dv * rf, Dv * Dv * rf, Dv * Dv * Hv * rf, Dv * Hv * n * rf);
     ggml_build_forward_expand(g.gf, ggml_cpy(ctx, next, state));
+    return out;
+}
 
+// The projections read the weights once for the step's tokens; a batched decode (g.lane_recurrent: one token per
+// session) then runs each token's conv and delta rule over its own session's state, exactly the ops that session's
+// own one-token step runs, and the outputs go through the gate and ssm_out together again.
+ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
+    const ModelHparams & hp = m.hparams();
+    const LayerWeights & w = m.layers[il];
+    ggml_context * ctx = g.ctx;
+    const int64_t n = g.n_tokens, Hv = hp.ssm_dt_rank, Dv = hp.ssm_head_v();
+    const int64_t l = hp.kv_index(il);
+
+    DeltaInputs in;
+    in.qkv = ggml_mul_mat(ctx, w.ssm_qkv, x);             // [channels, n]
+    ggml_tensor * z = ggml_mul_mat(ctx, w.ssm_z, x);       // [Dv * Hv, n]
+    in.beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, ggml_mul_mat(ctx, w.ssm_beta, x)), 1, Hv, n, 1);
+    ggml_tensor * decay = ggml_softplus(ctx, ggml_add(ctx, ggml_mul_mat(ctx, w.ssm_alpha, x), w.ssm_dt));
+    in.decay = ggml_reshape_4d(ctx, ggml_mul(ctx, decay, w.ssm_a), 1, Hv, n, 1);
+
+    ggml_tensor * out = nullptr;   // [Dv, Hv, n, 1]
+    if (g.lane_recurrent.empty()) {
+        out = delta_rule(g, hp, w, *g.recurrent, l, in, 0, n);
+    } else {
+        for (int64_t t = 0; t < n; ++t) {
+            ggml_tensor * o = delta_rule(g, hp, w, *g.lane_recurrent[(size_t) t], l, in, t, 1);
+            out = out ? ggml_concat(ctx, out, o, 2) : o;
+        }
+    }
     ggml_tensor * gated = ggml_mul(ctx, rms_norm(g, out, w.ssm_norm, hp.rms_eps),
                                    ggml_silu(ctx, ggml_reshape_4d(ctx, z, Dv, Hv, n, 1)));
     return ggml_mul_mat(ctx, w.ssm_out, ggml_reshape_2d(ctx, gated, Dv * Hv, n));

@@ -23,7 +23,9 @@ int64_t widest(const std::vector<KvKeyOrder> & orders) {
 }  // namespace
 
 size_t BatchDecoder::graph_nodes(const Session & s) {
-    return s.graph_size() + (size_t) (k_max_lanes * s.model().hparams().n_layer * 24);
+    // A lane's own nodes in a layer: about 24 for its attention (full-attention layers) or for its conv and delta
+    // rule (linear-attention layers, qwen35.cpp: delta_rule); 32 leaves room.
+    return s.graph_size() + (size_t) (k_max_lanes * s.model().hparams().n_layer * 32);
 }
 
 BatchDecoder::BatchDecoder(std::shared_ptr<Model> model) : model_(std::move(model)) {
@@ -38,7 +40,6 @@ BatchDecoder::~BatchDecoder() {
 std::string BatchDecoder::ineligible(const Session & s) const {
     if (&s.model() != model_.get()) return "it runs another Model object";
     if (s.mtp()) return "it runs the multi-token-prediction head (a drafting session steps alone)";
-    if (s.recurrent()) return "its model has linear-attention layers (their state is not batched yet)";
     if (s.config().track_summaries) return "it tracks chunk summaries (the qk / quest scorers read one session's step)";
     if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";
     return "";
@@ -78,6 +79,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
+    for (int64_t i = 0; i < n && first.recurrent(); ++i) g.lane_recurrent.push_back(sessions[i]->recurrent());
     for (int64_t i = 0; i < n && first.ring(); ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
         g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), 1, ring_orders[i].n_kv, false),
@@ -147,6 +149,10 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         const Session & s = *sessions[i];
         const std::string why = ineligible(s);
         if (!why.empty()) throw std::invalid_argument("session " + std::to_string(i) + " cannot join a batched step: " + why);
+        if (s.open_run_) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
+            throw std::invalid_argument("session " + std::to_string(i) + " is in the middle of an exact prefill (an open "
+                                        "ExactPrefillRun): finish or close it first");
+        }
         if (s.flash_attn() != sessions.front()->flash_attn()) {
             throw std::invalid_argument("session " + std::to_string(i) + " takes another attention path than session 0");
         }
@@ -194,10 +200,13 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
     std::vector<Plan> plans, ring_plans;
     std::vector<int32_t> pos(n);
     std::vector<SlidingWindowKV::Mark> ring_marks;
+    int64_t n_recurrent_placed = 0;
     auto undo = [&] {   // forget the positions placed so far: no session changes on an error
         for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(pos[i]));
         // The ring row a failed step may have written held a position no window reaches any more.
         for (size_t i = 0; i < ring_marks.size(); ++i) sessions[i]->ring_->rewind_to(ring_marks[i]);
+        // Exact before the graph computes (the state's bytes have not moved); see the header for a failed compute.
+        for (int64_t i = 0; i < n_recurrent_placed; ++i) sessions[i]->recurrent_->unplace(pos[i]);
     };
     std::vector<KvKeyOrder> orders, ring_orders;
     try {
@@ -212,11 +221,16 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
                 ring_plans.push_back(s.ring_->place(pos[i], 1));
                 ring_orders.push_back(s.ring_->key_order());
             }
+            if (s.recurrent_) {
+                s.recurrent_->place(pos[i], 1);
+                n_recurrent_placed++;
+            }
         }
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
         std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, orders) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
-            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered});
+            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered,
+                                       (int64_t) (intptr_t) sessions[i]->recurrent_.get()});
         }
         if (shape[1]) {
             shape.push_back(widest(orders));

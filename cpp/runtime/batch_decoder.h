@@ -4,10 +4,17 @@
 // (GraphCtx::lanes). Each session's pager places its token and pages as its forward would, so a session
 // ends a batched step exactly where forward_greedy / forward would have left it.
 //
-// Which sessions can share a step (eligible()): same Model, same attention path, no linear-attention state,
+// Which sessions can share a step (eligible()): same Model, same attention path, no multi-token-prediction head,
 // and no per-step captures for the scorers (track_summaries, capture_attention: the qk / quest / drafter
 // capture reads one sequence's step). Others decode alone. Sliding-window layers attend each session's own
-// ring (one attention call per session and layer: rings are small and are not in an arena).
+// ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's
+// linear-attention layers project every session's token at once, then run each token's conv and delta rule over
+// its own session's RecurrentState (GraphCtx::lane_recurrent), the ops of that session's one-token step.
+//
+// On an error no session changes: every check, placement and the graph's allocation come before the compute, and
+// the sessions are put back to the tokens they held. One limit: a linear-attention state is written in place, so a
+// compute that fails midway (a lost device; ggml's CPU backend fails only before it starts) may have moved it on.
+// Going back would need a copy of every state each step, and on a lost device the state is gone with it anyway.
 //
 // Threads: a step holds every session's mutex (taken in address order, so two steps over overlapping
 // sessions cannot deadlock) and then the model's compute mutex, as Session's own calls do.
