@@ -425,11 +425,12 @@ def test_hybrid_model_pages_and_prefills_on_cuda_as_on_cpu(model_path, variant):
 
 
 @pytest.mark.parametrize("arena", [False, True])
-@pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32", "gemma3-f32", "gemma4-f32"])
+@pytest.mark.parametrize("variant", ["llama-f16", "llama-q4_0", "qwen3-f32", "gemma3-f32", "gemma4-f32", "qwen35-f32"])
 def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
     """BatchDecoder on the GPU: three sessions (two pools that page, a full cache; or three pools of one arena,
     attended by one flash-attention call per layer) stepped in one graph give the logits and greedy tokens each
-    gives alone (same kernels; the matmuls see 3 columns instead of 1)."""
+    gives alone (same kernels; the matmuls see 3 columns instead of 1). qwen35: each token's linear-attention
+    layers step its own session's recurrent state."""
     model = _core.Model(model_path(variant), backend="cuda")
     # An arena step attends all lanes in one flash-attention call, whose kernel tiles the sums otherwise than
     # one session's: on the random Q4_0 model that moved logits by up to 0.034 (H100), the size of this model's
