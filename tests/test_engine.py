@@ -154,7 +154,7 @@ def test_exact_prefill_holds_the_full_cache_bytes_across_turns(llm, policy, monk
     assert not made
     # the workspace: one layer's K/V of the context (the full cache holds n_layer of them) beside a compute
     # buffer no larger than the full cache's own scaled to the exact prefill's larger steps, plus the causal
-    # band and the step's mask copied out of it (F16, each about n_kv x step)
+    # band's mask table (F16, about n_kv x one block of queries; the bound allows the old band and a step's mask)
     mine, theirs = exact.stats(), full.stats()
     one_layer = theirs["device_kv_bytes"] // llm._core_model.hparams.n_layer
     step = exact._exact_prefill_step()

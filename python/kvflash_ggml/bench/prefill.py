@@ -192,7 +192,7 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
             stage, peak = e.get("device_prefill_staging_bytes", 0), e.get("device_prefill_peak_bytes", 0)
             print(f"exact prefill workspace at {r['length']}: {mib(peak)} MiB = staging {mib(stage)} MiB (one layer's "
                   f"K/V of the prompt) + {mib(peak - stage)} MiB (step compute buffer, attention blocks of at most "
-                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, mask triangle)")
+                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, the mask table)")
             if e.get("prefill_graph_changes"):
                 print(f"exact prefill at {r['length']}: {e['prefill_graph_changes']} steps built another graph than "
                       "their layer's first, and each waited for the device (a bug: report it)")
