@@ -49,3 +49,34 @@ def rpc_binary():
         pytest.skip("ggml-rpc-server was not built (pip install . builds it: KVFLASH_RPC_SERVER=ON; or "
                     "$KVFLASH_RPC_SERVER, or build/*/bin/ggml-rpc-server)")
     return binary
+
+
+@pytest.fixture
+def run_scheduled():
+    """run_scheduled(sched, prompts, max_tokens) -> each prompt's records from a server Scheduler (greedy, submitted
+    together, so their rounds can batch); the scheduler is stopped after, whatever happens."""
+    import asyncio
+
+    from kvflash_ggml.options import SamplingParams
+    from kvflash_ggml.server.scheduler import Request
+
+    def run(sched, prompts, max_tokens: int) -> list:
+        async def main():
+            loop = asyncio.get_running_loop()
+            reqs = [Request(p, SamplingParams(max_tokens=max_tokens, temperature=0), loop) for p in prompts]
+            for r in reqs:
+                sched.submit(r)
+            out = []
+            for r in reqs:
+                recs = []
+                while (item := await r.out.get()) is not None:
+                    recs.append(item)
+                out.append(recs)
+            return out
+
+        try:
+            return asyncio.run(asyncio.wait_for(main(), 300))
+        finally:
+            sched.stop()
+
+    return run

@@ -293,16 +293,13 @@ def test_a_failed_exact_prefill_leaves_the_state_as_it_was(model_path):
 
 # ---- serving --------------------------------------------------------------------------------------------
 
-def test_server_slots_of_a_hybrid_decode_in_batched_steps(model_path):
+def test_server_slots_of_a_hybrid_decode_in_batched_steps(model_path, run_scheduled):
     """`kvflash serve --parallel 3` on a hybrid: the slots' decode steps share batched forwards (each slot's
     linear-attention state stepped in the one graph), and every slot gives the tokens the model gives alone. q8_0 on
     the mul_mat path: a batched step's rows are the lone steps' bits, so the tokens must be equal."""
-    import asyncio
-
     from kvflash_ggml import Model
     from kvflash_ggml.commands.serve import build_engines, build_parser
-    from kvflash_ggml.options import SamplingParams
-    from kvflash_ggml.server.scheduler import Request, Scheduler
+    from kvflash_ggml.server.scheduler import Scheduler
 
     path = model_path("qwen35-q8_0")
     args = build_parser().parse_args(["--model", path, "--parallel", "3", "--kvflash", str(POOL), "--n-ctx",
@@ -312,23 +309,7 @@ def test_server_slots_of_a_hybrid_decode_in_batched_steps(model_path):
     assert all(slot.batchable for slot in sched.slots)
     prompts = [tokens(n, seed=20 + n).tolist() for n in (700, 100, 300)]   # 700: an exact prefill that pages
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        reqs = [Request(p, SamplingParams(max_tokens=40, temperature=0), loop) for p in prompts]
-        for r in reqs:
-            sched.submit(r)
-        out = []
-        for r in reqs:
-            recs = []
-            while (item := await r.out.get()) is not None:
-                recs.append(item)
-            out.append(recs)
-        return out
-
-    try:
-        records = asyncio.run(asyncio.wait_for(main(), 300))
-    finally:
-        sched.stop()
+    records = run_scheduled(sched, prompts, 40)
     assert sched.n_batched_steps > 0 and sched.n_batched_tokens > sched.n_batched_steps
     kw = dict(n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu", n_threads=1)
     with Model(path, **kw) as alone:

@@ -8,7 +8,6 @@ a rollback or a restore, and plain greedy decoding for the tokens.
 """
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
@@ -295,11 +294,11 @@ def test_cli_generate_with_draft_mtp(path, capsys):
     assert '"spec_mode": "mtp"' in err and '"spec_acceptance": 1.0' in err
 
 
-def test_serve_slots_draft_with_mtp_alone(path):
+def test_serve_slots_draft_with_mtp_alone(path, run_scheduled):
     # `kvflash serve --draft mtp`: every slot's session runs the head (their pools one arena), speculating slots
     # step alone, and each gives plain greedy decoding's tokens.
     from kvflash_ggml.commands.serve import build_engines, build_parser
-    from kvflash_ggml.server.scheduler import Request, Scheduler
+    from kvflash_ggml.server.scheduler import Scheduler
 
     args = build_parser().parse_args(["--model", path("echo"), "--draft", "mtp", "--parallel", "2", "--kvflash",
                                       str(POOL), "--n-ctx", "2048", "--threads", "1", "--backend", "cpu",
@@ -309,23 +308,7 @@ def test_serve_slots_draft_with_mtp_alone(path):
     sched = Scheduler(engines, max_queue=4, batch=True)
     prompts = [tokens(500, seed=5 + i).tolist() for i in range(2)]
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        reqs = [Request(p, SamplingParams(max_tokens=30, temperature=0), loop) for p in prompts]
-        for r in reqs:
-            sched.submit(r)
-        out = []
-        for r in reqs:
-            recs = []
-            while (item := await r.out.get()) is not None:
-                recs.append(item)
-            out.append(recs)
-        return out
-
-    try:
-        records = asyncio.run(asyncio.wait_for(main(), 300))
-    finally:
-        sched.stop()
+    records = run_scheduled(sched, prompts, 30)
     with Model(path("echo"), **{**KW, "policy": "lru"}, pool_tokens=POOL) as plain:
         want = [greedy(plain, p, 30) for p in prompts]
     assert [[r.token for r in recs[:-1]] for recs in records] == want

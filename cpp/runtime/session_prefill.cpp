@@ -25,10 +25,11 @@
 // nothing, never waits for the one before and makes no mask; a step's whole mask would grow with the keys (n_kv x step
 // F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks (at most 512, llama.cpp's ubatch, which
 // ggml-cuda's flash attention runs faster than 1024: R91) whose mask, and on the mul_mat path whose attention matrix,
-// fit k_attention_block_bytes (64 MiB), each attending only the keys up to its last position. A pooled layer's largest step graph is reserved before its first step, so the scheduler
-// never grows its buffer mid-layer (growing waits for the device). A sliding-window layer needs no staging: it runs
-// the prompt through its own ring (steps of at most max_step), from the ring as it stood before the prompt; a
-// linear-attention layer runs its steps in order through its state, copied first so that a failure can put it back.
+// fit k_attention_block_bytes (64 MiB), each attending only the keys up to its last position. A pooled layer's largest
+// step graph is reserved before its first step, so the scheduler never grows its buffer mid-layer (growing waits for
+// the device). A sliding-window layer needs no staging: it runs the prompt through its own ring (steps of at most
+// max_step), from the ring as it stood before the prompt; a linear-attention layer runs its steps in order through its
+// state, copied first so that a failure can put it back.
 // The last step of each layer captures what the prompt's last k_capture_tokens attend to (max over heads, layers,
 // queries): the post-prompt reselect scores chunks from it.
 //

@@ -72,10 +72,11 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
     # One short prompt first, untimed: a process's first prefill also loads the device's kernels (a 32K exact prefill
     # run first timed 0.60x llama-bench on the H100, after another mode 0.85x: R87, R88).
     engine.prefill(prompt[:min(length, WARM_UP_TOKENS)])
-    t0 = time.perf_counter()
+    host_reserve_s = None
     if reserve_host:
+        t0 = time.perf_counter()
         engine.reserve_host(length)
-    host_reserve_s = time.perf_counter() - t0
+        host_reserve_s = time.perf_counter() - t0
     rates, taken = [], 0
     for _ in range(reps):
         engine.session.reset()
@@ -91,7 +92,7 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
             elapsed = time.perf_counter() - t0
         rates.append(length / elapsed)
     stats, timings = engine.stats(), engine.session.timings
-    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates, "host_reserve_s": host_reserve_s if reserve_host else None,
+    out = {"tok_s": float(np.median(rates)), "tok_s_reps": rates, "host_reserve_s": host_reserve_s,
            **{k: v for k, v in stats.items() if k.startswith(("device_", "host_"))},
            "prefill_ms": {"graphs": timings.t_prefill_graph_ms, "io": timings.t_prefill_io_ms,
                           "compute": timings.t_compute_ms, "paging": timings.t_paging_ms},
