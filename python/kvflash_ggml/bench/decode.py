@@ -7,11 +7,16 @@ back at the same depth as llama-bench's do; tok/s is the median over the repetit
 flash attention on and off on the CPU, and on a GPU with what that backend prefers (flash attention on,
 every layer offloaded), like our backend="auto". Prints a table with the ratios, writes JSON (with the
 prefill rates and, on a GPU, the device memory each session took) and a PNG plot.
+
+With --max-device-memory SIZE (issue 37 item 4) each depth runs the pool the product's fit sizes within SIZE, its
+peak memory measured by the driver beside its rate, and llama-bench runs at the largest depth it fits within SIZE,
+found by measuring it (bench/budget.py).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -22,10 +27,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import _core
-from ..commands.flags import add_model_flags, add_pool_flags, add_residency_flags, pool_config, residency_config
+from ..commands.flags import (add_budget_flag, add_model_flags, add_pool_flags, add_residency_flags, pool_config,
+                              residency_config)
 from ..engine import Engine
+from ..fit import resolve_pool
 from ..known_models import resolve_model_path
 from ..options import TAU_CONTEXT_DIVISOR, PoolConfig, ResidencyConfig
+from .budget import FITS, PeakSampler, llama_in_budget, print_budget_table, verdict
 from .reference import (add_reference_flags, gpu_free_by_device, holds_rpc, int_list, llama_bench_results, llama_bench_split,
                         median_ts, open_model, progress, reference_binary)
 
@@ -40,8 +48,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     real use), each window starting from the depth-token prompt again (the Engine truncates to it and
     reruns its last token, untimed); tok/s is the median of the windows' rates. label: what the progress
     lines call this measurement ("" = none)."""
-    C = _core.CHUNK_TOKENS
-    pool = dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
+    pool = depth_pool(pool, depth, n_gen)
     free0 = gpu_free_by_device() if model.on_gpu else None
     engine = Engine(model, tokenizer, pool, residency)
     rng = np.random.default_rng(seed)
@@ -75,6 +82,7 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
     out = {"tok_s": tok_s, "tok_s_reps": rates, "prefill_tok_s": (depth + 1) / t_prefill,
            # every device K/V byte: the pool and the sliding-window layers' rings
            "device_kv_bytes": after["device_kv_bytes"] + after["device_ring_bytes"], "host_kv_bytes": after["host_kv_bytes"],
+           "device_peak_bytes": after["device_peak_bytes"],   # the engine's count: weights, pool, buffers, workspace
            "flash_attn": engine.session.flash_attn, "reselect_ms": float(np.median(reselect_ms)),
            "reselect_every": cadence, "page_ins": after["page_ins"], "page_outs": after["page_outs"],
            "reselect_share": float(np.median(reselect_ms)) / (cadence * 1e3 / tok_s)}
@@ -82,7 +90,15 @@ def time_decode(model, tokenizer, depth: int, n_gen: int, pool: PoolConfig, resi
         free1 = gpu_free_by_device()
         out["device_bytes_taken_by_gpu"] = {name: free0[name] - free1[name] for name in free0}
         out["device_bytes_taken"] = sum(out["device_bytes_taken_by_gpu"].values())
+    engine.close()   # now, not when collected: the next depth's memory is measured from here
     return out
+
+
+def depth_pool(pool: PoolConfig, depth: int, n_gen: int) -> PoolConfig:
+    """The pool options of a measurement at `depth`: a context of the depth, the decoded tokens and the next input,
+    in whole chunks (the fit under a budget sizes the pool for this same context)."""
+    C = _core.CHUNK_TOKENS
+    return dataclasses.replace(pool, n_ctx=-(-(depth + max(WARMUP, n_gen) + 1) // C) * C, allow_beyond_train_ctx=True)
 
 
 def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: int, threads: int,
@@ -93,11 +109,12 @@ def run_llama_bench(binary: str, model_path: str, depths: Sequence[int], n_gen: 
     return {(int(r["n_depth"]), bool(r["flash_attn"])): median_ts(r) for r in records}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvflash bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(ap, threads=os.cpu_count())
     add_pool_flags(ap, pool="512", n_ctx=None)
+    add_budget_flag(ap)
     add_residency_flags(ap)
     ap.add_argument("--depths", default="0,2048,8192", help="comma-separated context depths")
     ap.add_argument("--full-up-to", type=int, default=None, metavar="DEPTH",
@@ -105,14 +122,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--n-gen", type=int, default=32, help="decode steps timed per window")
     ap.add_argument("--reps", type=int, default=REPS, help="timed windows per depth (llama-bench -r); tok/s = median")
     add_reference_flags(ap)
+    ap.add_argument("--llama-fit-steps", type=int, default=0, metavar="N",
+                    help="with --max-device-memory: after the largest of --depths that llama-bench runs within the "
+                         "budget, N bisection steps towards the next larger depth (each attempt that fits costs "
+                         "llama-bench's prefill of its depth; default 0)")
     ap.add_argument("--json", default="bench-out/decode.json", help="where to write the JSON")
     ap.add_argument("--plot", default="bench-out/decode.png", help="where to write the PNG ('' = none)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     depths = int_list(ap, args.depths, "--depths")
-    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0:
-        ap.error("depths must be >= 0, --n-gen and --reps positive, --kvflash a pool (not off)")
+    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0 or \
+            args.llama_fit_steps < 0:
+        ap.error("depths must be >= 0, --n-gen and --reps positive, --llama-fit-steps >= 0, --kvflash a pool (not off)")
     if args.policy == "drafter" and not args.drafter_model:
         ap.error("--policy drafter needs --drafter-model PATH")
+    budget = args.max_device_memory
+    if budget is not None and holds_rpc(args):
+        ap.error("--max-device-memory: the driver's figures are read for this host's GPUs only, not RPC devices")
 
     binary = reference_binary(args, "kvflash bench decode")
     try:
@@ -126,29 +156,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ref = run_llama_bench(binary, resolve_model_path(args.model), depths, args.n_gen, args.threads, True, args.reps,
                           split) if binary and holds_rpc(args) else None
     path, model, tokenizer = open_model(args, "kvflash bench decode")
-
-    # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
-    # initialisation (llama-bench warms up before each test too).
-    full, full_residency = dataclasses.replace(pooled, pool_tokens=None), ResidencyConfig(tau=residency.tau)
-    progress(f"kvflash bench decode: depths {','.join(map(str, depths))}, {args.reps} windows of {args.n_gen} "
-             f"tokens each, full cache and pooled; progress on stderr, the report on stdout")
-    time_decode(model, tokenizer, 0, 8, full, full_residency, seed=0)
-    rows = []
-    for d in depths:
-        row = {"depth": d}
-        skip_full = args.full_up_to is not None and d > args.full_up_to
-        row["full"] = None if skip_full else time_decode(model, tokenizer, d, args.n_gen, full, full_residency,
-                                                          seed=d, reps=args.reps, label="full cache")
-        row["pooled"] = time_decode(model, tokenizer, d, args.n_gen, pooled, residency, seed=d, reps=args.reps,
-                                    label=f"pool {pooled.resolved_pool_tokens()}")
-        rows.append(row)
-        print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
-              file=sys.stderr, flush=True)
-    if binary:
-        ref = ref or run_llama_bench(binary, path, depths, args.n_gen, args.threads, model.on_gpu, args.reps, split)
-        for row in rows:
-            row["llama_fa0"] = ref.get((row["depth"], False))
-            row["llama_fa1"] = ref.get((row["depth"], True))
+    full = dataclasses.replace(pooled, pool_tokens=None)
+    try:   # under a budget every depth's pool is fitted first: one that cannot fit ends the command before any run
+        fitted = fit_depths(model, pooled, depths, args.n_gen) if budget is not None else None
+    except ValueError as e:
+        print(f"kvflash bench decode: {e}", file=sys.stderr)
+        return 2
+    rows = run_depths(args, model, tokenizer, depths, pooled, full, residency, fitted)
     gpus = _core.gpu_devices() if model.on_gpu else []
     report = {"model": path, "pool": pooled.pool_tokens, "policy": residency.policy, "tau": residency.tau,
               "kv_type": pooled.kv_type,
@@ -159,9 +173,94 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
               "split": [{"name": d["name"], "layers": len(d["layers"]), "weight_bytes": d["weight_bytes"]}
                         for d in model.devices], "llama_bench_split": split}
+    on_gpu = model.on_gpu
+    if budget is not None:
+        report["budget"] = {"max_device_bytes": budget, "peak_source": rows[0]["pooled"]["peak_source"]}
+    if binary and budget is not None and on_gpu:
+        del model, tokenizer   # llama.cpp gets a GPU that holds none of ours but our process's CUDA context
+        gc.collect()
+        report["budget"]["llama"] = llama_in_budget(
+            binary, path, depths, n_gen=args.n_gen, threads=args.threads, reps=args.reps, split=split, budget=budget,
+            bisect_steps=args.llama_fit_steps)
+        ref = {(a["depth"], True): a["tok_s"] for a in report["budget"]["llama"]["attempts"] if a["status"] == FITS}
+    elif binary:
+        if budget is not None:
+            progress("kvflash bench decode: no GPU, so no driver to measure llama-bench's footprint under the budget: "
+                     "it runs at every depth without one")
+        ref = ref or run_llama_bench(binary, path, depths, args.n_gen, args.threads, on_gpu, args.reps, split)
+    if ref is not None:
+        for row in rows:
+            row["llama_fa0"] = ref.get((row["depth"], False))
+            row["llama_fa1"] = ref.get((row["depth"], True))
     print_table(report)
+    if budget is not None:
+        print_budget_table(report)
     write_outputs(report, args.json, args.plot)
     return 0
+
+
+def fit_depths(model, pool: PoolConfig, depths: Sequence[int], n_gen: int) -> dict:
+    """{depth: (pool options, why)}: the pool each depth's context runs with under pool.max_device_bytes, as a Model
+    would size it (fit.resolve_pool: 'auto' fitted, a number checked); ValueError where even the minimum does not
+    fit."""
+    return {d: resolve_pool(model, depth_pool(pool, d, n_gen), 1) for d in depths}
+
+
+def full_refusal(model, full: PoolConfig, depth: int, n_gen: int) -> Optional[str]:
+    """Why the full cache at `depth` does not fit its max_device_bytes (None: it fits, or there is no budget)."""
+    if full.max_device_bytes is None:
+        return None
+    try:
+        resolve_pool(model, depth_pool(full, depth, n_gen), 1)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def measured(run, budget: Optional[int], on_gpu: bool) -> dict:
+    """run()'s result, and under a budget its peak: on a GPU the driver's memory in use, sampled while it runs;
+    on the CPU backend the engine's own count (no driver to ask)."""
+    if budget is None:
+        return run()
+    if on_gpu:
+        with PeakSampler() as sampler:
+            out = run()
+        return {**out, **verdict(sampler.peak, budget, "memory in use on the whole GPU (driver), sampled")}
+    out = run()
+    return {**out, **verdict({"CPU": out["device_peak_bytes"]}, budget, "the engine's count (CPU backend: no driver)")}
+
+
+def run_depths(args, model, tokenizer, depths: Sequence[int], pooled: PoolConfig, full: PoolConfig,
+               residency: ResidencyConfig, fitted: Optional[dict]) -> list[dict]:
+    """Our rows: at each depth the full cache (unless past --full-up-to, or refused by the budget) and the pool
+    (under a budget: the depth's fitted pool, with its peak)."""
+    # One untimed short decode first, so the first depth does not pay for clocks ramping up or one-time
+    # initialisation (llama-bench warms up before each test too).
+    full_residency = ResidencyConfig(tau=residency.tau)
+    progress(f"kvflash bench decode: depths {','.join(map(str, depths))}, {args.reps} windows of {args.n_gen} "
+             f"tokens each, full cache and pooled; progress on stderr, the report on stdout")
+    time_decode(model, tokenizer, 0, 8, full, full_residency, seed=0)
+    budget, rows = full.max_device_bytes, []
+    for d in depths:
+        row = {"depth": d}
+        pool, why = fitted[d] if fitted is not None else (pooled, None)
+        if fitted is not None:
+            row["pool_tokens"], row["pool_reason"] = pool.pool_tokens, why
+            progress(f"depth {d}: pool {pool.pool_tokens} ({why})")
+        past = args.full_up_to is not None and d > args.full_up_to
+        refused = None if past else full_refusal(model, full, d, args.n_gen)
+        if refused:
+            row["full_refused"] = refused
+        row["full"] = None if past or refused else measured(
+            lambda: time_decode(model, tokenizer, d, args.n_gen, full, full_residency, seed=d, reps=args.reps,
+                                label="full cache"), budget, model.on_gpu)
+        row["pooled"] = measured(
+            lambda: time_decode(model, tokenizer, d, args.n_gen, pool, residency, seed=d, reps=args.reps,
+                                label=f"pool {pool.resolved_pool_tokens()}"), budget, model.on_gpu)
+        rows.append(row)
+        print(f"depth {d}: full {_tok_s(row['full'])} tok/s, pooled {row['pooled']['tok_s']:.1f} tok/s",
+              file=sys.stderr, flush=True)
+    return rows
 
 
 def _tok_s(result: Optional[dict]) -> str:

@@ -124,13 +124,19 @@ def holds_rpc(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "rpc", None)) or any(d.lower().startswith("rpc:") for d in getattr(args, "devices", None) or [])
 
 
+def llama_bench_command(binary: str, model_path: str, test: Sequence[str], threads: int, on_gpu: bool,
+                        reps: int) -> list[str]:
+    """llama-bench's command line for the test flags `test` (e.g. -p 0 -n 32 -d 0,2048), JSON on stdout. CPU: both
+    attention paths (the faster one differs with depth). GPU: all layers offloaded and flash attention on, what
+    the CUDA backend prefers and what our backend="auto" runs."""
+    cmd = [binary, "-m", model_path, *test, "-t", str(threads), "-r", str(reps), "-o", "json"]
+    return cmd + (["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"])
+
+
 def llama_bench_results(binary: str, model_path: str, test: Sequence[str], threads: int, on_gpu: bool,
                         reps: int) -> list[dict]:
-    """llama-bench's JSON records for one call with the test flags `test` (e.g. -p 0 -n 32 -d 0,2048). CPU: both
-    attention paths (the faster one differs with depth). GPU: all layers offloaded and flash attention on, what
-    the CUDA backend prefers and what our backend="auto" runs. A record's tok/s: median_ts(record)."""
-    cmd = [binary, "-m", model_path, *test, "-t", str(threads), "-r", str(reps), "-o", "json"]
-    cmd += ["-ngl", "99", "-fa", "1"] if on_gpu else ["-ngl", "0", "-fa", "0,1"]
+    """llama-bench's JSON records for one call of llama_bench_command. A record's tok/s: median_ts(record)."""
+    cmd = llama_bench_command(binary, model_path, test, threads, on_gpu, reps)
     progress(f"llama-bench {' '.join(test)} -r {reps} ({'-fa 1' if on_gpu else '-fa 0,1'}): running, no output "
              "until it ends")
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -145,7 +145,7 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
 
 
 def add_budget_flag(ap: argparse.ArgumentParser) -> None:
-    """--max-device-memory: PoolConfig.max_device_bytes (generate and serve)."""
+    """--max-device-memory: PoolConfig.max_device_bytes (generate, serve, bench decode)."""
     ap.add_argument("--max-device-memory", dest="max_device_memory", type=parse_bytes, default=None, metavar="SIZE",
                     help="cap each device's whole footprint (weights, pools, buffers, headroom; the CPU's too) at "
                          "SIZE (bytes, or 24G, 512M: K/M/G/T = 1024^n): --kvflash auto is sized within it, a pool "
