@@ -34,6 +34,17 @@
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
+#     budget       issue 37 item 4: the Qwen3.5-27B shape (random Q4_0, BUDGET_MODEL, default /tmp/q35-27b.gguf, written
+#                  if absent) within BUDGET (default 24G) of device memory: kvflash bench decode --kvflash auto
+#                  --max-device-memory BUDGET at BUDGET_DEPTHS (default 65536,131072,262144; PREFILL default pooled),
+#                  each depth's pool fitted under the budget with the whole GPU's peak (driver) beside its rate; then
+#                  llama-bench at the largest depth it runs within the budget (its own footprint measured; the
+#                  bench's depths from the largest down, then BUDGET_FIT_STEPS bisection steps, default 3);
+#                  BUDGET_REPS (default 3). Longer than one device command (~15 min with the model's writing):
+#     budget-bg    the budget phase in the background (setsid), writing to /tmp/kvf-budget; the machine keeps it
+#                  running while it stays warm
+#     budget-collect  waits up to COLLECT_S seconds (default 540) for the background run, then copies its log and
+#                  JSON under $OUT (call it again while it is still running)
 #     profile      decode step wall vs compute time (full/pooled), CUDA-graph log counts, and per-kernel GPU
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
@@ -175,6 +186,25 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench spec --model "$echo_model" --task random --contexts "${SPEC_CONTEXTS:-4096,131072}" \
             --draft "$echo_model" --kvflash "$POOL" --n-gen "${SPEC_GEN:-64}" --reps "${SPEC_REPS:-2}" \
             --json "$OUT/spec-echo.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    budget)
+        BM=${BUDGET_MODEL:-/tmp/q35-27b.gguf}
+        [ -f "$BM" ] || python3 -m kvflash_ggml.testing.random_gguf "$BM" --shape qwen35-27b --type q4_0 2>&1 | tee -a "$OUT/session.log"
+        nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$OUT/budget.log"
+        # --full-up-to 0: no full-cache rows (it does not fit the budget at these depths; the bench says so if asked)
+        python3 -m kvflash_ggml bench decode --model "$BM" --kvflash auto --max-device-memory "${BUDGET:-24G}" \
+            --depths "${BUDGET_DEPTHS:-65536,131072,262144}" --full-up-to 0 --prefill "${PREFILL:-pooled}" \
+            --n-gen "$N_GEN" --reps "${BUDGET_REPS:-3}" --llama-fit-steps "${BUDGET_FIT_STEPS:-3}" \
+            --json "$OUT/budget.json" --plot "" 2>&1 | tee -a "$OUT/budget.log" ;;
+    budget-bg)
+        rm -rf /tmp/kvf-budget && mkdir -p /tmp/kvf-budget
+        OUT=/tmp/kvf-budget setsid nohup bash -c "bash '$PWD/experiments/gpu_session.sh' budget; touch /tmp/kvf-budget/ENDED" \
+            > /tmp/kvf-budget/run.log 2>&1 < /dev/null &
+        log "budget: running in the background (pid $!), its output in /tmp/kvf-budget: collect with budget-collect" ;;
+    budget-collect)
+        for _ in $(seq "${COLLECT_S:-540}"); do [ -f /tmp/kvf-budget/ENDED ] && break; sleep 1; done
+        [ -f /tmp/kvf-budget/ENDED ] && log "budget: the background run has ended" || log "budget: still running"
+        mkdir -p "$OUT/budget-run" && cp -r /tmp/kvf-budget/. "$OUT/budget-run/"
+        tail -30 /tmp/kvf-budget/budget.log 2>/dev/null ;;
     profile)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --pool "$POOL" --steps 64 \

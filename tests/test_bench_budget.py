@@ -150,6 +150,14 @@ def test_a_process_under_the_budget_runs_to_its_end(tmp_path):
     read = lambda: {"CUDA0": OURS}   # noqa: E731  (it takes nothing)
     w = bb.watch([sys.executable, "-c", "print('[]')"], LLAMA_BUDGET, read)
     assert (w.returncode, w.over, w.peak_bytes, w.stdout.strip()) == (0, False, 0, "[]")
+    # a llama-bench that ran within the budget but printed no JSON: a fit without a rate, and why (no crash)
+    garbled = tmp_path / "llama-bench"
+    garbled.write_text(f"#!{sys.executable}\nprint('not json')\n")
+    garbled.chmod(garbled.stat().st_mode | stat.S_IXUSR)
+    a = bb.llama_attempt(str(garbled), "m.gguf", 4096, n_gen=8, threads=1, reps=1, split=[], budget=LLAMA_BUDGET,
+                         read=read)
+    assert a.fits and a.tok_s is None and "not llama-bench's JSON" in a.message
+    assert bb.describe(a).startswith("fits, peak 0.00 GiB, no rate: its output is not llama-bench's JSON")
 
 
 # ---- the command: the flag reaches the fit, a budget that cannot hold the minimum ends it -------------------------

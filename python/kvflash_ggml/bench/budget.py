@@ -190,15 +190,21 @@ def llama_attempt(binary: str, model_path: str, depth: int, *, n_gen: int, threa
         lines = [line for line in w.stderr_tail.splitlines() if line.strip()]
         a = Attempt(depth, FAILED, w.peak_bytes, message=f"exit {w.returncode}: {lines[-1] if lines else ''}")
     else:
-        records = [r for r in json.loads(w.stdout) if int(r["n_depth"]) == depth]
-        a = Attempt(depth, FITS, w.peak_bytes, tok_s=median_ts(records[0]) if records else None)
+        try:
+            records = [r for r in json.loads(w.stdout) if int(r["n_depth"]) == depth]
+        except (ValueError, TypeError, KeyError) as e:   # ran within the budget, but no rate to show for it
+            records, w_error = [], f"its output is not llama-bench's JSON ({e})"
+        else:
+            w_error = ""
+        a = Attempt(depth, FITS, w.peak_bytes, tok_s=median_ts(records[0]) if records else None, message=w_error)
     progress(f"llama-bench -d {depth}: {describe(a)}")
     return a
 
 
 def describe(a: Attempt) -> str:
     if a.fits:
-        rate = f"{a.tok_s:.1f} tok/s" if a.tok_s is not None else "no rate in its output"
+        rate = f"{a.tok_s:.1f} tok/s" if a.tok_s is not None else \
+            f"no rate: {a.message or 'its depth not in its output'}"
         return f"fits, peak {gib(a.peak_bytes)} GiB, {rate}"
     return f"does not fit: {a.status} ({a.message})"
 
@@ -239,7 +245,8 @@ def print_budget_table(report: dict) -> None:
     first = report["rows"][0]["pooled"]["tok_s"] if report["rows"] else None
     for r in report["rows"]:
         p = r["pooled"]
-        print(f"{r['depth']:>7} {r['pool_tokens']:>7} {gib(p['peak_bytes']):>9} {'yes' if p['within_budget'] else 'NO':>7} "
+        within = "yes" if p["within_budget"] else "NO"
+        print(f"{r['depth']:>7} {r['pool_tokens']:>7} {gib(p['peak_bytes']):>9} {within:>7} "
               f"{p['tok_s']:>13.1f} {p['tok_s'] / first:>8.2f}x {llama_cell(b.get('llama'), r['depth']):>16}")
     for r in report["rows"]:
         if r.get("full_refused"):   # the fit's own words: what the full cache would need there

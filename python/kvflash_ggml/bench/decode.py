@@ -135,9 +135,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     depths = int_list(ap, args.depths, "--depths")
-    if any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0 or \
+    if not depths or any(d < 0 for d in depths) or args.n_gen <= 0 or args.kvflash is None or args.reps <= 0 or \
             args.llama_fit_steps < 0:
-        ap.error("depths must be >= 0, --n-gen and --reps positive, --llama-fit-steps >= 0, --kvflash a pool (not off)")
+        ap.error("--depths must name depths >= 0, --n-gen and --reps positive, --llama-fit-steps >= 0, --kvflash a "
+                 "pool (not off)")
     if args.policy == "drafter" and not args.drafter_model:
         ap.error("--policy drafter needs --drafter-model PATH")
     budget = args.max_device_memory
