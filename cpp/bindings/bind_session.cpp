@@ -20,6 +20,14 @@ py::array_t<float> float_array(const std::vector<float> & v) {
     return out;
 }
 
+// prefill_exact's sparse_* keywords (top 0: exact); checked again, with the pool's chunk size, by the session.
+SparseParams sparse_params(int64_t top_chunks, int64_t local_chunks) {
+    SparseParams p;
+    p.top_chunks = top_chunks;
+    p.local_chunks = local_chunks;
+    return p;
+}
+
 py::array_t<float> mean_keys(const Session & s) {
     SummaryShape sh;
     int64_t n_chunks = 0;
@@ -182,30 +190,42 @@ void register_session(py::module_ & m, py::module_ & testing) {
              }, py::arg("block"), "raw bytes of ring rows [64 block, 64 block + 64), every sliding-window layer (tests)")
         .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
         .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
-                                 std::optional<py::function> between, int64_t attention_block_bytes) {
+                                 std::optional<py::function> between, int64_t attention_block_bytes, int64_t sparse_top_chunks,
+                                 int64_t sparse_local_chunks) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
                  std::function<void()> cb;
                  if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
-                 ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb, attention_block_bytes); });
+                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
+                 ExactPrefill r = without_gil([&] {
+                     return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb, attention_block_bytes, sp);
+                 });
                  return py::make_tuple(float_array(r.logits), float_array(r.attention));
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
-             py::arg("attention_block_bytes") = 0,
+             py::arg("attention_block_bytes") = 0, py::arg("sparse_top_chunks") = 0,
+             py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
              "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
-             "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers)")
+             "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers). "
+             "sparse_top_chunks > 0: a sparse prefill (each block of queries attends the sink, the window of "
+             "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept)")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
-                                       int64_t attention_block_bytes) {
+                                       int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
                  return without_gil([&] {
-                     return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, attention_block_bytes);
+                     return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, attention_block_bytes, {}, sp);
                  });
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
+             py::arg("sparse_top_chunks") = 0, py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
              py::keep_alive<0, 1>(),
              "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
              "is open the session refuses every other call but timings() and memory()")
+        .def("prefill_coverage", [](const Session & s) { return without_gil([&] { return s.prefill_coverage(); }); },
+             "after a sparse prefill, per pooled layer: the share of the prompt's last tokens' exact attention that "
+             "the keys their block chose held (1: it saw every key); empty after an exact one")
         .def("memory", [](const Session & s) {
                  const SessionMemory m = without_gil([&] { return s.memory(); });
                  py::dict d;

@@ -232,59 +232,77 @@ void capture_head_max(GraphCtx & g, ggml_tensor * kq) {
                                                  (kq->ne[1] - n_q) * kq->nb[1])));
 }
 
+// F32 [nk, n_q, n_head]: q's scores against keys [k0, k0 + nk) of kp, scaled, under those columns of mask [>= n_kv, n_q].
+ggml_tensor * masked_scores(ggml_context * ctx, ggml_tensor * q, ggml_tensor * kp, ggml_tensor * mask, float kq_scale,
+                            int64_t k0, int64_t nk) {
+    ggml_tensor * kb = ggml_view_3d(ctx, kp, kp->ne[0], nk, kp->ne[2], kp->nb[1], kp->nb[2], k0 * kp->nb[1]);
+    ggml_tensor * kq = ggml_mul_mat(ctx, kb, q);
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * m = ggml_cast(ctx, ggml_view_2d(ctx, mask, nk, q->ne[1], mask->nb[1], k0 * mask->nb[0]), GGML_TYPE_F32);
+    return ggml_add(ctx, ggml_scale(ctx, kq, kq_scale), m);
+}
+
+// [1, n_q, n_head]: max over ne0 of x (contiguous).
+ggml_tensor * row_max(ggml_context * ctx, ggml_tensor * x) {
+    ggml_tensor * rows = ggml_reshape_2d(ctx, x, x->ne[0], x->ne[1] * x->ne[2]);
+    // pool_2d gives each output one thread: over a block's 32K keys in one pass, n_q x n_head threads scanned
+    // them all (0.6 s of a 128K prefill on an H100, R92); through 256-key partial maxima first, every key's
+    // pass is parallel. A max is exact whatever the order.
+    constexpr int64_t part = 256;
+    if (rows->ne[0] % part == 0 && rows->ne[0] > part) {
+        rows = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) part, 1, (int) part, 1, 0, 0);   // [keys / part, rows]
+    }
+    ggml_tensor * m = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) rows->ne[0], 1, (int) rows->ne[0], 1, 0, 0);
+    // A row every key of the block masks: a finite max keeps exp(-inf - max) at 0 instead of NaN.
+    return ggml_clamp(ctx, ggml_reshape_3d(ctx, m, 1, x->ne[1], x->ne[2]), -1e30f, INFINITY);
+}
+
+ggml_tensor * log_sum_exp(ggml_context * ctx, ggml_tensor * x) {   // [1, n_q, n_head]
+    ggml_tensor * m = row_max(ctx, x);
+    return ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, x, m)))), m);
+}
+
+}  // namespace
+
+ggml_tensor * attention_lse(ggml_context * ctx, ggml_tensor * q, ggml_tensor * kp, ggml_tensor * mask, float kq_scale,
+                            int64_t keys_per_block) {
+    const int64_t n_kv = kp->ne[1];
+    ggml_tensor * lse = nullptr;   // [n_blocks, n_q, n_head], then [1, n_q, n_head]
+    for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
+        ggml_tensor * l = log_sum_exp(ctx, masked_scores(ctx, q, kp, mask, kq_scale, k0, std::min(keys_per_block, n_kv - k0)));
+        lse = lse ? ggml_concat(ctx, lse, l, 0) : l;
+    }
+    return lse->ne[0] == 1 ? lse : log_sum_exp(ctx, lse);
+}
+
+namespace {
+
 // The flash path never materialises its probabilities: the captured queries' attention is computed apart,
 // from qp [head_dim, n_rows, n_head] (the last block's queries), kp [head_dim, n_kv, n_head_kv] and mask
 // [n_kv, n_rows]. One softmax over all keys ([n_kv, n_q, n_head] F32, twice: 256 MiB at 128K on an 8B model)
 // unless keys_per_block < n_kv: then two passes over blocks of keys, the first taking each block's
-// log-sum-exp per query and head, the second each block's probabilities against their total, so no buffer
-// holds more than a block.
+// log-sum-exp per query and head (attention_lse), the second each block's probabilities against their total, so
+// no buffer holds more than a block.
 void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor * mask, float kq_scale,
                    int64_t keys_per_block) {
     ggml_context * ctx = g.ctx;
     const int64_t n_q = g.n_attn_tokens, off = qp->ne[1] - n_q, n_kv = kp->ne[1];
     ggml_tensor * q_last = ggml_view_3d(ctx, qp, qp->ne[0], n_q, qp->ne[2], qp->nb[1], qp->nb[2], off * qp->nb[1]);
-    ggml_tensor * mask_last = ggml_view_2d(ctx, mask, n_kv, n_q, mask->nb[1], off * mask->nb[1]);
+    ggml_tensor * mask_last = ggml_view_2d(ctx, mask, mask->ne[0], n_q, mask->nb[1], off * mask->nb[1]);
     if (keys_per_block >= n_kv) {
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, q_last);   // [n_kv, n_q, n_head]
         ggml_prec_set_acc(kq, GGML_PREC_F32);
-        // soft_max wants a contiguous mask; a band's rows are wider than n_kv (kv_step_inputs.h)
-        if (!ggml_is_contiguous(mask_last)) mask_last = ggml_cont(ctx, mask_last);
-        keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, mask_last, kq_scale, 0.0f)));
+        // soft_max wants a contiguous mask of exactly n_kv columns; a band's rows are wider (kv_step_inputs.h)
+        ggml_tensor * m = ggml_view_2d(ctx, mask_last, n_kv, n_q, mask_last->nb[1], 0);
+        if (!ggml_is_contiguous(m)) m = ggml_cont(ctx, m);
+        keep_capture(g, head_max(ctx, ggml_soft_max_ext(ctx, kq, m, kq_scale, 0.0f)));
         return;
     }
-    const auto scores = [&](int64_t k0, int64_t nk) {   // F32 [nk, n_q, n_head]: scaled, masked
-        ggml_tensor * kb = ggml_view_3d(ctx, kp, kp->ne[0], nk, kp->ne[2], kp->nb[1], kp->nb[2], k0 * kp->nb[1]);
-        ggml_tensor * kq = ggml_mul_mat(ctx, kb, q_last);
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        ggml_tensor * m = ggml_cast(ctx, ggml_view_2d(ctx, mask_last, nk, n_q, mask_last->nb[1], k0 * mask_last->nb[0]), GGML_TYPE_F32);
-        return ggml_add(ctx, ggml_scale(ctx, kq, kq_scale), m);
-    };
-    const auto row_max = [&](ggml_tensor * x) {   // [1, n_q, n_head]: max over ne0 (x contiguous)
-        ggml_tensor * rows = ggml_reshape_2d(ctx, x, x->ne[0], x->ne[1] * x->ne[2]);
-        // pool_2d gives each output one thread: over a block's 32K keys in one pass, n_q x n_head threads scanned
-        // them all (0.6 s of a 128K prefill on an H100, R92); through 256-key partial maxima first, every key's
-        // pass is parallel. A max is exact whatever the order.
-        constexpr int64_t part = 256;
-        if (rows->ne[0] % part == 0 && rows->ne[0] > part) {
-            rows = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) part, 1, (int) part, 1, 0, 0);   // [keys / part, rows]
-        }
-        ggml_tensor * m = ggml_pool_2d(ctx, rows, GGML_OP_POOL_MAX, (int) rows->ne[0], 1, (int) rows->ne[0], 1, 0, 0);
-        // A row every key of the block masks: a finite max keeps exp(-inf - max) at 0 instead of NaN.
-        return ggml_clamp(ctx, ggml_reshape_3d(ctx, m, 1, x->ne[1], x->ne[2]), -1e30f, INFINITY);
-    };
-    const auto log_sum_exp = [&](ggml_tensor * x) {   // [1, n_q, n_head]
-        ggml_tensor * m = row_max(x);
-        return ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, x, m)))), m);
-    };
-    ggml_tensor * lse = nullptr;   // [n_blocks, n_q, n_head], then [1, n_q, n_head]
-    for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
-        ggml_tensor * l = log_sum_exp(scores(k0, std::min(keys_per_block, n_kv - k0)));
-        lse = lse ? ggml_concat(ctx, lse, l, 0) : l;
-    }
-    lse = log_sum_exp(lse);
+    ggml_tensor * lse = attention_lse(ctx, q_last, kp, mask_last, kq_scale, keys_per_block);
     ggml_tensor * best = nullptr;
     for (int64_t k0 = 0; k0 < n_kv; k0 += keys_per_block) {
-        ggml_tensor * p = ggml_exp(ctx, ggml_sub(ctx, scores(k0, std::min(keys_per_block, n_kv - k0)), lse));
+        const int64_t nk = std::min(keys_per_block, n_kv - k0);
+        ggml_tensor * p = ggml_exp(ctx, ggml_sub(ctx, masked_scores(ctx, q_last, kp, mask_last, kq_scale, k0, nk), lse));
         ggml_tensor * b = head_max(ctx, p);
         best = best ? ggml_concat(ctx, best, b, 0) : b;
     }
@@ -314,20 +332,20 @@ int64_t attention_bytes_per_key(bool flash_attn, int64_t n_head) {
 namespace {
 
 // The blocks of a step's n queries: one unless the mask is made per block (or one_query: a block per query);
-// then as many queries per block as block_bytes allows at bytes_per_key per query and key of the band's whole
+// then sparse_rows (a sparse prefill's blocks: each chooses its chunks) or as many queries per block as block_bytes allows at bytes_per_key per query and key of the band's whole
 // pool (at most k_max_query_block), the last block whole (it holds the captured queries). Sized by the pool, not by the step's keys, every step
 // of a layer has as many blocks, so its graphs have as many nodes: ggml's allocator keeps the layer's reservation
 // only for such graphs, and re-reserving makes the host wait for the device (once per step at 128K, when a
 // layer's later steps had more blocks than its first).
 std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t bytes_per_key, int64_t block_bytes,
-                                     bool one_query) {
+                                     bool one_query, int64_t sparse_rows) {
     if (!in.band && one_query) {
         std::vector<QueryBlock> blocks;
         for (int64_t row0 = 0; row0 < n; ++row0) blocks.push_back({row0, 1});
         return blocks;
     }
     if (!in.band) return {{0, n}};
-    const int64_t per_block = attention_block_rows(in.band->n_slots(), bytes_per_key, block_bytes);
+    const int64_t per_block = sparse_rows > 0 ? sparse_rows : attention_block_rows(in.band->n_slots(), bytes_per_key, block_bytes);
     const int64_t first = n - (n - 1) / per_block * per_block;   // the short block goes first
     std::vector<QueryBlock> blocks = {{0, first}};
     for (int64_t row0 = first; row0 < n; row0 += per_block) blocks.push_back({row0, per_block});
@@ -369,6 +387,9 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1], n = q->ne[2];
     if (k) ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
     if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
+    const SparseIndex * sparse = in.band ? g.sparse.index : nullptr;   // a sparse prefill's pooled layer
+    if (sparse && !g.flash_attn) throw std::logic_error("attend: a sparse prefill needs flash attention");
+    if (sparse && k) ggml_build_forward_expand(g.gf, summarize_chunks(g, kv, kl, head_dim_k, in.first_pos, n));
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
     const int64_t bytes_per_key = attention_bytes_per_key(g.flash_attn, n_head);
     // The pool's views for the keys a block sees, made once for every block that sees as many (a position-ordered
@@ -391,21 +412,49 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     const bool one_token = g.one_token_kernels && !capture_attn && !in.band && n > 1;
     const bool f16_products = one_token && !g.flash_attn && kv.k(kl)->type == GGML_TYPE_F16 &&
                               kv.v(kl)->type == GGML_TYPE_F16 && f16_mul_mat_usable();
+    const auto rows = [&](int64_t row0, int64_t nr) {
+        return nr == n ? qp : ggml_view_3d(ctx, qp, head_dim_k, nr, n_head, qp->nb[1], qp->nb[2], row0 * qp->nb[1]);
+    };
+    const auto keys_per_capture_block = [&] {
+        const int64_t per_key = g.n_attn_tokens * n_head * 2 * sizeof(float);   // scores and their exp
+        return in.band ? std::max<int64_t>(k_min_key_block, g.attention_block_bytes / per_key) : n_kv;
+    };
+    ggml_tensor * lse_all = nullptr;   // the captured queries' log-sum-exp over every key (a sparse prefill's)
+    if (sparse && capture_attn) {   // what the last queries attend among every key, though their block attends fewer
+        const int64_t n_q = g.n_attn_tokens;
+        const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, n - n_q, n_q);
+        if (mr.n_kv != n_kv) throw std::logic_error("attend: the captured queries see fewer keys");
+        capture_flash(g, rows(n - n_q, n_q), views_for(n_kv).k, mr.mask, kq_scale, keys_per_capture_block());
+        lse_all = attention_lse(ctx, rows(n - n_q, n_q), views_for(n_kv).k, mr.mask, kq_scale, keys_per_capture_block());
+    }
     std::vector<ggml_tensor *> outs;
-    for (const QueryBlock & b : query_blocks(in, n, bytes_per_key, g.attention_block_bytes, one_token && !f16_products)) {
-        const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
-        const bool last = b.row0 + b.n == n;
-        if (capture_attn && last && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");
-        ggml_tensor * qb = b.n == n ? qp : ggml_view_3d(ctx, qp, head_dim_k, b.n, n_head, qp->nb[1], qp->nb[2], b.row0 * qp->nb[1]);
+    for (const QueryBlock & b : query_blocks(in, n, bytes_per_key, g.attention_block_bytes, one_token && !f16_products,
+                                             sparse ? sparse->params().block_rows : 0)) {
+        ggml_tensor * qb = rows(b.row0, b.n);
+        if (sparse) {
+            const bool last = b.row0 + b.n == n;
+            ggml_tensor * lse_chosen = nullptr;
+            if (ggml_tensor * o = sparse_attend_block(g, kv, kl, qb, in.first_pos + b.row0, head_dim_v, kq_scale,
+                                                      lse_all && last ? g.n_attn_tokens : 0, &lse_chosen)) {
+                if (lse_chosen) {   // the share of the exact attention the chosen keys hold: exp(lse_chosen - lse_all)
+                    ggml_tensor * cover = ggml_exp(ctx, ggml_sub(ctx, lse_chosen, lse_all));
+                    ggml_set_output(cover);
+                    ggml_build_forward_expand(g.gf, cover);
+                    g.coverage.push_back(cover);
+                }
+                outs.push_back(o);
+                continue;
+            }
+        }
+        const KvMaskRows mr = sparse ? sparse_dense_mask(ctx, *sparse, in.first_pos + b.row0, b.n, n_kv)
+                                     : kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
+        const bool last = b.row0 + b.n == n, capture_here = capture_attn && last && !sparse;
+        if (capture_here && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");
         const Views & kv_views = views_for(mr.n_kv);
         ggml_tensor * kp = kv_views.k;
         ggml_tensor * o;
         if (g.flash_attn) {
-            if (capture_attn && last) {
-                const int64_t per_key = g.n_attn_tokens * n_head * 2 * sizeof(float);   // scores and their exp
-                capture_flash(g, qb, kp, mr.mask, kq_scale,
-                              in.band ? std::max<int64_t>(k_min_key_block, g.attention_block_bytes / per_key) : n_kv);
-            }
+            if (capture_here) capture_flash(g, qb, kp, mr.mask, kq_scale, keys_per_capture_block());
             o = ggml_flash_attn_ext(ctx, qb, kp, kv_views.v, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
             ggml_prec_set_acc(o, GGML_PREC_F32);
             o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, b.n);
@@ -416,7 +465,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
             ggml_tensor * kq = product(kp, qb);   // [n_kv, b.n, n_head]
             ggml_prec_set_acc(kq, GGML_PREC_F32);
             kq = ggml_soft_max_ext(ctx, kq, kv_mask_exact(ctx, mr), kq_scale, 0.0f);
-            if (capture_attn && last) capture_head_max(g, kq);
+            if (capture_here) capture_head_max(g, kq);
             ggml_tensor * kqv = product(kv_views.v, kq);                 // [head_dim_v, b.n, n_head]
             o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), head_dim_v * n_head, b.n);
         }

@@ -8,6 +8,7 @@
 #include "kv/pooled_kv.h"
 #include "kv/recurrent_state.h"
 #include "model/model.h"
+#include "model/sparse_attention.h"
 
 #include <map>
 #include <utility>
@@ -27,6 +28,10 @@ int64_t attention_block_rows(int64_t n_slots, int64_t bytes_per_key, int64_t blo
 // What an attention call holds per query and key: its F16 mask and, without flash attention, the F32 attention
 // matrix of each of the n_head heads twice (scores and softmax).
 int64_t attention_bytes_per_key(bool flash_attn, int64_t n_head);
+// log sum_k exp(scale q.k + mask) of queries q [head_dim, n_q, n_head] over keys kp [head_dim, n_kv, n_head_kv] under
+// mask [>= n_kv, n_q]: F32 [1, n_q, n_head], computed over blocks of keys_per_block keys (no buffer holds more).
+ggml_tensor * attention_lse(ggml_context * ctx, ggml_tensor * q, ggml_tensor * kp, ggml_tensor * mask, float kq_scale,
+                            int64_t keys_per_block);
 
 struct StepInputs {
     ggml_tensor * tokens    = nullptr;   // I32 [n_tokens]
@@ -71,10 +76,16 @@ struct GraphCtx {
     // What one attention call of a step whose mask is made per block of queries (KvStepInputs::band) may hold
     // for that block's mask and, on the mul_mat path, its attention matrix (graph.cpp: query_blocks).
     int64_t attention_block_bytes = k_attention_block_bytes;
+    // A sparse prefill's step (model/sparse_attention.h; index nullptr: attention is exact): its pooled layers attend
+    // blocks of queries over the chunks each block chooses.
+    SparseStep sparse;
     int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
     int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)
     std::vector<ggml_tensor *> attn;        // per layer: F32 [n_kv, n_attn_tokens], max over heads (outputs)
+    // A sparse prefill's captured queries: per layer whose last block chose its keys, the share of their exact
+    // attention those keys hold, F32 [1, n_attn_tokens, n_head] (outputs; none where the block saw every key).
+    std::vector<ggml_tensor *> coverage;
     // A batched decode of several sessions (runtime/batch_decoder.h): token t is session t's one token and
     // attends only that session's pool, under its own inputs. Empty: the graph runs one sequence (kv, in.kv).
     struct Lane {

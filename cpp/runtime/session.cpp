@@ -223,6 +223,11 @@ SessionTimings Session::timings() const {
     return timings_;
 }
 
+std::vector<float> Session::prefill_coverage() const {
+    const SessionLock held = lock(false, true);
+    return prefill_coverage_;
+}
+
 std::vector<float> Session::forward(const int32_t * tokens, int64_t n, int64_t start, bool all_logits) {
     const SessionLock held = lock();
     std::vector<float> logits((size_t) (all_logits ? std::max<int64_t>(n, 0) : 1) * model_->hparams().n_vocab);

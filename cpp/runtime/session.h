@@ -173,8 +173,10 @@ public:
     // `start` tokens again.
     // attention_block_bytes: what each attention call's mask (and, without flash attention, its attention
     // matrix) may hold; a step attends its queries in blocks that fit (0: k_attention_block_bytes).
+    // sparse: a sparse prefill's choice of keys (model/sparse_attention.h; its default, top_chunks 0: exact).
     ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
-                               const std::function<void()> & between = {}, int64_t attention_block_bytes = 0);
+                               const std::function<void()> & between = {}, int64_t attention_block_bytes = 0,
+                               const SparseParams & sparse = {});
     // The same prefill as a resumable state, for a caller that interleaves other work between its steps (a server's
     // rounds; prefill_exact is one advanced to its end under the session's lock): begin_prefill_exact checks the
     // arguments and makes the workspace, changing nothing; between: prefill_exact's callback; advance(k) runs up
@@ -200,7 +202,7 @@ public:
     private:
         friend class Session;
         ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                        int64_t attention_block_bytes, std::function<void()> between);
+                        int64_t attention_block_bytes, std::function<void()> between, const SparseParams & sparse);
         Session & s_;
         std::vector<int32_t> tokens_;
         std::function<void()> between_;   // prefill_exact's; none for a caller whose loop is the interrupt point
@@ -209,7 +211,8 @@ public:
     };
     std::unique_ptr<ExactPrefillRun> begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
                                                          int64_t n_batch = 0, int64_t attention_block_bytes = 0,
-                                                         std::function<void()> between = {});
+                                                         std::function<void()> between = {},
+                                                         const SparseParams & sparse = {});
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.
@@ -267,6 +270,10 @@ public:
     const RecurrentState * recurrent() const { return recurrent_.get(); }   // null: no linear-attention layers
     bool mtp() const { return cfg_.mtp; }
     SessionTimings timings() const;   // a copy: the live counters change under the lock
+    // After a sparse prefill, per pooled layer: the share of the prompt's last tokens' exact attention (mean over
+    // those queries and heads) that the keys their block chose held (1: the block saw every key). Of the last
+    // layer-major prefill: empty if it was exact.
+    std::vector<float> prefill_coverage() const;
     SessionMemory memory() const;
 
     // ---- state (session_state.cpp): the config and a token count; snapshot/ composes the rest ----
@@ -346,6 +353,7 @@ private:
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
     int64_t prefill_staging_bytes_ = 0;   // ... of which staging
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers
+    std::vector<float> prefill_coverage_;   // the last layer-major prefill's, when sparse (prefill_coverage)
     std::vector<uint8_t> input_scratch_, ring_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read
     SessionTimings timings_;

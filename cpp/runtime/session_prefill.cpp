@@ -142,7 +142,7 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
 class Session::ExactPrefillPass {
 public:
     ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                     const std::function<void()> & between, int64_t attention_block_bytes);
+                     const std::function<void()> & between, int64_t attention_block_bytes, const SparseParams & sparse);
     // Up to max_steps more steps (0: the rest), staging and writing back layers as their steps begin and end; true
     // once every step ran. On any exception the session is rolled back first.
     bool advance(int64_t max_steps);
@@ -170,7 +170,9 @@ private:
     // A global layer attends the staging pool: its own K/V, or (shared K/V) its source's, staged last.
     bool attends_staging(int il) const { const LayerKind k = kind(il); return k.mtp || (!k.swa && !k.recurrent); }
     PooledKV & stage_of(int il) const;
+    size_t stage_device(int il) const;   // the device whose staging pool layer il attends
     void make_stages();
+    void make_sparse_index();
     void plan_steps();
     StepGraph build_graph(size_t k, int64_t n_kv, bool measure);
     void stage_layer(int il);
@@ -200,8 +202,11 @@ private:
     std::unique_ptr<HiddenStates> hidden_;
     std::unique_ptr<HostMemory> bounce_buf_;
     std::vector<std::unique_ptr<CausalBand>> bands_;   // one per device (top of this file)
+    const SparseParams sparse_;
+    std::vector<std::unique_ptr<SparseIndex>> sparse_index_;   // per device with a staging pool (sparse prefill only)
     SchedPtr sched_{nullptr, ggml_backend_sched_free};
     ExactPrefill out_;
+    std::vector<float> coverage_;   // per pooled layer (capture; sparse only)
     StepQueries queries_;
     int64_t peak_compute_ = 0;
     std::chrono::steady_clock::time_point t0_;
@@ -226,11 +231,11 @@ private:
 
 Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start,
                                             int64_t n_batch, const std::function<void()> & between,
-                                            int64_t attention_block_bytes)
+                                            int64_t attention_block_bytes, const SparseParams & sparse)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
       C_(s.cfg_.chunk_tokens), n_batch_(n_batch), attention_block_bytes_(attention_block_bytes), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
-      sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()) {
+      sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()), sparse_(sparse) {
     check_shared_kv(hp_);
     spc_.pool_tokens = std::max(round_up(round_up(end_, s_.kv_pad_), C_), spc_.min_pool_tokens());
     spc_.max_tokens = spc_.pool_tokens;
@@ -251,6 +256,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     for (int d = 0; d < m_.n_devices(); ++d) {
         bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_));
     }
+    if (sparse_.on()) make_sparse_index();
     sched_.reset(s_.new_sched());
     out_.logits.resize((size_t) hp_.n_vocab);
     out_.attention.assign((size_t) end_, 0.0f);
@@ -286,12 +292,27 @@ void Session::ExactPrefillPass::make_stages() {
     }
 }
 
-PooledKV & Session::ExactPrefillPass::stage_of(int il) const {
+// A sparse prefill's chunk means and mask band beside each staging pool (model/sparse_attention.h).
+void Session::ExactPrefillPass::make_sparse_index() {
+    sparse_.check(C_);
+    if (!s_.flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
+    sparse_index_.resize(stages_.size());
+    for (size_t d = 0; d < stages_.size(); ++d) {
+        if (!stages_[d]) continue;
+        sparse_index_[d] = std::make_unique<SparseIndex>(m_.device_backend((int) d), sparse_, C_, spc_.pool_tokens / C_,
+                                                         std::max(sl_.n_embd_k, sl_.n_embd_v), s_.kv_pad_);
+    }
+}
+
+size_t Session::ExactPrefillPass::stage_device(int il) const {
     int src = il;
     while (src > 0 && !(attends_staging(src) && kind(src).has_kv)) --src;
-    PooledKV * st = stages_[(size_t) m_.device_of(src)].get();
-    return st ? *st : **std::find_if(stages_.begin(), stages_.end(), [](const auto & x) { return x != nullptr; });
+    const size_t d = (size_t) m_.device_of(src);
+    if (stages_[d]) return d;
+    return (size_t) (std::find_if(stages_.begin(), stages_.end(), [](const auto & x) { return x != nullptr; }) - stages_.begin());
 }
+
+PooledKV & Session::ExactPrefillPass::stage_of(int il) const { return *stages_[stage_device(il)]; }
 
 // The steps, layer by layer: a sliding-window layer's are capped by its ring. A layer without K/V of its own
 // takes only the last of the steps a ring layer takes (check_shared_kv), which every layer kind can take.
@@ -326,6 +347,10 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
     g.n_outputs = last_layer ? 1 : mt;
     g.flash_attn = s_.flash_attn_;
     g.attention_block_bytes = attention_block_bytes_;
+    if (sparse_.on() && attends_staging(il)) {   // a layer's first step summarizes every chunk held before the prompt too
+        const bool layer_first = k == 0 || steps_[k - 1].layer != il;
+        g.sparse = {sparse_index_[stage_device(il)].get(), layer_first ? 0 : p0 / C_};
+    }
     // Only the trunk's pooled layers are scored: they alone keep the last tokens' attention and queries.
     const bool scored = final_step && lk.pooled && !lk.mtp;
     g.n_attn_tokens = scored ? std::min(mt, k_capture_tokens) : 0;
@@ -483,6 +508,18 @@ void Session::ExactPrefillPass::capture(const GraphCtx & g, const LayerKind & lk
             out_.attention[j] = std::max(out_.attention[j], rows[(size_t) (i * n_kv + j)]);
         }
     }
+    if (sparse_.on()) {   // the share of exact attention the last block's chosen keys held (1: it saw every key)
+        float share = 1.0f;
+        if (!g.coverage.empty()) {
+            std::vector<float> c((size_t) ggml_nelements(g.coverage[0]));
+            ggml_backend_tensor_get(g.coverage[0], c.data(), 0, ggml_nbytes(g.coverage[0]));
+            double sum = 0;
+            for (float x : c) sum += x;
+            share = (float) (sum / (double) c.size());
+        }
+        coverage_.resize((size_t) hp_.n_pooled_layers(), 1.0f);
+        coverage_[(size_t) lk.pl] = share;
+    }
     if (g.n_query_tokens > 0) {
         const ggml_tensor * q = g.queries.at(0);   // [head_dim, n_head, n_q]
         const int64_t n_pooled = hp_.n_pooled_layers();
@@ -613,8 +650,10 @@ ExactPrefill Session::ExactPrefillPass::finish() {
 void Session::ExactPrefillPass::account() {
     s_.timings_.t_compute_ms += ms_since(t0_);
     s_.prefill_queries_ = std::move(queries_);
+    s_.prefill_coverage_ = std::move(coverage_);
     int64_t band_bytes = 0, staging_bytes = 0;
     for (const auto & b : bands_) band_bytes += b->device_bytes();
+    for (const auto & ix : sparse_index_) band_bytes += ix ? ix->device_bytes() : 0;
     for (const auto & st : stages_) staging_bytes += st ? st->device_bytes() : 0;
     const int64_t workspace = staging_bytes + band_bytes + hidden_->device_bytes() + peak_compute_;
     if (workspace > s_.prefill_peak_bytes_) {
@@ -625,17 +664,20 @@ void Session::ExactPrefillPass::account() {
 }
 
 ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                    const std::function<void()> & between, int64_t attention_block_bytes) {
+                                    const std::function<void()> & between, int64_t attention_block_bytes,
+                                    const SparseParams & sparse) {
     const SessionLock held = lock();   // the whole prefill: another thread's call waits instead of meeting the run
-    const std::unique_ptr<ExactPrefillRun> run = begin_prefill_exact(tokens, n, start, n_batch, attention_block_bytes, between);
+    const std::unique_ptr<ExactPrefillRun> run = begin_prefill_exact(tokens, n, start, n_batch, attention_block_bytes, between,
+                                                                     sparse);
     run->advance(0);
     return run->finish();
 }
 
 Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                          int64_t attention_block_bytes, std::function<void()> between)
+                                          int64_t attention_block_bytes, std::function<void()> between,
+                                          const SparseParams & sparse)
     : s_(s), tokens_(tokens, tokens + n), between_(std::move(between)) {
-    pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, n_batch, between_, attention_block_bytes);
+    pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, n_batch, between_, attention_block_bytes, sparse);
     s_.open_run_ = this;
 }
 
@@ -704,15 +746,18 @@ int64_t Session::ExactPrefillRun::steps_run() const {
 
 std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
                                                                        int64_t n_batch, int64_t attention_block_bytes,
-                                                                       std::function<void()> between) {
+                                                                       std::function<void()> between,
+                                                                       const SparseParams & sparse) {
     const SessionLock held = lock();
     check_tokens(tokens, n, start);
     if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (n_batch == 0) n_batch = cfg_.n_batch;
     if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
+    sparse.check(cfg_.chunk_tokens);
+    if (sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(
-        new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes, std::move(between)));
+        new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes, std::move(between), sparse));
 }
 
 }  // namespace kvf

@@ -27,7 +27,7 @@ from .engine_parts import (POLICY_NAMES, make_companion, make_policy, make_sessi
                            session_device_bytes)
 from .generation import Generation, StreamSuperseded
 from .mtp import check_mtp, wants_mtp
-from .options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .options import SPARSE_LOCAL_CHUNKS, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import Tokenizer, check_messages
@@ -75,6 +75,8 @@ class Engine:
             check_mtp(model)   # before any session: its pool would hold the head's K/V
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries, arena=arena,
                                     mtp=wants_mtp(speculative))
+        if residency.prefill == "sparse" and not self.session.flash_attn:
+            raise ValueError("prefill='sparse' needs flash attention: PoolConfig(attention='flash') (or 'auto' on a GPU)")
         self.speculator = make_speculator(speculative, model, tokenizer, pool, self.session) if speculative else None
         self.prefix_cache = PrefixCache(prefix_cache_dir, prefix_cache_bytes) if prefix_cache_dir else None
         self._cache_key = session_key(self.session, model) if self.prefix_cache else ""
@@ -239,7 +241,7 @@ class Engine:
     def _layer_major(self, tokens: list[int]) -> bool:
         """Exact prefill of a prompt the pool cannot hold whole (one it holds runs as ordinary forward steps,
         which then see every earlier position anyway)."""
-        return self.residency.prefill == "exact" and not self.session.full_cache and \
+        return self.residency.prefill in ("exact", "sparse") and not self.session.full_cache and \
             len(tokens) > self.session.pager.config().pool_tokens
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
@@ -248,8 +250,11 @@ class Engine:
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
         own_s = 0.0   # in the run's own calls: not the other slots' steps a server runs between them
+        sparse = self.residency.prefill == "sparse"
         with self.session.begin_prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
-                                              n_batch=self._exact_prefill_step()) as run:
+                                              n_batch=self._exact_prefill_step(),
+                                              sparse_top_chunks=self.residency.sparse_top_chunks if sparse else 0,
+                                              sparse_local_chunks=SPARSE_LOCAL_CHUNKS) as run:
             while True:
                 t0 = time.perf_counter()
                 done = run.advance(1)

@@ -24,7 +24,12 @@ TAU_CONTEXT_DIVISOR = 45
 # 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
-PREFILL_MODES = ("exact", "pooled")
+PREFILL_MODES = ("exact", "sparse", "pooled")
+# A sparse prefill's blocks of queries attend the sink chunk, the window of SPARSE_LOCAL_CHUNKS chunks before them and
+# the SPARSE_TOP_CHUNKS chunks their mean query scores highest (model/sparse_attention.h): 2,048 + 1,024 keys plus the
+# block's own, whatever the prompt's length.
+SPARSE_TOP_CHUNKS = 31
+SPARSE_LOCAL_CHUNKS = 16
 KV_TYPES = ("f16", "q8_0", "q4_0")
 # How the post-prompt reselect scores chunks after an exact prefill: "attention", the attention the prompt's
 # last tokens paid each chunk, captured during the prefill (the target model's own attention: no second
@@ -120,8 +125,11 @@ class ResidencyConfig:
     (0 = none).
     prefill: "exact" (default) gives every prompt position the K/V a full-cache run writes: a prompt larger than
     the pool runs layer-major (Session.prefill_exact), in device memory of the pool plus one layer's K/V of the
-    prompt. "pooled" computes a prompt in the pool: cheaper, but a K/V written after its evidence was paged out
-    never saw it.
+    prompt. "sparse" runs it layer-major too, but each block of 256 queries past the first few thousand positions
+    attends only the sink, a window and the sparse_top_chunks chunks its queries score highest: its attention costs
+    the same per token at any length; every position's K/V is still computed and kept. "pooled" computes a prompt
+    in the pool: cheaper, but a K/V written after its evidence was paged out never saw it.
+    sparse_top_chunks: the far chunks a sparse prefill's block chooses.
     prompt_scores: how the post-prompt reselect after an exact prefill scores chunks (see PROMPT_SCORES).
     drafter_model: the GGUF path, short name or loaded _core.Model that policy="drafter" runs beside the model."""
 
@@ -131,6 +139,7 @@ class ResidencyConfig:
     refresh_tokens: int = REFRESH_TOKENS
     prefill: str = "exact"
     prompt_scores: str = "auto"
+    sparse_top_chunks: int = SPARSE_TOP_CHUNKS
     drafter_model: Union[None, str, os.PathLike, _core.Model] = None
 
     def __post_init__(self) -> None:
@@ -138,6 +147,8 @@ class ResidencyConfig:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
         if self.prompt_scores not in PROMPT_SCORES:
             raise ValueError(f"prompt_scores must be one of {PROMPT_SCORES}, got {self.prompt_scores!r}")
+        if not _is_int(self.sparse_top_chunks) or self.sparse_top_chunks <= 0:
+            raise ValueError(f"sparse_top_chunks must be a positive number of chunks, got {self.sparse_top_chunks!r}")
         if not _is_int(self.tau) or self.tau <= 0:
             raise ValueError(f"tau must be positive, got {self.tau}")
         if not _is_int(self.refresh_tokens) or self.refresh_tokens < 0:

@@ -32,7 +32,8 @@ from .reference import (add_reference_flags, gpu_free_bytes, holds_rpc, int_list
 
 REPS = 3
 WARM_UP_TOKENS = 2048
-MODES = ("full", "exact", "pooled")
+MODES = ("full", "exact", "sparse", "pooled")
+DEFAULT_MODES = ("full", "exact", "pooled")   # sparse needs flash attention (--attention flash, or a GPU)
 
 
 class FreeMemorySampler:
@@ -110,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_model_flags(ap, threads=os.cpu_count())
     add_pool_flags(ap, pool="512", n_ctx=None)
     ap.add_argument("--lengths", default="2048,8192", help="comma-separated prompt lengths")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"which of ours to run (of {','.join(MODES)})")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"which of ours to run (of {','.join(MODES)})")
     ap.add_argument("--reps", type=int, default=REPS, help="prefills per length and mode (llama-bench -r); median")
     ap.add_argument("--cold-host", action="store_true",
                     help="do not pin the host store before timing: the first prompt's pinning is timed with it (by "
@@ -152,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for mode in modes:
             pool = dataclasses.replace(pooled, pool_tokens=None) if mode == "full" else pooled
             progress(f"length {n}: {mode}: {args.reps} prefills")
-            row[mode] = time_prefill(model, tokenizer, n, pool, "pooled" if mode == "pooled" else "exact",
+            row[mode] = time_prefill(model, tokenizer, n, pool, "exact" if mode == "full" else mode,
                                      args.reps, seed=n, reserve_host=not args.cold_host)
             print(f"length {n}: {mode} {row[mode]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         rows.append(row)
@@ -187,14 +188,15 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
                         for m in modes)
         print(f"{r['length']:>7} " + " ".join(f"{r[m]['tok_s']:>13.1f}" for m in modes) +
               f" {best or 0:>12.1f} " + " ".join(f"{ratio(m):>13}" for m in modes) + f"  {held}")
-    if "exact" in modes:   # the exact prefill's workspace: one layer's K/V of the prompt + buffers of fixed size
+    for m in (m for m in ("exact", "sparse") if m in modes):   # the workspace: one layer's K/V of the prompt + fixed
         for r in report["rows"]:
-            e = r["exact"]
+            e = r[m]
             stage, peak = e.get("device_prefill_staging_bytes", 0), e.get("device_prefill_peak_bytes", 0)
-            print(f"exact prefill workspace at {r['length']}: {mib(peak)} MiB = staging {mib(stage)} MiB (one layer's "
+            print(f"{m} prefill workspace at {r['length']}: {mib(peak)} MiB = staging {mib(stage)} MiB (one layer's "
                   f"K/V of the prompt) + {mib(peak - stage)} MiB (step compute buffer, attention blocks of at most "
-                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, the mask table)")
-            if e.get("prefill_graph_changes"):
+                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, the mask table"
+                  + (", the chunks' mean keys)" if m == "sparse" else ")"))
+            if e.get("prefill_graph_changes") and m == "exact":
                 print(f"exact prefill at {r['length']}: {e['prefill_graph_changes']} steps built another graph than "
                       "their layer's first, and each waited for the device (a bug: report it)")
     for r in report["rows"]:

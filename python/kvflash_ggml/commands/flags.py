@@ -163,17 +163,21 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
     ap.add_argument("--tau", type=int, default=None,
                     help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
     if grid:
-        ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both"],
-                        help="prompt computation: layer-major with full-cache K/V (exact, the engine's default), in "
-                             "the pool (pooled, labelled +pooled), the default, or both side by side")
+        ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both", "exact+sparse"],
+                        help="prompt computation: layer-major with full-cache K/V (exact, the engine's default), "
+                             "layer-major with sparse attention (sparse, labelled +sparse: needs --attention flash), in "
+                             "the pool (pooled, labelled +pooled), the default, both exact and pooled side by side, or "
+                             "exact+sparse")
         ap.add_argument("--prefill-reselect", default="default", choices=["default", "on", "off", "both"],
                         help="query-aware prefill (reselect before each prefill batch) for policies that "
                              "reselect: the engine's default, on, off, or both side by side (labelled +pf)")
         return
     ap.add_argument("--prefill", default=None, choices=PREFILL_MODES,
                     help="compute a prompt larger than the pool layer-major, every K/V as a full cache writes it "
-                         "(exact, the default; device memory: the pool + one layer's K/V of the prompt) or in the "
-                         "pool (pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
+                         "(exact, the default; device memory: the pool + one layer's K/V of the prompt), layer-major "
+                         "with each block of queries attending a window, the sink and the chunks it scores highest "
+                         "(sparse: the same cost per token at any length; needs flash attention), or in the pool "
+                         "(pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
     ap.add_argument("--prompt-scores", default=None, choices=PROMPT_SCORES,
                     help="after an exact prefill, page in what the prompt's last tokens attended to (attention; "
                          "auto, the default, uses it) or what the policy scores (policy)")

@@ -134,8 +134,8 @@ def main(bench: str, argv: Optional[Sequence[str]] = None) -> int:
     variants = {"default": (None,), "on": (True,), "off": (False,), "both": (False, True)}[args.prefill_reselect]
     cfgs = make_configs(pools if policies else [], policies, include_full=include_full,
                         prefill_reselect=variants, tau=args.tau, drafter_model=args.drafter_model,
-                        prefill={"default": (None,), "pooled": ("pooled",), "exact": ("exact",),
-                                 "both": ("pooled", "exact")}[args.prefill],
+                        prefill={"default": (None,), "pooled": ("pooled",), "exact": ("exact",), "sparse": ("sparse",),
+                                 "both": ("pooled", "exact"), "exact+sparse": ("exact", "sparse")}[args.prefill],
                         kv_type=args.kv_type, attention=args.attention)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     given = list(argv) if argv is not None else sys.argv[1:]

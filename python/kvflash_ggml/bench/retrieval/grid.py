@@ -30,7 +30,7 @@ class Config:
     prefill_reselect: Optional[bool] = None   # None = the engine's default; True adds "+pf" to the label
     tau: Optional[int] = None                 # None = the engine's default
     drafter_model: Optional[str] = None       # the drafter policy's model (unused by other policies)
-    prefill: Optional[str] = None             # None = the engine's default (exact); "pooled" adds "+pooled"
+    prefill: Optional[str] = None             # None = the engine's default (exact); "pooled" / "sparse" add "+pooled" / "+sparse"
     kv_type: Optional[str] = None             # None = PoolConfig's default; the control's too
     attention: Optional[str] = None           # None = PoolConfig's default; the control's too
 
@@ -39,7 +39,7 @@ class Config:
         if self.pool is None:
             return "full"
         return policy_label(self.policy) + ("+pf" if self.prefill_reselect else "") + \
-            ("+pooled" if self.prefill == "pooled" else "")
+            (f"+{self.prefill}" if self.prefill in ("pooled", "sparse") else "")
 
     def model_options(self) -> dict:
         """Keywords for Model (which builds PoolConfig and ResidencyConfig from them) beyond pool and policy:

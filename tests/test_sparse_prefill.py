@@ -1,0 +1,167 @@
+"""Sparse prefill (issue 37 item 2; model/sparse_attention.h): a layer-major prefill whose later blocks of queries
+attend the sink, a window and the chunks they score highest. No library computes this attention, so the checks are
+what it must keep from the exact prefill it departs from: with every far chunk chosen it is the exact attention
+(other key order only); a position's K/V never depends on a later block's tokens (the gathered keys' mask is causal); every
+position's K/V is still computed (layer 0's equal the exact prefill's bytes); and the attention mass the chosen keys
+hold is reported, 1 where they are all of them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvflash_ggml import _core
+from kvflash_ggml.testing import random_gguf as rg
+
+C = _core.CHUNK_TOKENS
+POOL = 448
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparse-prefill")
+    models: dict[str, _core.Model] = {}
+
+    def get(arch: str, **overrides) -> _core.Model:
+        name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+        if name not in models:
+            path = rg.write_preset(root / f"{name}.gguf", f"tiny-{arch}", weight_type="f32", **overrides)
+            models[name] = _core.Model(str(path), backend="cpu", n_threads=1)
+        return models[name]
+
+    return get
+
+
+def session(model, kv_type: str = "f16", attention: str = "flash") -> _core.Session:
+    return _core.Session(model, _core.SessionConfig(max_tokens=2048, pool_tokens=POOL, n_batch=128, attention=attention,
+                                                    kv_type=kv_type))
+
+
+def prompt(model, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, model.hparams.n_vocab, n).astype(np.int32)
+
+
+def chunk_bytes(sess: _core.Session, c: int) -> bytes:
+    block = sess.pager.chunk_blocks()[c]
+    return sess.kv.read_block(block) if block >= 0 else sess.kv.host_image(c)
+
+
+def chunk_values(sess: _core.Session, c: int, kv_type: str) -> np.ndarray:
+    raw = chunk_bytes(sess, c)
+    if kv_type == "f16":
+        return np.frombuffer(raw, np.float16).astype(np.float32)
+    blocks = np.frombuffer(raw, np.dtype([("d", np.float16), ("qs", np.int8, 32)]))   # ggml's block_q8_0
+    return (blocks["d"].astype(np.float32)[:, None] * blocks["qs"]).ravel()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma4"])
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_a_block_that_chooses_every_far_chunk_attends_what_the_exact_prefill_does(tiny, arch, kv_type):
+    # Blocks of 256 queries; with no window (local 0) and top 3, the block from 300 has its window from chunk 4 and far
+    # chunks 1-3 (after the sink, chunk 0): it chooses all three, so it goes through the sparse path (mean keys, top-k,
+    # per-head gather, the stacked keys under the shifted band) yet attends every earlier key: the exact prefill's
+    # result up to summation order (the gathered keys come in another order). The first 300 tokens are held (an
+    # exact prefill), so the block's first step also summarizes the held chunks. Measured max |diff| of logits: llama
+    # and qwen35 below 1e-6, gemma4 1.3e-4; of K/V values of ~1, 2.4e-3 (the tolerances: the flash block test's).
+    model = tiny(arch)
+    tokens, held = prompt(model, 512, seed=1), 300
+    exact = session(model, kv_type)
+    exact.prefill_exact(tokens[:held], 0)
+    logits_exact, attention_exact = exact.prefill_exact(tokens[held:], held, n_batch=512)
+    sparse = session(model, kv_type)
+    sparse.prefill_exact(tokens[:held], 0)
+    logits, attention = sparse.prefill_exact(tokens[held:], held, n_batch=512, sparse_top_chunks=3, sparse_local_chunks=0)
+    np.testing.assert_allclose(logits, logits_exact, atol=1e-3)
+    # gemma4's peaked captures move most: 2.1e-3 (f16), 1.6e-2 (q8_0: a K/V a quantization step off, K/V tolerance below)
+    np.testing.assert_allclose(attention, attention_exact, atol=5e-3 if kv_type == "f16" else 3e-2)
+    for c in range(len(tokens) // C):
+        np.testing.assert_allclose(chunk_values(sparse, c, kv_type), chunk_values(exact, c, kv_type),
+                                   # q8_0: one quantization step (a value next to a rounding boundary goes the other way)
+                                   atol=5e-3 if kv_type == "f16" else 3e-2, rtol=0 if kv_type == "f16" else 2e-2,
+                                   err_msg=f"chunk {c}")
+    coverage = sparse.prefill_coverage()
+    assert len(coverage) == model.hparams.n_pooled_layers
+    # exp(lse over the chosen keys - lse over all keys), all of them chosen: 1 (q8_0 keys gathered as F16: 2.3e-4 off)
+    np.testing.assert_allclose(coverage, 1.0, atol=1e-3)
+    assert exact.prefill_coverage() == []
+
+
+def test_a_sparse_block_chooses_fewer_keys_and_says_how_much_attention_they_hold(tiny):
+    # With top 3 and a window of 2 chunks, the blocks past the first few hundred positions attend far fewer keys than
+    # exact: the result departs from it, and the coverage of every pooled layer is a share in (0, 1).
+    model = tiny("llama")
+    tokens = prompt(model, 1500, seed=2)
+    exact = session(model)
+    logits_exact, _ = exact.prefill_exact(tokens, 0, n_batch=512)
+    sparse = session(model)
+    logits, _ = sparse.prefill_exact(tokens, 0, n_batch=512, sparse_top_chunks=3, sparse_local_chunks=2)
+    assert np.all(np.isfinite(logits))
+    assert np.abs(logits - logits_exact).max() > 1e-3
+    coverage = np.array(sparse.prefill_coverage())
+    assert coverage.shape == (model.hparams.n_pooled_layers,)
+    assert np.all((coverage > 0) & (coverage < 0.99)), coverage
+
+
+def test_no_block_sees_a_later_one_through_the_chosen_keys(tiny):
+    # Two prompts equal up to 768 (a block boundary: blocks of 256 from 0) and different after: every chunk before 768
+    # must hold the same bytes in every layer. A mask that let a block see a key past its last query (the window's
+    # end or the far keys' origin off by some columns: the staging pool's later rows then hold the layer before's
+    # K/V of the different tail), or a choice made from later chunks' means, would carry the tail into them. (Within
+    # a block, a position's K/V may depend on the block's later queries: they choose its chunks together.)
+    model = tiny("llama")
+    a = prompt(model, 1400, seed=3)
+    b = a.copy()
+    b[768:] = prompt(model, 1400 - 768, seed=4)
+    runs = []
+    for tokens in (a, b):
+        sess = session(model)
+        sess.prefill_exact(tokens, 0, n_batch=256, sparse_top_chunks=2, sparse_local_chunks=1)
+        runs.append(sess)
+    for c in range(768 // C):
+        assert chunk_bytes(runs[0], c) == chunk_bytes(runs[1], c), f"chunk {c}"
+    assert any(chunk_bytes(runs[0], c) != chunk_bytes(runs[1], c) for c in range(768 // C, 1400 // C))
+
+
+def test_every_positions_kv_is_computed_and_kept(tiny):
+    # Only the prompt's attention is sparse: layer 0's K/V come from the tokens alone, so they are the exact
+    # prefill's bytes at every position, paged out or resident; later layers' depart from them.
+    model = tiny("llama")
+    tokens = prompt(model, 1500, seed=5)
+    exact, sparse = session(model), session(model)
+    exact.prefill_exact(tokens, 0, n_batch=512)
+    sparse.prefill_exact(tokens, 0, n_batch=512, sparse_top_chunks=3, sparse_local_chunks=2)
+    assert sparse.n_tokens == exact.n_tokens == len(tokens)
+    sparse.pager.check_invariants()
+    assert sparse.pager.n_host_images() > 0
+    layer = sparse.kv.layer_chunk_bytes
+    for c in range(len(tokens) // C):
+        assert chunk_bytes(sparse, c)[:layer] == chunk_bytes(exact, c)[:layer], f"chunk {c}"
+    assert any(chunk_bytes(sparse, c)[layer:] != chunk_bytes(exact, c)[layer:] for c in range(len(tokens) // C))
+
+
+def test_bad_sparse_settings_are_refused_and_change_nothing(tiny):
+    model = tiny("llama")
+    tokens = prompt(model, 700)
+    sess = session(model)
+    for kw, what in [(dict(sparse_top_chunks=-1), "top_chunks"), (dict(sparse_top_chunks=3, sparse_local_chunks=-2), "local_chunks")]:
+        with pytest.raises(ValueError, match=what):
+            sess.prefill_exact(tokens, 0, **kw)
+    with pytest.raises(ValueError, match="flash attention"):
+        session(model, attention="matmul").prefill_exact(tokens, 0, sparse_top_chunks=3)
+    assert sess.n_tokens == 0
+
+
+def test_the_engine_runs_a_sparse_prefill_and_refuses_one_without_flash_attention(tiny_gguf):
+    from kvflash_ggml import Engine, PoolConfig, ResidencyConfig, Tokenizer
+    path = tiny_gguf()
+    model = _core.Model(path, backend="cpu", n_threads=1)
+    with pytest.raises(ValueError, match="flash attention"):
+        Engine(model, Tokenizer(path), PoolConfig(pool_tokens=POOL, attention="matmul"), ResidencyConfig(prefill="sparse"))
+    with pytest.raises(ValueError, match="sparse_top_chunks"):
+        ResidencyConfig(prefill="sparse", sparse_top_chunks=0)
+    engine = Engine(model, Tokenizer(path), PoolConfig(pool_tokens=POOL, attention="flash"),
+                    ResidencyConfig(prefill="sparse", sparse_top_chunks=2))
+    tokens = prompt(model, 1600, seed=6).tolist()
+    engine.prefill(tokens)
+    assert engine.session.n_tokens == len(tokens)
+    coverage = engine.session.prefill_coverage()
+    assert len(coverage) == model.hparams.n_pooled_layers and all(0 < x <= 1 for x in coverage)
