@@ -387,9 +387,10 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
     const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1], n = q->ne[2];
     if (k) ggml_build_forward_expand(g.gf, cpy_k(ctx, kv, in, kl, k));
     if (v) ggml_build_forward_expand(g.gf, cpy_v(ctx, kv, in, kl, v));
-    const SparseIndex * sparse = in.band ? g.sparse.index : nullptr;   // a sparse prefill's pooled layer
-    if (sparse && !g.flash_attn) throw std::logic_error("attend: a sparse prefill needs flash attention");
-    if (sparse && k) ggml_build_forward_expand(g.gf, summarize_chunks(g, kv, kl, head_dim_k, in.first_pos, n));
+    const SparseIndex * index = in.band ? g.sparse.index : nullptr;   // a sparse prefill's pooled layer
+    if (index && !g.flash_attn) throw std::logic_error("attend: a sparse prefill needs flash attention");
+    if (index && k) ggml_build_forward_expand(g.gf, summarize_chunks(g, kv, kl, head_dim_k, in.first_pos, n));
+    const SparseIndex * sparse = g.sparse.dense ? nullptr : index;   // its blocks choose their keys
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);   // [head_dim_k, n, n_head]
     const int64_t bytes_per_key = attention_bytes_per_key(g.flash_attn, n_head);
     // The pool's views for the keys a block sees, made once for every block that sees as many (a position-ordered
@@ -419,13 +420,29 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
         const int64_t per_key = g.n_attn_tokens * n_head * 2 * sizeof(float);   // scores and their exp
         return in.band ? std::max<int64_t>(k_min_key_block, g.attention_block_bytes / per_key) : n_kv;
     };
-    ggml_tensor * lse_all = nullptr;   // the captured queries' log-sum-exp over every key (a sparse prefill's)
-    if (sparse && capture_attn) {   // what the last queries attend among every key, though their block attends fewer
+    // A sparse prefill's captured queries: their log-sum-exp over every key, beside the one over the keys their block
+    // chose (or, in the dense last step, would choose) gives the share those keys hold (GraphCtx::coverage).
+    ggml_tensor * lse_all = nullptr;
+    const auto keep_coverage = [&](ggml_tensor * lse_chosen) {
+        ggml_tensor * cover = ggml_exp(ctx, ggml_sub(ctx, lse_chosen, lse_all));
+        ggml_set_output(cover);
+        ggml_build_forward_expand(g.gf, cover);
+        g.coverage.push_back(cover);
+    };
+    if (index && capture_attn) {
         const int64_t n_q = g.n_attn_tokens;
         const KvMaskRows mr = kv_mask_rows(ctx, in, n_kv, n - n_q, n_q);
         if (mr.n_kv != n_kv) throw std::logic_error("attend: the captured queries see fewer keys");
-        capture_flash(g, rows(n - n_q, n_q), views_for(n_kv).k, mr.mask, kq_scale, keys_per_capture_block());
+        if (sparse) {   // what the last queries attend among every key, though their block attends fewer
+            capture_flash(g, rows(n - n_q, n_q), views_for(n_kv).k, mr.mask, kq_scale, keys_per_capture_block());
+        }
         lse_all = attention_lse(ctx, rows(n - n_q, n_q), views_for(n_kv).k, mr.mask, kq_scale, keys_per_capture_block());
+        if (!sparse) {   // the dense last step: the choice of a block of queries ending here, made and not attended
+            const int64_t nr = std::min(n, index->params().block_rows);
+            ggml_tensor * lse_chosen = nullptr;
+            sparse_attend_block(g, kv, kl, rows(n - nr, nr), in.first_pos + n - nr, head_dim_v, kq_scale, n_q, &lse_chosen);
+            if (lse_chosen) keep_coverage(lse_chosen);
+        }
     }
     std::vector<ggml_tensor *> outs;
     for (const QueryBlock & b : query_blocks(in, n, bytes_per_key, g.attention_block_bytes, one_token && !f16_products,
@@ -436,12 +453,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
             ggml_tensor * lse_chosen = nullptr;
             if (ggml_tensor * o = sparse_attend_block(g, kv, kl, qb, in.first_pos + b.row0, head_dim_v, kq_scale,
                                                       lse_all && last ? g.n_attn_tokens : 0, &lse_chosen)) {
-                if (lse_chosen) {   // the share of the exact attention the chosen keys hold: exp(lse_chosen - lse_all)
-                    ggml_tensor * cover = ggml_exp(ctx, ggml_sub(ctx, lse_chosen, lse_all));
-                    ggml_set_output(cover);
-                    ggml_build_forward_expand(g.gf, cover);
-                    g.coverage.push_back(cover);
-                }
+                if (lse_chosen) keep_coverage(lse_chosen);
                 outs.push_back(o);
                 continue;
             }

@@ -10,7 +10,8 @@
 //   - the far chunks: the top_chunks of [sink_chunks, cl) whose mean key scores highest against the block's mean
 //     query (its queries and the query heads of the group averaged: MInference's block-sparse pooling, MoBA's
 //     mean-pooled keys), chosen on the device (ggml_top_k) so that a step waits for nothing.
-// A block with fewer far chunks than top_chunks attends every earlier key, as the exact prefill does. A block's
+// A block with fewer far chunks than top_chunks attends every earlier key, as the exact prefill does, and so does
+// the prompt's last step (SparseStep::dense). A block's
 // queries choose together, so a position's K/V may depend on later queries of its own block (block_rows - 1 at most),
 // as in MInference's block-sparse prefill; never on a later block's.
 // The chosen chunks' keys are gathered per head (ggml_get_rows over the staging pool viewed as [head_dim,
@@ -80,6 +81,10 @@ private:
 struct SparseStep {
     const SparseIndex * index = nullptr;
     int64_t summarize_from = 0;   // first chunk whose mean key this step (re)computes: 0 on a layer's first step
+    // The prompt's last step attends every key: the question at a prompt's end is what must find its evidence, and
+    // one dense step a layer costs O(length), not O(length^2). Its last block still makes the choice a sparse block
+    // ending there would make, to report the share of attention that choice would have held (GraphCtx::coverage).
+    bool dense = false;
 };
 
 // Writes the mean keys of chunks [summarize_from, the chunk of the step's last position] of layer kl of the staging

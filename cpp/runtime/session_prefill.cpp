@@ -174,6 +174,7 @@ private:
     void make_stages();
     void make_sparse_index();
     void plan_steps();
+    KvKeyOrder staging_order(int64_t filled) const;
     StepGraph build_graph(size_t k, int64_t n_kv, bool measure);
     void stage_layer(int il);
     void reserve_layer(int il, size_t k_end);
@@ -329,6 +330,15 @@ void Session::ExactPrefillPass::plan_steps() {
     }
 }
 
+// The staging pool's keys once positions [0, filled) are in: slot j holds position j, so the step attends the first
+// filled slots, padded. kv_key_order would copy every slot's position (8 MiB at 1M) on the host at every step: at
+// 1M positions that took as long as the step's compute (a 1M sparse prefill ran at half its 256K rate, R98).
+KvKeyOrder Session::ExactPrefillPass::staging_order(int64_t filled) const {
+    KvKeyOrder o;
+    o.n_kv = std::min(round_up(filled, s_.kv_pad_), spc_.pool_tokens);
+    return o;
+}
+
 // measure: only its shapes count (ggml_backend_sched_reserve); nothing of it is queued.
 Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size_t k, int64_t n_kv, bool measure) {
     const int il = steps_[k].layer;
@@ -349,7 +359,7 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
     g.attention_block_bytes = attention_block_bytes_;
     if (sparse_.on() && attends_staging(il)) {   // a layer's first step summarizes every chunk held before the prompt too
         const bool layer_first = k == 0 || steps_[k - 1].layer != il;
-        g.sparse = {sparse_index_[stage_device(il)].get(), layer_first ? 0 : p0 / C_};
+        g.sparse = {sparse_index_[stage_device(il)].get(), layer_first ? 0 : p0 / C_, final_step};
     }
     // Only the trunk's pooled layers are scored: they alone keep the last tokens' attention and queries.
     const bool scored = final_step && lk.pooled && !lk.mtp;
@@ -440,14 +450,14 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     if (!lk.has_kv) {   // reads only: the keys every position of the prompt left
         plan.span_start = p0;
         plan.span_n = mt;
-        order = lk.swa ? s_.ring_->key_order() : kv_key_order(*stage_pager_, sl_, false, s_.kv_pad_);
+        order = lk.swa ? s_.ring_->key_order() : staging_order(end_);
     } else if (lk.swa) {
         plan = s_.ring_->place(p0, mt);
         order = s_.ring_->key_order();
     } else if (lk.pooled) {
         plan = stage_pager_->plan_alloc(p0, mt);
         stage_pager_->apply(plan);
-        order = kv_key_order(*stage_pager_, sl_, false, s_.kv_pad_);
+        order = staging_order(p0 + mt);
     }
 
     const auto t_graph = std::chrono::steady_clock::now();
