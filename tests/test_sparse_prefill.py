@@ -176,3 +176,24 @@ def test_the_engine_runs_a_sparse_prefill_and_refuses_one_without_flash_attentio
     assert engine.session.n_tokens == len(tokens)
     coverage = engine.session.prefill_coverage()
     assert len(coverage) == model.hparams.n_pooled_layers and all(0 < x <= 1 for x in coverage)
+
+
+def test_auto_prefill_runs_sparse_past_the_crossover_with_flash_attention(tiny_gguf, monkeypatch):
+    # prefill="auto" (the default): exact below SPARSE_FROM_TOKENS of context, sparse above it where flash attention
+    # allows (the matmul path cannot run sparse: exact at any length). The crossover is lowered here so that a
+    # 1600-token prompt crosses it; Session.prefill_coverage() tells which ran (empty after an exact prefill).
+    from kvflash_ggml import Engine, PoolConfig, ResidencyConfig, Tokenizer, engine as engine_module
+    path = tiny_gguf()
+    model = _core.Model(path, backend="cpu", n_threads=1)
+    tokens = prompt(model, 1600, seed=7).tolist()
+    assert ResidencyConfig().prefill == "auto"
+
+    def ran_sparse(attention: str) -> bool:
+        engine = Engine(model, Tokenizer(path), PoolConfig(pool_tokens=POOL, attention=attention), ResidencyConfig())
+        engine.prefill(tokens)
+        return len(engine.session.prefill_coverage()) > 0
+
+    assert not ran_sparse("flash")   # 1600 <= 65536: exact
+    monkeypatch.setattr(engine_module, "SPARSE_FROM_TOKENS", 1000)
+    assert ran_sparse("flash")
+    assert not ran_sparse("matmul")

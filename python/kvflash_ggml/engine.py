@@ -27,7 +27,7 @@ from .engine_parts import (POLICY_NAMES, make_companion, make_policy, make_sessi
                            session_device_bytes)
 from .generation import Generation, StreamSuperseded
 from .mtp import check_mtp, wants_mtp
-from .options import SPARSE_LOCAL_CHUNKS, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from .options import SPARSE_FROM_TOKENS, SPARSE_LOCAL_CHUNKS, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import Tokenizer, check_messages
@@ -241,7 +241,7 @@ class Engine:
     def _layer_major(self, tokens: list[int]) -> bool:
         """Exact prefill of a prompt the pool cannot hold whole (one it holds runs as ordinary forward steps,
         which then see every earlier position anyway)."""
-        return self.residency.prefill in ("exact", "sparse") and not self.session.full_cache and \
+        return self.residency.prefill != "pooled" and not self.session.full_cache and \
             len(tokens) > self.session.pager.config().pool_tokens
 
     def _exact_prefill(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
@@ -250,7 +250,7 @@ class Engine:
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
         position: nothing is recomputed."""
         own_s = 0.0   # in the run's own calls: not the other slots' steps a server runs between them
-        sparse = self.residency.prefill == "sparse"
+        sparse = self._sparse_prefill(len(tokens))
         with self.session.begin_prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
                                               n_batch=self._exact_prefill_step(),
                                               sparse_top_chunks=self.residency.sparse_top_chunks if sparse else 0,
@@ -274,6 +274,12 @@ class Engine:
         else:
             self._reselect_by(lambda: prompt_attention_scores(attention, self.session.pager.n_chunks()))
         return logits
+
+    def _sparse_prefill(self, n_context: int) -> bool:
+        """Whether a layer-major prompt ending at n_context runs sparse (prefill="sparse", or "auto" past
+        SPARSE_FROM_TOKENS where flash attention makes it possible)."""
+        mode = self.residency.prefill
+        return mode == "sparse" or (mode == "auto" and self.session.flash_attn and n_context > SPARSE_FROM_TOKENS)
 
     def _exact_prefill_step(self) -> int:
         step = self.pool.exact_prefill_batch(self.session.flash_attn)

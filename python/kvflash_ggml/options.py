@@ -24,7 +24,12 @@ TAU_CONTEXT_DIVISOR = 45
 # 0.78 with 64 or 256; pool 512: 0.11 / 0.44 / 0.50, and 0 with 512 (a refresh as large as the pool pushes
 # the evidence it should read back out).
 REFRESH_TOKENS = _core.CHUNK_TOKENS
-PREFILL_MODES = ("exact", "sparse", "pooled")
+PREFILL_MODES = ("auto", "exact", "sparse", "pooled")
+# prefill="auto": a prompt whose context ends past SPARSE_FROM_TOKENS runs sparse where it can (flash attention), else
+# exact. The crossover, measured on an H100 / H200 (8B shape, RESULTS R98-R99): exact 8,590-8,760 tok/s at 32K,
+# 4,640 at 128K, 2,740-2,810 at 256K (its cost per token grows with the context); sparse 7,180-7,220 at 32K,
+# 6,840-6,880 at 256K: a line through exact's figures meets sparse's near 60K.
+SPARSE_FROM_TOKENS = 65536
 # A sparse prefill's blocks of queries attend the sink chunk, the window of SPARSE_LOCAL_CHUNKS chunks before them and
 # the SPARSE_TOP_CHUNKS chunks their mean query scores highest (model/sparse_attention.h): 2,048 + 1,024 keys plus the
 # block's own, whatever the prompt's length.
@@ -123,12 +128,13 @@ class ResidencyConfig:
     prefill_reselect: reselect before each prefill batch (the previous batch's queries pick what stays).
     refresh_tokens: prompt tokens run again after a pooled prefill's post-prompt reselect paged anything in
     (0 = none).
-    prefill: "exact" (default) gives every prompt position the K/V a full-cache run writes: a prompt larger than
-    the pool runs layer-major (Session.prefill_exact), in device memory of the pool plus one layer's K/V of the
-    prompt. "sparse" runs it layer-major too, but each block of 256 queries past the first few thousand positions
-    attends only the sink, a window and the sparse_top_chunks chunks its queries score highest: its attention costs
-    the same per token at any length; every position's K/V is still computed and kept. "pooled" computes a prompt
-    in the pool: cheaper, but a K/V written after its evidence was paged out never saw it.
+    prefill: "exact" gives every prompt position the K/V a full-cache run writes: a prompt larger than the pool runs
+    layer-major (Session.prefill_exact), in device memory of the pool plus one layer's K/V of the prompt. "sparse"
+    runs it layer-major too, but each block of 256 queries past the first few thousand positions attends only the
+    sink, a window and the sparse_top_chunks chunks its queries score highest (the prompt's last step attends every
+    key): its attention costs about the same per token at any length; every position's K/V is still computed and
+    kept. "auto" (default): sparse for a context past SPARSE_FROM_TOKENS with flash attention, else exact. "pooled"
+    computes a prompt in the pool: cheaper, but a K/V written after its evidence was paged out never saw it.
     sparse_top_chunks: the far chunks a sparse prefill's block chooses.
     prompt_scores: how the post-prompt reselect after an exact prefill scores chunks (see PROMPT_SCORES).
     drafter_model: the GGUF path, short name or loaded _core.Model that policy="drafter" runs beside the model."""
@@ -137,7 +143,7 @@ class ResidencyConfig:
     tau: int = 64
     prefill_reselect: bool = False
     refresh_tokens: int = REFRESH_TOKENS
-    prefill: str = "exact"
+    prefill: str = "auto"
     prompt_scores: str = "auto"
     sparse_top_chunks: int = SPARSE_TOP_CHUNKS
     drafter_model: Union[None, str, os.PathLike, _core.Model] = None

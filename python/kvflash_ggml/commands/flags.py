@@ -164,7 +164,8 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
                     help=f"decode tokens between reselects (default {ResidencyConfig.tau}; adaptive)")
     if grid:
         ap.add_argument("--prefill", default="default", choices=["default", *PREFILL_MODES, "both", "exact+sparse"],
-                        help="prompt computation: layer-major with full-cache K/V (exact, the engine's default), "
+                        help="prompt computation: the engine's default (auto: exact up to 64K tokens), layer-major "
+                             "with full-cache K/V (exact), "
                              "layer-major with sparse attention (sparse, labelled +sparse: needs --attention flash), in "
                              "the pool (pooled, labelled +pooled), the default, both exact and pooled side by side, or "
                              "exact+sparse")
@@ -174,10 +175,11 @@ def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> N
         return
     ap.add_argument("--prefill", default=None, choices=PREFILL_MODES,
                     help="compute a prompt larger than the pool layer-major, every K/V as a full cache writes it "
-                         "(exact, the default; device memory: the pool + one layer's K/V of the prompt), layer-major "
-                         "with each block of queries attending a window, the sink and the chunks it scores highest "
-                         "(sparse: the same cost per token at any length; needs flash attention), or in the pool "
-                         "(pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
+                         "(exact; device memory: the pool + one layer's K/V of the prompt), layer-major with each "
+                         "block of queries attending a window, the sink and the chunks it scores highest (sparse: "
+                         "about the same cost per token at any length; needs flash attention), sparse past "
+                         "64K tokens of context with flash attention and exact below (auto, the default), or in the "
+                         "pool (pooled: cheaper, but K/V written after their evidence was paged out never saw it)")
     ap.add_argument("--prompt-scores", default=None, choices=PROMPT_SCORES,
                     help="after an exact prefill, page in what the prompt's last tokens attended to (attention; "
                          "auto, the default, uses it) or what the policy scores (policy)")

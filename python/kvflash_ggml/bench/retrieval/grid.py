@@ -30,7 +30,7 @@ class Config:
     prefill_reselect: Optional[bool] = None   # None = the engine's default; True adds "+pf" to the label
     tau: Optional[int] = None                 # None = the engine's default
     drafter_model: Optional[str] = None       # the drafter policy's model (unused by other policies)
-    prefill: Optional[str] = None             # None = the engine's default (exact); "pooled" / "sparse" add "+pooled" / "+sparse"
+    prefill: Optional[str] = None             # None = the engine's default (auto); "pooled" / "sparse" add "+pooled" / "+sparse"
     kv_type: Optional[str] = None             # None = PoolConfig's default; the control's too
     attention: Optional[str] = None           # None = PoolConfig's default; the control's too
 
