@@ -40,6 +40,25 @@ def tiny_gguf(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """tiny_models(arch, **overrides) -> a _core.Model of the tiny-{arch} random shape (f32 weights, CPU, one thread),
+    written and loaded once per session per argument set."""
+    from kvflash_ggml import _core
+    from kvflash_ggml.testing import random_gguf as rg
+    root = tmp_path_factory.mktemp("tiny-models")
+    models = {}
+
+    def get(arch: str, **overrides):
+        name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+        if name not in models:
+            path = rg.write_preset(root / f"{name}.gguf", f"tiny-{arch}", weight_type="f32", **overrides)
+            models[name] = _core.Model(str(path), backend="cpu", n_threads=1)
+        return models[name]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def rpc_binary():
     """ggml-rpc-server (test_rpc, test_split), or the test is skipped when this build has none."""

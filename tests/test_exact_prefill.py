@@ -21,18 +21,8 @@ POOL = 448   # the minimum pool: 7 blocks, so most of a 700-token prompt ends in
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("exact-prefill")
-    models: dict[str, _core.Model] = {}
-
-    def get(arch: str, **overrides) -> _core.Model:
-        name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
-        if name not in models:
-            path = rg.write_preset(root / f"{name}.gguf", f"tiny-{arch}", weight_type="f32", **overrides)
-            models[name] = _core.Model(str(path), backend="cpu", n_threads=1)
-        return models[name]
-
-    return get
+def tiny(tiny_models):
+    return tiny_models
 
 
 def session(model, pool: int, **kw) -> _core.Session:

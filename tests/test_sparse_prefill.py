@@ -10,25 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvflash_ggml import _core
-from kvflash_ggml.testing import random_gguf as rg
 
 C = _core.CHUNK_TOKENS
 POOL = 448
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sparse-prefill")
-    models: dict[str, _core.Model] = {}
-
-    def get(arch: str, **overrides) -> _core.Model:
-        name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
-        if name not in models:
-            path = rg.write_preset(root / f"{name}.gguf", f"tiny-{arch}", weight_type="f32", **overrides)
-            models[name] = _core.Model(str(path), backend="cpu", n_threads=1)
-        return models[name]
-
-    return get
+def tiny(tiny_models):
+    return tiny_models
 
 
 def session(model, kv_type: str = "f16", attention: str = "flash") -> _core.Session:
