@@ -406,7 +406,10 @@ class Hosts:
 
     def close(self) -> None:
         for host in self.hosts:
-            if host.netns:   # deleting the namespace deletes its veth end, and so the pair
+            if host.netns:
+                # This end first: deleting the namespace deletes the pair too, but the kernel frees a namespace's
+                # devices later, on its own thread (a loaded machine still listed this end after `netns delete`).
+                subprocess.run(["ip", "link", "delete", f"{host.netns}n"], capture_output=True)
                 subprocess.run(["ip", "netns", "delete", host.netns], capture_output=True)
         self.hosts = []
 
