@@ -332,9 +332,10 @@ int64_t attention_bytes_per_key(bool flash_attn, int64_t n_head) {
 namespace {
 
 // The blocks of a step's n queries: one unless the mask is made per block (or one_query: a block per query);
-// then sparse_rows (a sparse prefill's blocks: each chooses its chunks) or as many queries per block as block_bytes allows at bytes_per_key per query and key of the band's whole
-// pool (at most k_max_query_block), the last block whole (it holds the captured queries). Sized by the pool, not by the step's keys, every step
-// of a layer has as many blocks, so its graphs have as many nodes: ggml's allocator keeps the layer's reservation
+// then sparse_rows (a sparse prefill's blocks: each chooses its chunks) or as many queries per block as block_bytes
+// allows at bytes_per_key per query and key of the band's whole pool (at most k_max_query_block), the last block
+// whole (it holds the captured queries). Sized by the pool, not by the step's keys, every step of a layer has as
+// many blocks, so its graphs have as many nodes: ggml's allocator keeps the layer's reservation
 // only for such graphs, and re-reserving makes the host wait for the device (once per step at 128K, when a
 // layer's later steps had more blocks than its first).
 std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t bytes_per_key, int64_t block_bytes,
