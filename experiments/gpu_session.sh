@@ -10,9 +10,15 @@
 #     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
 #     prefill      kvflash bench prefill on the 8B shape: full / exact / pooled vs llama-bench -p N, with the
 #                  device memory each held (PREFILL_LENGTHS, PREFILL_REPS, POOL)
+#     sparse       issue 37 item 2: kvflash bench prefill, exact and sparse beside llama-bench -p N (SPARSE_LENGTHS,
+#                  default 32768,262144; POOL)
+#     sparse-1m    the sparse prefill of 1,048,576 tokens alone (llama.cpp's f16 K/V would be 128 GiB), SPARSE_1M_KV
+#                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
+#                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
+#                  "--attention flash" (SmolLM2 is 98 MB: over one call's carry, send it in parts)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
-#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, RULER_ARGS (more flags, split
+#                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, NIAH_ARGS / RULER_ARGS (more flags, split
 #                  at spaces, e.g. --no-full),
 #                  PREFILL_RESELECT, PREFILL); plots are drawn afterwards from the JSON
 #     fit          experiments/fit_check.py: pool_tokens="auto" for 1 and 8 slots at 32K, then those slots built and
@@ -160,6 +166,16 @@ for phase in "$@"; do
         need_model
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${PREFILL_LENGTHS:-4096,32768,131072}" \
             --kvflash "$POOL" --reps "${PREFILL_REPS:-2}" --json "$OUT/prefill.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+    sparse)
+        need_model
+        python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${SPARSE_LENGTHS:-32768,262144}" \
+            --modes exact,sparse --kvflash "$POOL" --reps "${PREFILL_REPS:-1}" --json "$OUT/prefill-sparse.json" \
+            2>&1 | tee -a "$OUT/sparse.log" ;;
+    sparse-1m)
+        need_model
+        python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths 1048576 --modes sparse --kvflash "$POOL" \
+            --kv-type "${SPARSE_1M_KV:-q8_0}" --reps 1 --no-llama-bench --json "$OUT/prefill-1m.json" \
+            2>&1 | tee -a "$OUT/sparse.log" ;;
     order)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
@@ -232,7 +248,7 @@ for phase in "$@"; do
         SMOL=${SMOL:-/tmp/smollm2.gguf}
         python3 -m kvflash_ggml bench niah --model "$SMOL" --lengths 8192 --kvflash 512,1024 \
             --policies "${NIAH_POLICIES:-lru,qk,quest,drafter}" --drafter-model "$SMOL" --cases "${NIAH_CASES:-20}" \
-            --prefill-reselect "${PREFILL_RESELECT:-default}" --prefill "${PREFILL:-default}" --threads 16 \
+            --prefill-reselect "${PREFILL_RESELECT:-default}" --prefill "${PREFILL:-default}" ${NIAH_ARGS:-} --threads 16 \
             --json "$OUT/niah.json" --plot "" 2>"$OUT/niah.err" | tee -a "$OUT/retrieval.log" ;;
     ruler)
         SMOL=${SMOL:-/tmp/smollm2.gguf}
