@@ -138,13 +138,56 @@ def test_smollm2_batched_greedy(smollm2):
     step_both(alone, batched, _core.BatchDecoder(smollm2), tok, 32)
 
 
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_sessions_that_score_chunks_step_batched_as_alone(tiny_gguf, attention):
+    """qk / quest slots batch (issue 38 item 3): after a batched step a session that tracks chunk summaries holds
+    that step's queries (its own token's, per pooled layer) and the summaries of the chunks the step sealed, as its
+    own step would have left them, so its scores and the reselect they drive are the same. Mixed with a session
+    that tracks nothing; reselects between the steps, as the engine's cadence runs them."""
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    tracks = [True, False, True]
+    ps = prompts(model.hparams.n_vocab, [400, 200, 700], seed=5)
+
+    def start():
+        sessions = [session(model, 448, attention, track_summaries=t) for t in tracks]
+        return sessions, [s.forward_greedy(p, 0) for s, p in zip(sessions, ps)]
+
+    (alone, tok), (batched, tok_b) = start(), start()
+    assert tok_b == tok
+    decoder = _core.BatchDecoder(model)
+    assert all(decoder.ineligible(s) is None for s in batched)
+    for _ in range(4):
+        tok = step_both(alone, batched, decoder, tok, 37)   # 37: steps end inside chunks and across their edges
+        for i in (0, 2):
+            a, b = alone[i], batched[i]
+            q_a, q_b = a.queries(), b.queries()
+            assert q_b.shape == q_a.shape == (model.hparams.n_layer, 1, model.hparams.n_head,
+                                              model.hparams.head_dim_k)
+            # f16 weights: the batched product sums in another order (the logits' tolerance above)
+            np.testing.assert_allclose(q_b, q_a, rtol=0, atol=2e-3)
+            np.testing.assert_allclose(b.mean_keys(), a.mean_keys(), rtol=0, atol=2e-3)
+            for kind in ("qk", "quest"):
+                np.testing.assert_allclose(b.chunk_scores(kind), a.chunk_scores(kind), rtol=0, atol=2e-2,
+                                           equal_nan=True)
+            # the reselect both sessions make from their scores: the alone session's, so that they stay twins
+            scores = a.chunk_scores("quest")
+            a.reselect(scores)
+            b.reselect(scores)
+        assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    assert any(s.pager.stats().page_ins > 0 for s in batched)   # the reselects paged chunks back in
+    # a session's own step after batched ones scores its own step's queries again
+    for s, t in zip((alone[0], batched[0]), tok[:1] * 2):
+        s.forward(np.array([t], np.int32), s.n_tokens)
+    np.testing.assert_allclose(batched[0].queries(), alone[0].queries(), rtol=0, atol=2e-3)
+
+
 def test_who_cannot_join(tiny_gguf, tmp_path):
     model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     other = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     qwen35 = _core.Model(str(rg.write_preset(tmp_path / "q.gguf", "tiny-qwen35")), backend="cpu", n_threads=2)
     decoder = _core.BatchDecoder(model)
     assert decoder.ineligible(session(model, 448)) is None
-    assert "summaries" in decoder.ineligible(session(model, 448, track_summaries=True))
+    assert decoder.ineligible(session(model, 448, track_summaries=True)) is None   # qk / quest slots batch
     assert "captures attention" in decoder.ineligible(session(model, 448, capture_attention=True))
     assert "another Model" in decoder.ineligible(session(other, 448))
     assert _core.BatchDecoder(qwen35).ineligible(_core.Session(qwen35, _core.SessionConfig(max_tokens=1024,
@@ -190,7 +233,7 @@ def test_bad_steps_change_nothing(tiny_gguf):
         ([a, b], [5, model.hparams.n_vocab], "outside the vocabulary"),
         ([], [], "at least one session"),
         ([a, session(model, 448, "flash")], [5, 6], "attention path"),
-        ([a, session(model, 448, track_summaries=True)], [5, 6], "cannot join"),
+        ([a, session(model, 448, capture_attention=True)], [5, 6], "cannot join"),
     ]:
         with pytest.raises(ValueError, match=match):
             decoder.step_greedy(sessions, tokens)

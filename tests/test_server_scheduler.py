@@ -30,10 +30,10 @@ class Logged(Request):
 def make_scheduler(smollm2, smollm2_path, tmp_path):
     made = []
 
-    def make(n_slots=2, max_queue=4, prefill="exact", batch=True, speculative=None):
+    def make(n_slots=2, max_queue=4, prefill="exact", batch=True, speculative=None, policy="lru"):
         tok = Tokenizer(smollm2_path)
         pool = PoolConfig(n_ctx=4096, pool_tokens=512)
-        engines = slot_engines(n_slots, smollm2, tok, pool, ResidencyConfig(prefill=prefill),
+        engines = slot_engines(n_slots, smollm2, tok, pool, ResidencyConfig(policy=policy, prefill=prefill),
                                prefix_cache_dir=tmp_path / "cache", store_each_turn=False, speculative=speculative)
         s = Scheduler(engines, max_queue=max_queue, batch=batch)
         made.append(s)
@@ -263,6 +263,37 @@ def test_batched_rounds_equal_slots_stepped_alone(make_scheduler):
     alone, n_alone = run_all(False)
     assert n_batched > 0 and n_alone == 0
     assert batched == alone
+
+
+def test_slots_that_score_chunks_batch_and_give_their_tokens_alone(make_scheduler, policy="quest"):
+    """Regression for issue 38 item 3: qk / quest slots stepped one at a time. Now their decode steps batch, and
+    the reselects their scores drive mid-generation (prompts past the 512-token pool; a reselect every 64 tokens)
+    page what their slots stepped alone page: the same greedy tokens, the same page-ins (qk: test_batch_decoder.py's
+    scores of batched sessions). A round runs one prompt
+    step, so the later slots start decoding later: the earlier ones generate longer, so all three decode together
+    for well over a hundred rounds whatever the machine's speed."""
+    n_gen = [360, 240, 120]
+
+    def run_all(batch):
+        sched, tok = make_scheduler(n_slots=3, batch=batch, policy=policy)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            reqs = [Request(prompt(tok, f"Chapter {i}: the river ran past the mill. ", 700 + 150 * i),
+                            SamplingParams(max_tokens=n, temperature=0), loop) for i, n in enumerate(n_gen)]
+            for r in reqs:
+                sched.submit(r)
+            return await asyncio.gather(*(drain(r) for r in reqs))
+
+        records = run(main())
+        page_ins = [slot.engine.session.pager.stats().page_ins for slot in sched.slots]
+        return [[r.token for r in recs[:-1]] for recs in records], page_ins, sched.n_batched_steps
+
+    batched, page_ins_b, n_batched = run_all(True)
+    alone, page_ins_a, n_alone = run_all(False)
+    assert n_batched >= 100 and n_alone == 0
+    assert [len(t) for t in batched] == n_gen
+    assert batched == alone and page_ins_b == page_ins_a
 
 
 def test_speculative_slots_step_alone_and_give_their_tokens(make_scheduler):

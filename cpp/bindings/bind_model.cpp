@@ -112,7 +112,9 @@ py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t 
     return logits_array(std::move(v), n_rows, n_vocab, all);
 }
 
-void register_model(py::module_ & m, py::module_ & testing) {
+namespace {
+
+void bind_hparams(py::module_ & m) {
     py::class_<ModelHparams>(m, "ModelHparams")
         .def_readonly("arch", &ModelHparams::arch)
         .def_readonly("name", &ModelHparams::name)
@@ -149,6 +151,9 @@ void register_model(py::module_ & m, py::module_ & testing) {
         .def_readonly("n_layer_nextn", &ModelHparams::n_layer_nextn,
                       "multi-token-prediction (nextn) layers in the file, after the trunk's n_layer");
 
+}
+
+void bind_model_class(py::module_ & m) {
     py::class_<Model, std::shared_ptr<Model>>(m, "Model")
         .def(py::init([](const std::string & path, const std::string & backend, int n_threads, bool mtp,
                          const std::vector<std::string> & rpc, const std::vector<std::string> & devices,
@@ -228,6 +233,10 @@ void register_model(py::module_ & m, py::module_ & testing) {
                 "weight_bytes (this model's weights there)}; ConnectionError for an RPC device whose connection was "
                 "lost")
         .def_property_readonly("fingerprint", &Model::fingerprint);
+}
+
+// The module's functions: architectures, devices, GGUF headers, RPC endpoints.
+void bind_module_functions(py::module_ & m) {
     m.def("supported_archs", &supported_archs);
     m.def("gpu_devices", [] {
         // What backend="auto" can pick: every GPU device ggml was built with, with its memory now.
@@ -291,6 +300,14 @@ void register_model(py::module_ & m, py::module_ & testing) {
           "send/receive timeout of RPC connections made from now on (process-wide; 0: none; default 120 s): a "
           "server that makes no progress for that long counts as lost (ConnectionError)");
     m.def("rpc_timeout", &rpc_timeout, "the timeout set_rpc_timeout sets, in seconds (0: none)");
+}
+
+}  // namespace
+
+void register_model(py::module_ & m, py::module_ & testing) {
+    bind_hparams(m);
+    bind_model_class(m);
+    bind_module_functions(m);
     bind_vocab(m);
     bind_reference(testing);
     testing.def("quant_mul_mat", [](std::optional<bool> enabled) {

@@ -14,6 +14,8 @@ py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t 
 
 namespace {
 
+using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
 py::array_t<float> float_array(const std::vector<float> & v) {
     py::array_t<float> out((py::ssize_t) v.size());
     std::copy(v.begin(), v.end(), out.mutable_data());
@@ -103,6 +105,137 @@ void bind_config_and_timings(py::module_ & m) {
         .def_readonly("n_prefill_graph_changes", &SessionTimings::n_prefill_graph_changes);
 }
 
+
+// The layer-major prefills and what they cost (memory).
+void bind_session_prefill(py::class_<Session> & session) {
+    const auto released = py::call_guard<py::gil_scoped_release>();
+    session
+        .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
+                                 std::optional<py::function> between, int64_t attention_block_bytes, int64_t sparse_top_chunks,
+                                 int64_t sparse_local_chunks) {
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 std::function<void()> cb;
+                 if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
+                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
+                 ExactPrefill r = without_gil([&] {
+                     return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb, attention_block_bytes, sp);
+                 });
+                 return py::make_tuple(float_array(r.logits), float_array(r.attention));
+             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
+             py::arg("attention_block_bytes") = 0, py::arg("sparse_top_chunks") = 0,
+             py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
+             "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
+             "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
+             "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
+             "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
+             "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
+             "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers). "
+             "sparse_top_chunks > 0: a sparse prefill (each block of queries attends the sink, the window of "
+             "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept)")
+        .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
+                                       int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks) {
+                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
+                 return without_gil([&] {
+                     return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, attention_block_bytes, {}, sp);
+                 });
+             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
+             py::arg("sparse_top_chunks") = 0, py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
+             py::keep_alive<0, 1>(),
+             "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
+             "is open the session refuses every other call but timings() and memory()")
+        .def("prefill_coverage", [](const Session & s) { return without_gil([&] { return s.prefill_coverage(); }); },
+             "after a sparse prefill, per pooled layer: the share of the prompt's last tokens' exact attention that "
+             "the keys their block chose held (1: it saw every key); empty after an exact one")
+        .def("memory", [](const Session & s) {
+                 const SessionMemory m = without_gil([&] { return s.memory(); });
+                 py::dict d;
+                 d["pool_bytes"] = m.pool_bytes;
+                 d["ring_bytes"] = m.ring_bytes;
+                 d["recurrent_bytes"] = m.recurrent_bytes;
+                 d["recurrent_checkpoint_bytes"] = m.recurrent_checkpoint_bytes;
+                 d["compute_bytes"] = m.compute_bytes;
+                 d["prefill_peak_bytes"] = m.prefill_peak_bytes;
+                 d["prefill_staging_bytes"] = m.prefill_staging_bytes;
+                 d["prefill_host_bytes"] = m.prefill_host_bytes;
+                 d["host_store_bytes"] = m.host_store_bytes;
+                 py::list devices;
+                 for (const DeviceMemory & dm : m.devices) {
+                     py::dict e;
+                     e["name"] = dm.name;
+                     e["weight_bytes"] = dm.weight_bytes;
+                     e["pool_bytes"] = dm.pool_bytes;
+                     e["ring_bytes"] = dm.ring_bytes;
+                     e["recurrent_bytes"] = dm.recurrent_bytes;
+                     e["compute_bytes"] = dm.compute_bytes;
+                     devices.append(e);
+                 }
+                 d["devices"] = devices;
+                 return d;
+             }, "device bytes besides the weights: the pool, the sliding-window rings, the step graphs' compute buffer, the largest layer-major "
+                "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers; devices: "
+                "per device of the model's split, its weights and the session's pool, rings, state and compute buffers");
+}
+
+// Residency (reselect, pins, the host store) and what the scorers read; the read-only properties.
+void bind_session_residency(py::class_<Session> & session) {
+    const auto released = py::call_guard<py::gil_scoped_release>();
+    session
+        .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
+                 if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
+                 const std::vector<float> v(scores.data(), scores.data() + scores.size());
+                 without_gil([&] { s.reselect(v); });
+             }, py::arg("scores"))
+        .def("reset", &Session::reset, released)
+        .def("reserve_host", &Session::reserve_host, py::arg("n_tokens"), released,
+             "make the host store hold the images of a context of n_tokens positions now (one per chunk), "
+             "as llama.cpp makes its KV cache with a context; returns the store's bytes")
+        .def("pin", &Session::pin, py::arg("lo"), py::arg("hi"), released,
+             "pin the chunks of positions [lo, hi): paged in if evicted, never evicted until unpin_all()")
+        .def("unpin_all", &Session::unpin_all, released)
+        .def("step_tokens", &Session::step_tokens, py::arg("n_remaining"), released,
+             "how many of n_remaining tokens the next forward step takes (n_batch, what the pool can place, and "
+             "with queries or attention captured, a last step of at least CAPTURE_TOKENS tokens)")
+        .def("queries", [](const Session & s) {
+                 const StepQueries q = without_gil([&] { return s.queries(); });
+                 py::array_t<float> out({q.n_layer, q.n_tokens, q.n_head, q.head_dim});
+                 std::copy(q.data.begin(), q.data.end(), out.mutable_data());
+                 return out;
+             }, "post-RoPE queries of the last (up to 8) tokens of the latest step: [n_layer, n_tokens, n_head, head_dim]")
+        .def("chunk_scores", [](Session & s, const std::string & kind) {
+                 return float_array(without_gil([&] { return s.chunk_scores(kind); }));
+             }, py::arg("kind"), "per-chunk relevance for the latest step's queries: 'qk' or 'quest' (NaN: no summary)")
+        .def("attention_capture", [](const Session & s) {
+                 const AttentionCapture c = without_gil([&] { return s.attention_capture(); });
+                 py::array_t<float> out({c.n_q, c.n_positions});
+                 std::copy(c.data.begin(), c.data.end(), out.mutable_data());
+                 return out;
+             }, "softmaxed attention of the last (up to 8) tokens of the latest step to every position held, max "
+                "over heads and layers: [n_q, n_tokens] (0 where not resident; needs capture_attention=True)")
+        .def("attention_to_positions", [](const Session & s) {
+                 return float_array(without_gil([&] { return s.attention_capture().max_over_queries(); }));
+             }, "attention_capture() with the max over its query tokens too: [n_tokens]")
+        .def("mean_keys", [](const Session & s) { return mean_keys(s); },
+             "L2-normalised mean key per sealed chunk: [n_chunks, n_layer, n_head_kv, head_dim] (zeros: unsealed)")
+        .def_property_readonly("n_tokens", py::cpp_function(&Session::n_tokens, released))
+        .def_property_readonly("full_cache", &Session::full_cache)
+        .def_property_readonly("flash_attn", &Session::flash_attn)
+        .def_property_readonly("ordered_attention", &Session::ordered_attention)
+        .def_property_readonly("config", &Session::config)
+        .def_property_readonly("timings", py::cpp_function(&Session::timings, released))
+        .def_property_readonly("pager", py::cpp_function([](Session & s) { return SessionPager{&s}; }, py::keep_alive<0, 1>()),
+                               "The session's KvPager (every call holds the session's lock).")
+        .def_property_readonly("kv", py::cpp_function([](Session & s) { return SessionKV{&s}; }, py::keep_alive<0, 1>()),
+                               "The session's PooledKV (every call holds the session's lock).")
+        .def_property_readonly("tokens", [](const Session & s) {
+            const std::vector<int32_t> t = without_gil([&] {
+                const SessionLock held = s.lock(/*device =*/ false);
+                return s.tokens();
+            });
+            return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
+        }, "The tokens whose K/V the session holds (a copy).");
+}
+
 }  // namespace
 
 void register_session(py::module_ & m, py::module_ & testing) {
@@ -113,7 +246,6 @@ void register_session(py::module_ & m, py::module_ & testing) {
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python
     // objects are read before and built after.
-    using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
     const auto released = py::call_guard<py::gil_scoped_release>();
     py::class_<Session> session(m, "Session");
     session
@@ -188,125 +320,9 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  });
                  return py::bytes(reinterpret_cast<const char *>(b.data()), b.size());
              }, py::arg("block"), "raw bytes of ring rows [64 block, 64 block + 64), every sliding-window layer (tests)")
-        .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released)
-        .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
-                                 std::optional<py::function> between, int64_t attention_block_bytes, int64_t sparse_top_chunks,
-                                 int64_t sparse_local_chunks) {
-                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
-                 std::function<void()> cb;
-                 if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
-                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
-                 ExactPrefill r = without_gil([&] {
-                     return s.prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, cb, attention_block_bytes, sp);
-                 });
-                 return py::make_tuple(float_array(r.logits), float_array(r.attention));
-             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
-             py::arg("attention_block_bytes") = 0, py::arg("sparse_top_chunks") = 0,
-             py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
-             "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
-             "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
-             "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
-             "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
-             "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
-             "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers). "
-             "sparse_top_chunks > 0: a sparse prefill (each block of queries attends the sink, the window of "
-             "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept)")
-        .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
-                                       int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks) {
-                 const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
-                 const SparseParams sp = sparse_params(sparse_top_chunks, sparse_local_chunks);
-                 return without_gil([&] {
-                     return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, n_batch, attention_block_bytes, {}, sp);
-                 });
-             }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
-             py::arg("sparse_top_chunks") = 0, py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
-             py::keep_alive<0, 1>(),
-             "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
-             "is open the session refuses every other call but timings() and memory()")
-        .def("prefill_coverage", [](const Session & s) { return without_gil([&] { return s.prefill_coverage(); }); },
-             "after a sparse prefill, per pooled layer: the share of the prompt's last tokens' exact attention that "
-             "the keys their block chose held (1: it saw every key); empty after an exact one")
-        .def("memory", [](const Session & s) {
-                 const SessionMemory m = without_gil([&] { return s.memory(); });
-                 py::dict d;
-                 d["pool_bytes"] = m.pool_bytes;
-                 d["ring_bytes"] = m.ring_bytes;
-                 d["recurrent_bytes"] = m.recurrent_bytes;
-                 d["recurrent_checkpoint_bytes"] = m.recurrent_checkpoint_bytes;
-                 d["compute_bytes"] = m.compute_bytes;
-                 d["prefill_peak_bytes"] = m.prefill_peak_bytes;
-                 d["prefill_staging_bytes"] = m.prefill_staging_bytes;
-                 d["prefill_host_bytes"] = m.prefill_host_bytes;
-                 d["host_store_bytes"] = m.host_store_bytes;
-                 py::list devices;
-                 for (const DeviceMemory & dm : m.devices) {
-                     py::dict e;
-                     e["name"] = dm.name;
-                     e["weight_bytes"] = dm.weight_bytes;
-                     e["pool_bytes"] = dm.pool_bytes;
-                     e["ring_bytes"] = dm.ring_bytes;
-                     e["recurrent_bytes"] = dm.recurrent_bytes;
-                     e["compute_bytes"] = dm.compute_bytes;
-                     devices.append(e);
-                 }
-                 d["devices"] = devices;
-                 return d;
-             }, "device bytes besides the weights: the pool, the sliding-window rings, the step graphs' compute buffer, the largest layer-major "
-                "prefill workspace so far (staging K/V + its compute buffer), and that prefill's host buffers; devices: "
-                "per device of the model's split, its weights and the session's pool, rings, state and compute buffers")
-        .def("reselect", [](Session & s, py::array_t<float, py::array::c_style | py::array::forcecast> scores) {
-                 if (scores.ndim() != 1) throw std::invalid_argument("scores must be a 1-D array, one per chunk");
-                 const std::vector<float> v(scores.data(), scores.data() + scores.size());
-                 without_gil([&] { s.reselect(v); });
-             }, py::arg("scores"))
-        .def("reset", &Session::reset, released)
-        .def("reserve_host", &Session::reserve_host, py::arg("n_tokens"), released,
-             "make the host store hold the images of a context of n_tokens positions now (one per chunk), "
-             "as llama.cpp makes its KV cache with a context; returns the store's bytes")
-        .def("pin", &Session::pin, py::arg("lo"), py::arg("hi"), released,
-             "pin the chunks of positions [lo, hi): paged in if evicted, never evicted until unpin_all()")
-        .def("unpin_all", &Session::unpin_all, released)
-        .def("step_tokens", &Session::step_tokens, py::arg("n_remaining"), released,
-             "how many of n_remaining tokens the next forward step takes (n_batch, what the pool can place, and "
-             "with queries or attention captured, a last step of at least CAPTURE_TOKENS tokens)")
-        .def("queries", [](const Session & s) {
-                 const StepQueries q = without_gil([&] { return s.queries(); });
-                 py::array_t<float> out({q.n_layer, q.n_tokens, q.n_head, q.head_dim});
-                 std::copy(q.data.begin(), q.data.end(), out.mutable_data());
-                 return out;
-             }, "post-RoPE queries of the last (up to 8) tokens of the latest step: [n_layer, n_tokens, n_head, head_dim]")
-        .def("chunk_scores", [](Session & s, const std::string & kind) {
-                 return float_array(without_gil([&] { return s.chunk_scores(kind); }));
-             }, py::arg("kind"), "per-chunk relevance for the latest step's queries: 'qk' or 'quest' (NaN: no summary)")
-        .def("attention_capture", [](const Session & s) {
-                 const AttentionCapture c = without_gil([&] { return s.attention_capture(); });
-                 py::array_t<float> out({c.n_q, c.n_positions});
-                 std::copy(c.data.begin(), c.data.end(), out.mutable_data());
-                 return out;
-             }, "softmaxed attention of the last (up to 8) tokens of the latest step to every position held, max "
-                "over heads and layers: [n_q, n_tokens] (0 where not resident; needs capture_attention=True)")
-        .def("attention_to_positions", [](const Session & s) {
-                 return float_array(without_gil([&] { return s.attention_capture().max_over_queries(); }));
-             }, "attention_capture() with the max over its query tokens too: [n_tokens]")
-        .def("mean_keys", [](const Session & s) { return mean_keys(s); },
-             "L2-normalised mean key per sealed chunk: [n_chunks, n_layer, n_head_kv, head_dim] (zeros: unsealed)")
-        .def_property_readonly("n_tokens", py::cpp_function(&Session::n_tokens, released))
-        .def_property_readonly("full_cache", &Session::full_cache)
-        .def_property_readonly("flash_attn", &Session::flash_attn)
-        .def_property_readonly("ordered_attention", &Session::ordered_attention)
-        .def_property_readonly("config", &Session::config)
-        .def_property_readonly("timings", py::cpp_function(&Session::timings, released))
-        .def_property_readonly("pager", py::cpp_function([](Session & s) { return SessionPager{&s}; }, py::keep_alive<0, 1>()),
-                               "The session's KvPager (every call holds the session's lock).")
-        .def_property_readonly("kv", py::cpp_function([](Session & s) { return SessionKV{&s}; }, py::keep_alive<0, 1>()),
-                               "The session's PooledKV (every call holds the session's lock).")
-        .def_property_readonly("tokens", [](const Session & s) {
-            const std::vector<int32_t> t = without_gil([&] {
-                const SessionLock held = s.lock(/*device =*/ false);
-                return s.tokens();
-            });
-            return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
-        }, "The tokens whose K/V the session holds (a copy).");
+        .def("adopt", &Session::adopt, py::arg("source"), py::arg("n_tokens"), released);
+    bind_session_prefill(session);
+    bind_session_residency(session);
     bind_session_snapshots(session);
 
     testing.def("set_block_order", [](Session & s, const std::vector<int64_t> & order) {

@@ -534,6 +534,15 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
                         float kq_scale) {
     ggml_context * ctx = g.ctx;
     const bool swa = m.hparams().is_swa(il);
+    if (!swa && m.hparams().is_pooled(il) && g.n_query_tokens > 0) {   // post-RoPE queries for the qk/quest scorers
+        // the step's last n_query_tokens (a batched step: every session's token)
+        const int64_t n_q = g.n_query_tokens;
+        ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
+                                                         (g.n_tokens - n_q) * q->nb[2]));
+        ggml_set_output(last);
+        ggml_build_forward_expand(g.gf, last);
+        g.queries.push_back(last);
+    }
     if (g.arena.arena && !swa) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
     if (!g.lanes.empty() || g.arena.arena) {   // a batched decode: each token attends its own session's pool or ring
         const int64_t kl = m.hparams().kv_index(il);
@@ -547,14 +556,6 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
         return out;
     }
     const GraphCtx::LayerKv lkv = g.layer_kv(m.hparams(), il);
-    if (lkv.pooled && g.n_query_tokens > 0) {   // post-RoPE queries of the last tokens, for the qk/quest scorers
-        const int64_t n_q = g.n_query_tokens;
-        ggml_tensor * last = ggml_cont(ctx, ggml_view_3d(ctx, q, q->ne[0], q->ne[1], n_q, q->nb[1], q->nb[2],
-                                                         (g.n_tokens - n_q) * q->nb[2]));
-        ggml_set_output(last);
-        ggml_build_forward_expand(g.gf, last);
-        g.queries.push_back(last);
-    }
     return attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale, lkv.pooled && g.n_attn_tokens > 0);
 }
 

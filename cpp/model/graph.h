@@ -79,7 +79,7 @@ struct GraphCtx {
     // A sparse prefill's step (model/sparse_attention.h; index nullptr: attention is exact): its pooled layers attend
     // blocks of queries over the chunks each block chooses.
     SparseStep sparse;
-    int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers
+    int64_t n_query_tokens = 0;             // last tokens whose queries are kept for the scorers (a batched step: all)
     std::vector<ggml_tensor *> queries;     // per layer: F32 [head_dim, n_head, n_query_tokens] (outputs)
     int64_t n_attn_tokens = 0;              // last tokens whose attention probabilities are kept (mul_mat path)
     std::vector<ggml_tensor *> attn;        // per layer: F32 [n_kv, n_attn_tokens], max over heads (outputs)

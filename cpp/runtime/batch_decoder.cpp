@@ -40,7 +40,6 @@ BatchDecoder::~BatchDecoder() {
 std::string BatchDecoder::ineligible(const Session & s) const {
     if (&s.model() != model_.get()) return "it runs another Model object";
     if (s.mtp()) return "it runs the multi-token-prediction head (a drafting session steps alone)";
-    if (s.config().track_summaries) return "it tracks chunk summaries (the qk / quest scorers read one session's step)";
     if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";
     return "";
 }
@@ -75,6 +74,9 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.gf = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
     g.n_tokens = g.n_outputs = n;
     g.flash_attn = first.flash_attn();
+    // every session's query, when one of them scores chunks (qk / quest): split per session after the compute
+    const bool scored = std::any_of(sessions.begin(), sessions.end(), [](const Session * s) { return s->summaries_ != nullptr; });
+    g.n_query_tokens = scored ? n : 0;
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     ggml_set_input(g.in.tokens);
@@ -173,7 +175,7 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         in_order[i] = sessions[order[i]];
         tokens_in_order[i] = tokens[order[i]];
     }
-    step_in_order(in_order, tokens_in_order, greedy, logits);
+    std::vector<StepQueries> queries = step_in_order(in_order, tokens_in_order, greedy, logits);
     // back to the caller's order (a server's slots come in lane order: nothing to move)
     const bool reordered = !std::is_sorted(order.begin(), order.end());
     if (reordered && greedy) {
@@ -187,15 +189,44 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     for (int64_t i = 0; i < n; ++i) {
-        Session & s = *sessions[i];
-        s.tokens_.push_back(tokens[i]);
+        Session & s = *in_order[i];
+        s.tokens_.push_back(tokens_in_order[i]);
         s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
         s.timings_.n_computes++;
+        if (s.summaries_) {   // what its own step leaves a scorer: the step's queries, the chunk it completed
+            s.held_queries_ = std::move(queries[i]);
+            s.seal_chunks(s.pager_->n_tokens() - 1, 1);
+        }
     }
 }
 
-void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
-                                 std::vector<int32_t> * greedy, std::vector<float> * logits) {
+std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *> & sessions) const {
+    std::vector<StepQueries> out(sessions.size());
+    if (graph_.queries.empty()) return out;
+    const ggml_tensor * t0 = graph_.queries[0];   // per pooled layer: [head_dim, n_head, n sessions]
+    const int64_t n_layer = (int64_t) graph_.queries.size(), row = t0->ne[0] * t0->ne[1];
+    std::vector<float> all((size_t) (n_layer * ggml_nelements(t0)));
+    for (int64_t il = 0; il < n_layer; ++il) {   // one read per layer, whatever the number of sessions
+        ggml_backend_tensor_get(graph_.queries[il], all.data() + il * ggml_nelements(t0), 0, ggml_nbytes(t0));
+    }
+    for (size_t i = 0; i < sessions.size(); ++i) {
+        if (!sessions[i]->summaries_) continue;
+        StepQueries & q = out[i];
+        q.n_layer = n_layer;
+        q.n_tokens = 1;
+        q.n_head = t0->ne[1];
+        q.head_dim = t0->ne[0];
+        q.data.resize((size_t) (n_layer * row));
+        for (int64_t il = 0; il < n_layer; ++il) {
+            std::copy_n(all.begin() + il * ggml_nelements(t0) + (int64_t) i * row, row, q.data.begin() + il * row);
+        }
+    }
+    return out;
+}
+
+std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *> & sessions,
+                                                    const std::vector<int32_t> & tokens, std::vector<int32_t> * greedy,
+                                                    std::vector<float> * logits) {
     const int64_t n = (int64_t) sessions.size();
     std::vector<Plan> plans, ring_plans;
     std::vector<int32_t> pos(n);
@@ -268,7 +299,9 @@ void BatchDecoder::step_in_order(const std::vector<Session *> & sessions, const 
             logits->resize((size_t) ggml_nelements(logits_));
             ggml_backend_tensor_get(logits_, logits->data(), 0, ggml_nbytes(logits_));
         }
+        std::vector<StepQueries> queries = split_queries(sessions);
         check_rpc_connections(sched_);   // a lost RPC device reads as zeros
+        return queries;
     } catch (...) {
         undo();
         throw;

@@ -5,8 +5,10 @@
 // ends a batched step exactly where forward_greedy / forward would have left it.
 //
 // Which sessions can share a step (eligible()): same Model, same attention path, no multi-token-prediction head,
-// and no per-step captures for the scorers (track_summaries, capture_attention: the qk / quest / drafter
-// capture reads one sequence's step). Others decode alone. Sliding-window layers attend each session's own
+// and no attention capture (capture_attention: the drafter scorer reads one sequence's probabilities). Others
+// decode alone. A session that tracks chunk summaries (the qk / quest scorers) batches: the step keeps every
+// session's query per pooled layer, and each such session ends holding its own (Session::queries) and the
+// summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
 // ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's
 // linear-attention layers project every session's token at once, then run each token's conv and delta rule over
 // its own session's RecurrentState (GraphCtx::lane_recurrent), the ops of that session's one-token step.
@@ -53,9 +55,12 @@ private:
     // The arena every session's pool is a lane of, when the step can attend them all at once; else nullptr
     // (each session then attends its own pool: GraphCtx::lanes).
     static const PoolArena * shared_arena(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders);
-    // step() with the sessions sorted by lane: places, computes, reads the outputs in this order.
-    void step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
-                       std::vector<int32_t> * greedy, std::vector<float> * logits);
+    // step() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns the
+    // queries of the sessions that score chunks (empty for the others).
+    std::vector<StepQueries> step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                                           std::vector<int32_t> * greedy, std::vector<float> * logits);
+    // The computed step's queries, one StepQueries of one token per session that tracks summaries.
+    std::vector<StepQueries> split_queries(const std::vector<Session *> & sessions) const;
     void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
                      const std::vector<KvKeyOrder> & ring_orders, bool greedy);
 

@@ -271,7 +271,7 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
         build_graph(n, order.n_kv, n_outputs, order.gathered, ring_order.n_kv);
     }
     set_inputs(tokens, n, alloc, n_outputs, order, ring_alloc, ring_order);
-    if (prefill_queries_.n_layer > 0) prefill_queries_ = StepQueries{};   // queries() reads this step's from now on
+    if (held_queries_.n_layer > 0) held_queries_ = StepQueries{};   // queries() reads this step's from now on
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
@@ -458,7 +458,7 @@ void Session::seal_chunks(int64_t start, int64_t n) {
 
 StepQueries Session::queries() const {
     const SessionLock held = lock();
-    if (prefill_queries_.n_layer > 0) return prefill_queries_;   // the latest step was a layer-major prefill
+    if (held_queries_.n_layer > 0) return held_queries_;   // the latest step ran outside graph_
     StepQueries q;
     if (graph_.queries.empty() || shape_[0] < 0) return q;
     const ggml_tensor * t0 = graph_.queries[0];   // [head_dim, n_head, n_q]
@@ -527,7 +527,7 @@ void Session::reset() {
     if (ring_) ring_->clear();
     if (recurrent_) recurrent_->clear();
     tokens_.clear();
-    prefill_queries_ = StepQueries{};
+    held_queries_ = StepQueries{};
     if (summaries_) summaries_->clear();
 }
 

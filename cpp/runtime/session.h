@@ -349,7 +349,9 @@ private:
     std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step
     int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
-    StepQueries prefill_queries_;      // the last prompt tokens' queries after a layer-major prefill
+    // The latest step's queries when that step ran outside graph_: a layer-major prefill's last prompt tokens, or
+    // this session's token of a batched step (BatchDecoder). Empty: queries() reads graph_'s.
+    StepQueries held_queries_;
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
     int64_t prefill_staging_bytes_ = 0;   // ... of which staging
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers

@@ -12,8 +12,9 @@ token): chunked prefill interleaved by the scheduler, as nano-vllm's and vLLM's 
 scheduler from inside a prompt. The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
 read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
 per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
-greedily, else the logits come back); slots whose policy captures for its scorer (qk, quest,
-drafter) or that speculate step alone; sliding-window layers attend each slot's own ring, a hybrid's
+greedily, else the logits come back; qk / quest slots join it, each keeping its own token's queries for its
+scorer); slots under the drafter policy (it captures one step's attention) or that speculate step alone;
+sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
 sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on the event loop

@@ -140,24 +140,9 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name or f"random-{arch}-{n_layer}L-{n_embd}E-{weight_type}")
-    w.add_file_type(int(_FILE_TYPES[weight_type]))
-    if weight_type in ("q8_0", "q4_0"):
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer + n_nextn)
-    if n_ff_layers:
-        w.add_feed_forward_length([int(f) for f in n_ff_layers])
-    elif n_ff:
-        w.add_feed_forward_length(n_ff)
-    w.add_head_count(heads if heads else n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(n_rot)
-    w.add_rope_freq_base(rope_freq_base)
-    w.add_layer_norm_rms_eps(rms_eps)
-    w.add_vocab_size(n_vocab)
+    _add_shape_keys(w, weight_type, n_ctx_train=n_ctx_train, n_embd=n_embd, n_block=n_layer + n_nextn, n_ff=n_ff,
+                    n_ff_layers=n_ff_layers, n_head=heads if heads else n_head, n_head_kv=n_head_kv,
+                    head_dim=head_dim, n_rot=n_rot, rope_freq_base=rope_freq_base, rms_eps=rms_eps, n_vocab=n_vocab)
     _add_family_keys(w, arch, n_layer=n_layer, n_nextn=n_nextn, head_dim=head_dim, swa_layers=swa_layers,
                      rope_scaling_factor=rope_scaling_factor, rope_scaling_type=rope_scaling_type,
                      rope_orig_ctx=rope_orig_ctx, n_swa=n_swa, swa_pattern=swa_pattern,
@@ -179,6 +164,30 @@ def write_random_gguf(path: str | Path, arch: str, *, n_layer: int, n_embd: int,
     _write_tensor_data(w, specs, RandomValues(seed, weight_std))
     w.close()
     return path
+
+
+def _add_shape_keys(w: gguf.GGUFWriter, weight_type: str, *, n_ctx_train: int, n_embd: int, n_block: int, n_ff: int,
+                    n_ff_layers: Sequence[int], n_head, n_head_kv: int, head_dim: int, n_rot: int,
+                    rope_freq_base: float, rms_eps: float, n_vocab: int) -> None:
+    """The keys every family writes. n_head: a count, or one per layer (laguna); n_ff_layers: one per layer (gemma4)."""
+    w.add_file_type(int(_FILE_TYPES[weight_type]))
+    if weight_type in ("q8_0", "q4_0"):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_block)
+    if n_ff_layers:
+        w.add_feed_forward_length([int(f) for f in n_ff_layers])
+    elif n_ff:
+        w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(n_rot)
+    w.add_rope_freq_base(rope_freq_base)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(n_vocab)
 
 
 def _add_family_keys(w: gguf.GGUFWriter, arch: str, *, n_layer: int, n_nextn: int, head_dim: int,
