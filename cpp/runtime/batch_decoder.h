@@ -5,10 +5,10 @@
 // ends a batched step exactly where forward_greedy / forward would have left it.
 //
 // Which sessions can share a step (eligible()): same Model, same attention path, no multi-token-prediction head,
-// and no attention capture (capture_attention: the drafter scorer reads one sequence's probabilities). Others
-// decode alone. A session that tracks chunk summaries (the qk / quest scorers) batches: the step keeps every
-// session's query per pooled layer, and each such session ends holding its own (Session::queries) and the
-// summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
+// and no attention capture (capture_attention: the drafter's companion session, whose probabilities its scorer
+// reads). Others decode alone. A session that tracks chunk summaries (the qk / quest scorers) batches: the step
+// keeps every session's query per pooled layer, and each such session ends holding its own (Session::queries)
+// and the summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
 // ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's
 // linear-attention layers project every session's token at once, then run each token's conv and delta rule over
 // its own session's RecurrentState (GraphCtx::lane_recurrent), the ops of that session's one-token step.

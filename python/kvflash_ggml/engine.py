@@ -26,6 +26,7 @@ from .drafter import prompt_attention_scores
 from .engine_parts import (POLICY_NAMES, make_companion, make_policy, make_session, make_speculator,
                            session_device_bytes)
 from .generation import Generation, StreamSuperseded
+from .host_store import check_host_store, host_store_bound
 from .mtp import check_mtp, wants_mtp
 from .options import SPARSE_FROM_TOKENS, SPARSE_LOCAL_CHUNKS, PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
 from .policy import SessionView
@@ -75,6 +76,9 @@ class Engine:
             check_mtp(model)   # before any session: its pool would hold the head's K/V
         self.session = make_session(model, pool, track_summaries=self.policy.needs_summaries, arena=arena,
                                     mtp=wants_mtp(speculative))
+        # the K/V this context can send to host memory must fit the host (or max_host_bytes): refused here, not
+        # ended by the OOM killer part way (host_store.py; slot_engines checks a server's slots together)
+        check_host_store([self.session], pool.n_ctx, pool.kv_type, pool.max_host_bytes)
         if residency.prefill == "sparse" and not self.session.flash_attn:
             raise ValueError("prefill='sparse' needs flash attention: PoolConfig(attention='flash') (or 'auto' on a GPU)")
         self.speculator = make_speculator(speculative, model, tokenizer, pool, self.session) if speculative else None
@@ -488,6 +492,7 @@ class Engine:
             "device_kv_bytes": kv.device_bytes,
             **self._device_bytes(),
             "host_kv_bytes": pager.host_bytes(),
+            "host_kv_max_bytes": host_store_bound(s, self.pool.n_ctx),   # an image per chunk of n_ctx
             "page_outs": ps.page_outs,
             "page_ins": ps.page_ins,
             "bytes_moved": ps.bytes_out + ps.bytes_in,

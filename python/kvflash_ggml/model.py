@@ -51,14 +51,16 @@ class Model:
                  prompt_scores: str = ResidencyConfig.prompt_scores,
                  speculative: Union[None, str, os.PathLike, SpeculativeConfig] = None,
                  draft_max: int = SpeculativeConfig.max_draft,
-                 max_device_bytes: Optional[int] = PoolConfig.max_device_bytes) -> None:
+                 max_device_bytes: Optional[int] = PoolConfig.max_device_bytes,
+                 max_host_bytes: Optional[int] = PoolConfig.max_host_bytes) -> None:
         self.engine: Optional[Engine] = None   # so that close() works on a half-built Model
         self.model_path = resolve_model_path(model_path)
         # Both checked here (pool_tokens by the core's own rules), before any weight is loaded. max_device_bytes:
-        # each device's whole footprint (weights, pool, buffers, headroom) stays within it (PoolConfig).
+        # each device's whole footprint (weights, pool, buffers, headroom) stays within it; max_host_bytes: the K/V
+        # the pool sends to host memory at n_ctx (PoolConfig).
         self.pool = PoolConfig(n_ctx=n_ctx, pool_tokens=check_pool_tokens(pool_tokens), kv_type=kv_type,
                                attention=attention, n_batch=n_batch, allow_beyond_train_ctx=allow_beyond_train_ctx,
-                               max_device_bytes=max_device_bytes)
+                               max_device_bytes=max_device_bytes, max_host_bytes=max_host_bytes)
         self.residency = ResidencyConfig(policy=policy, tau=tau, prefill_reselect=prefill_reselect,
                                          refresh_tokens=refresh_tokens, prefill=prefill, prompt_scores=prompt_scores,
                                          drafter_model=drafter_model)

@@ -56,7 +56,11 @@ class PoolConfig:
 
     max_device_bytes: a cap on each device's whole footprint (weights, pools, rings and state, compute buffers,
     the exact prefill's workspace, headroom), the local CPU's included: "auto" is sized within it, and a pool
-    given as a number (or the full cache) is checked against it and refused if it does not fit (fit.py)."""
+    given as a number (or the full cache) is checked against it and refused if it does not fit (fit.py).
+
+    max_host_bytes: a cap on the host store, the K/V the sessions' pools send to host memory (at most an image per
+    chunk of n_ctx); None: the memory the host has available when the sessions are made. Sessions whose context
+    could outgrow it are refused when made (host_store.py), not ended by the OOM killer part way."""
 
     n_ctx: int = 4096
     pool_tokens: Union[None, int, str] = "auto"
@@ -67,6 +71,7 @@ class PoolConfig:
     tail_chunks: int = 4
     allow_beyond_train_ctx: bool = False
     max_device_bytes: Optional[int] = None
+    max_host_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Checked here, by name: the core would report a bad n_ctx as its own max_tokens.
@@ -74,9 +79,11 @@ class PoolConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_device_bytes is not None and (not _is_int(self.max_device_bytes) or self.max_device_bytes <= 0):
-            raise ValueError(f"max_device_bytes must be a positive number of bytes (or None: no cap), "
-                             f"got {self.max_device_bytes!r}")
+        for name in ("max_device_bytes", "max_host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive number of bytes (or None: "
+                                 f"{'no cap' if name == 'max_device_bytes' else 'the memory available'}), got {value!r}")
         pool = self.resolved_pool_tokens()
         if pool:   # the core's own rules (a multiple of a chunk, at least the minimum), before any weight loads
             self._pager_config(pool).validate()

@@ -145,11 +145,16 @@ def add_pool_flags(ap: argparse.ArgumentParser, *, pool: str = "off", n_ctx: Opt
 
 
 def add_budget_flag(ap: argparse.ArgumentParser) -> None:
-    """--max-device-memory: PoolConfig.max_device_bytes (generate, serve, bench decode)."""
+    """--max-device-memory: PoolConfig.max_device_bytes; --max-host-memory: PoolConfig.max_host_bytes (generate,
+    serve, bench decode)."""
     ap.add_argument("--max-device-memory", dest="max_device_memory", type=parse_bytes, default=None, metavar="SIZE",
                     help="cap each device's whole footprint (weights, pools, buffers, headroom; the CPU's too) at "
                          "SIZE (bytes, or 24G, 512M: K/M/G/T = 1024^n): --kvflash auto is sized within it, a pool "
                          "size given is refused if it does not fit (default: no cap)")
+    ap.add_argument("--max-host-memory", dest="max_host_memory", type=parse_bytes, default=None, metavar="SIZE",
+                    help="cap the K/V the pools send to host memory (at most an image per chunk of --n-ctx): a "
+                         "context that could outgrow SIZE is refused at start (default: the memory the host has "
+                         "available then)")
 
 
 def add_residency_flags(ap: argparse.ArgumentParser, *, grid: bool = False) -> None:
@@ -252,7 +257,8 @@ def pool_config(args: argparse.Namespace, **overrides: object) -> PoolConfig:
     options = given(n_ctx=getattr(args, "n_ctx", None), kv_type=args.kv_type, attention=args.attention,
                     n_batch=getattr(args, "n_batch", None),
                     allow_beyond_train_ctx=getattr(args, "allow_beyond_train_ctx", None),
-                    max_device_bytes=getattr(args, "max_device_memory", None))
+                    max_device_bytes=getattr(args, "max_device_memory", None),
+                    max_host_bytes=getattr(args, "max_host_memory", None))
     if hasattr(args, "kvflash"):   # --kvflash off is None: the full cache, not the dataclass's default
         options["pool_tokens"] = args.kvflash
     return PoolConfig(**{**options, **overrides})
@@ -293,7 +299,8 @@ def model_keywords(args: argparse.Namespace) -> dict:
                       n_threads=args.threads, policy=args.policy, tau=args.tau, drafter_model=args.drafter_model,
                       prefill=args.prefill, prefill_reselect=args.prefill_reselect,
                       refresh_tokens=args.refresh_tokens, prompt_scores=args.prompt_scores,
-                      max_device_bytes=getattr(args, "max_device_memory", None)),
+                      max_device_bytes=getattr(args, "max_device_memory", None),
+                      max_host_bytes=getattr(args, "max_host_memory", None)),
                 pool_tokens=args.kvflash, speculative=speculative_config(args))
 
 

@@ -66,7 +66,10 @@ def memory_line(stats: dict) -> str:
     line = f"{names}: {parts}; peak {mib(stats.get('device_peak_bytes', 0))}"
     if stats.get("device_driver_bytes") is not None:
         line += f" (the driver counts {mib(stats['device_driver_bytes'])})"
-    return line + f"; host KV store {mib(stats.get('host_kv_bytes', 0))}"
+    line += f"; host KV store {mib(stats.get('host_kv_bytes', 0))}"
+    if stats.get("host_kv_max_bytes"):   # what n_ctx can come to (host_store.py)
+        line += f" (at most {mib(stats['host_kv_max_bytes'])} at n_ctx)"
+    return line
 
 
 def summary(stats: dict, timing: Timing, pool_flag: Union[None, int, str]) -> str:

@@ -12,8 +12,8 @@ token): chunked prefill interleaved by the scheduler, as nano-vllm's and vLLM's 
 scheduler from inside a prompt. The decode steps of a round run as one batched forward (_core.BatchDecoder: the weights are
 read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
 per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
-greedily, else the logits come back; qk / quest slots join it, each keeping its own token's queries for its
-scorer); slots under the drafter policy (it captures one step's attention) or that speculate step alone;
+greedily, else the logits come back) under every policy (a qk / quest slot keeps its own token's queries for
+its scorer; the drafter's companion follows the history only when it scores); slots that speculate step alone;
 sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
@@ -37,6 +37,7 @@ import numpy as np
 from .. import _core
 from ..engine import Engine
 from ..generation import Generation, GenerationRecord
+from ..host_store import check_host_store
 from ..options import SamplingParams
 from ..tokens import common_prefix
 
@@ -44,9 +45,18 @@ log = logging.getLogger(__name__)
 
 
 def slot_engines(n_slots: int, *args: Any, **kwargs: Any) -> list[Engine]:
-    """n_slots Engines (args as Engine's) whose pools are lanes of one _core.PoolArena."""
+    """n_slots Engines (args as Engine's) whose pools are lanes of one _core.PoolArena; refused if their host stores
+    together could outgrow the host (host_store.py)."""
     arena = _core.PoolArena(n_slots) if n_slots > 1 else None
-    return [Engine(*args, arena=arena, **kwargs) for _ in range(n_slots)]
+    engines = [Engine(*args, arena=arena, **kwargs) for _ in range(n_slots)]
+    pool = engines[0].pool
+    try:
+        check_host_store([e.session for e in engines], pool.n_ctx, pool.kv_type, pool.max_host_bytes)
+    except ValueError:
+        for e in engines:
+            e.close()
+        raise
+    return engines
 
 
 class QueueFull(RuntimeError):
