@@ -181,6 +181,56 @@ def test_sessions_that_score_chunks_step_batched_as_alone(tiny_gguf, attention):
     np.testing.assert_allclose(batched[0].queries(), alone[0].queries(), rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("attention,arena", [("matmul", False), ("flash", False), ("flash", True)])
+def test_verify_steps_of_several_tokens_step_batched_as_alone(tiny_gguf, attention, arena):
+    """step_rows (issue 38 item 3: speculative verify steps batch): each session takes its pending token and its
+    drafts (1 to 6 tokens here) in one step beside the others'. On the CPU every row is computed with one-token
+    kernels, as a session's own verify step (forward with all_logits) computes it: the rows' logits, the K/V
+    written and the pager's state are the session's own step's, bit for bit. Sessions in an arena attend their own
+    pools when a step has several rows a session."""
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    pools = [448] * 3 if arena else [448, 0, 640]
+    alone, batched, tok = twins(model, pools, [400, 90, 700], attention, _core.PoolArena(3) if arena else None)
+    decoder = _core.BatchDecoder(model)
+    rng = np.random.default_rng(7)
+    for step in range(12):
+        rows = [[t, *rng.integers(1, model.hparams.n_vocab, n - 1).tolist()] for t, n in
+                zip(tok, [(step + i) % 6 + 1 for i in range(3)])]
+        want = [s.forward(np.asarray(r, np.int32), s.n_tokens, all_logits=True) for s, r in zip(alone, rows)]
+        got = decoder.step_rows(batched, rows)
+        for w, g_ in zip(want, got):
+            np.testing.assert_array_equal(g_, w)
+        tok = [int(w[-1].argmax()) for w in want]
+        assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    assert any(s.pager.stats().page_outs > 0 for s in batched)   # the steps paged
+    for a, b in zip(alone, batched):
+        assert [a.kv.read_block(i) for i in range(a.pager.n_blocks())] == \
+            [b.kv.read_block(i) for i in range(b.pager.n_blocks())]
+    # a decode step of one token each after them (the arena's one call again)
+    np.testing.assert_allclose(decoder.step(batched, tok),
+                               np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)]),
+                               rtol=0, atol=2e-3)
+
+
+def test_verify_steps_that_cannot_batch_are_refused_and_change_nothing(tiny_gguf, tmp_path):
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    decoder = _core.BatchDecoder(model)
+    a, b = session(model, 448), session(model, 448)
+    for s in (a, b):
+        s.forward(np.arange(1, 70, dtype=np.int32), 0)
+    before = [pager_state(s) for s in (a, b)]
+    for rows, match in [([[5], []], "got 0 tokens"), ([[5], list(range(1, 34))], "1 to 32"),
+                        ([[5]], "the tokens of every session"), ([[5, 6], [7, model.hparams.n_vocab]], "vocabulary")]:
+        with pytest.raises(ValueError, match=match):
+            decoder.step_rows([a, b], rows)
+        assert [pager_state(s) for s in (a, b)] == before
+    qwen35 = hybrid_model(tmp_path, "tiny-qwen35", "f32")
+    h = [session(qwen35, 448), session(qwen35, 448)]
+    with pytest.raises(ValueError, match="linear-attention state"):
+        _core.BatchDecoder(qwen35).step_rows(h, [[5], [6, 7]])
+    assert all(s.n_tokens == 0 for s in h)
+
+
 def test_who_cannot_join(tiny_gguf, tmp_path):
     model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     other = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)

@@ -269,13 +269,15 @@ def test_slots_that_score_chunks_batch_and_give_their_tokens_alone(make_schedule
     """Regression for issue 38 item 3: qk / quest slots stepped one at a time. Now their decode steps batch, and
     the reselects their scores drive mid-generation (prompts past the 512-token pool; a reselect every 64 tokens)
     page what their slots stepped alone page: the same greedy tokens, the same page-ins (qk: test_batch_decoder.py's
-    scores of batched sessions). A round runs one prompt
-    step, so the later slots start decoding later: the earlier ones generate longer, so all three decode together
-    for well over a hundred rounds whatever the machine's speed."""
+    scores of batched sessions). A round runs one prompt step, so the later slots start decoding later: the earlier
+    ones generate longer, and the prompts' steps are the pool's (not sized by the rounds' measured time), so all
+    three decode together for over a hundred rounds whatever the machine's speed."""
     n_gen = [360, 240, 120]
 
     def run_all(batch):
         sched, tok = make_scheduler(n_slots=3, batch=batch, policy=policy)
+        for slot in sched.slots:   # 2 steps a layer for each prompt: 60 rounds
+            slot.engine.prompt_step_cap = lambda: None
 
         async def main():
             loop = asyncio.get_running_loop()
@@ -296,18 +298,23 @@ def test_slots_that_score_chunks_batch_and_give_their_tokens_alone(make_schedule
     assert batched == alone and page_ins_b == page_ins_a
 
 
-def test_speculative_slots_step_alone_and_give_their_tokens(make_scheduler):
-    """Slots that speculate (prompt lookup) beside each other: each verifies its own drafts alone (never in a
-    batched round) and streams the tokens greedy decoding gives the same requests without speculation."""
+@pytest.mark.parametrize("batch", [True, False])
+def test_speculative_slots_give_the_tokens_of_plain_decoding(make_scheduler, batch):
+    """Slots that speculate (prompt lookup) beside each other, and one that samples with logprobs: batched, the
+    verify steps of a round run as one forward (BatchDecoder.step_rows: each slot's pending token and drafts;
+    issue 38 item 3, they ran one slot at a time before), alone each verifies its own; either way the greedy slots
+    stream the tokens plain greedy decoding gives the same requests, and the sampling one its seeded tokens."""
     counting = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
+    kinds = [dict(max_tokens=40, temperature=0), dict(max_tokens=40, temperature=0),
+             dict(max_tokens=24, temperature=0.8, seed=3)]
 
-    def run_all(speculative):
-        sched, tok = make_scheduler(n_slots=2, speculative=speculative)
+    def run_all(speculative, batch=True):
+        sched, tok = make_scheduler(n_slots=3, speculative=speculative, batch=batch)
 
         async def main():
             loop = asyncio.get_running_loop()
-            reqs = [Request(tok.encode(counting + " " * i), SamplingParams(max_tokens=40, temperature=0), loop)
-                    for i in range(2)]
+            reqs = [Request(tok.encode(counting + " " * i), SamplingParams(**kw), loop, logprobs=2 if i == 2 else None)
+                    for i, kw in enumerate(kinds)]
             for r in reqs:
                 sched.submit(r)
             return await asyncio.gather(*(drain(r) for r in reqs))
@@ -316,9 +323,12 @@ def test_speculative_slots_step_alone_and_give_their_tokens(make_scheduler):
         return [[r.token for r in recs[:-1]] for recs in records], [recs[-1].stats for recs in records], sched
 
     plain, _, _ = run_all(None)
-    spec, stats, sched = run_all(SpeculativeConfig(draft="prompt_lookup"))
-    assert spec == plain and all(len(t) > 10 for t in spec)
-    assert all(st["spec_accepted"] > 0 for st in stats) and sched.n_batched_steps == 0
+    spec, stats, sched = run_all(SpeculativeConfig(draft="prompt_lookup"), batch)
+    assert spec[:2] == plain[:2] and all(len(t) > 10 for t in spec)
+    assert all(st["spec_accepted"] > 0 for st in stats[:2])
+    assert (sched.n_batched_steps > 0) == batch
+    if batch:   # the rows of a batched verify step are its own step's (one-token kernels): the same sampled tokens
+        assert spec == run_all(SpeculativeConfig(draft="prompt_lookup"), False)[0]
 
 
 def test_a_prompt_arriving_while_slots_decode_takes_steps_of_about_one_decode_round(make_scheduler):

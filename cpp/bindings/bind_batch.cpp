@@ -45,6 +45,23 @@ void register_batch(py::module_ & m) {
                  return make_logits(std::move(out), n, n_vocab, true);
              }, py::arg("sessions"), py::arg("tokens"),
              "feed tokens[i] to sessions[i] at its n_tokens; logits [len(sessions), n_vocab]")
+        .def("step_rows", [](BatchDecoder & b, const std::vector<Session *> & sessions,
+                             const std::vector<std::vector<int32_t>> & rows) {
+                 std::vector<float> out;
+                 without_gil([&] { b.step_rows(sessions, rows, &out); });
+                 const int64_t n_vocab = sessions.empty() ? 0 : sessions.front()->model().hparams().n_vocab;
+                 py::list per_session;   // each session's rows, [len(rows[i]), n_vocab]
+                 size_t from = 0;
+                 for (const auto & r : rows) {
+                     py::array_t<float> a({(py::ssize_t) r.size(), (py::ssize_t) n_vocab});
+                     std::copy_n(out.begin() + from, r.size() * (size_t) n_vocab, a.mutable_data());
+                     from += r.size() * (size_t) n_vocab;
+                     per_session.append(std::move(a));
+                 }
+                 return per_session;
+             }, py::arg("sessions"), py::arg("rows"),
+             "feed rows[i] (one or more tokens: a verify step's pending token and drafts) to sessions[i] at its "
+             "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU)")
         .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
                                "attention calls per layer in the last step: one per run of consecutive arena lanes, "
                                "else one per session")

@@ -522,10 +522,10 @@ ggml_tensor * attend_lanes(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tenso
     return out;
 }
 
-// Token t of x [ne0, ne1, n_tokens] as [ne0, ne1, 1] (nullptr stays nullptr).
-ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t) {
+// Tokens [t0, t0 + n) of x [ne0, ne1, n_tokens] as [ne0, ne1, n] (nullptr stays nullptr).
+ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t0, int64_t n) {
     if (!x) return nullptr;
-    return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], t * x->nb[2]);
+    return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], n, x->nb[1], x->nb[2], t0 * x->nb[2]);
 }
 
 }  // namespace
@@ -544,13 +544,13 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
         g.queries.push_back(last);
     }
     if (g.arena.arena && !swa) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
-    if (!g.lanes.empty() || g.arena.arena) {   // a batched decode: each token attends its own session's pool or ring
+    if (!g.lanes.empty() || g.arena.arena) {   // a batched step: each session's tokens attend its own pool or ring
         const int64_t kl = m.hparams().kv_index(il);
         ggml_tensor * out = nullptr;
-        for (int64_t t = 0; t < g.n_tokens; ++t) {
-            const GraphCtx::Lane & lane = swa ? g.lane_rings[t] : g.lanes[t];
-            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, t), token_view(ctx, k, t),
-                                     token_view(ctx, v, t), kq_scale, false);
+        for (const GraphCtx::Lane & lane : swa ? g.lane_rings : g.lanes) {
+            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, lane.t0, lane.n),
+                                     token_view(ctx, k, lane.t0, lane.n), token_view(ctx, v, lane.t0, lane.n), kq_scale,
+                                     false);
             out = out ? ggml_concat(ctx, out, o, 1) : o;
         }
         return out;

@@ -86,16 +86,18 @@ struct GraphCtx {
     // A sparse prefill's captured queries: per layer whose last block chose its keys, the share of their exact
     // attention those keys hold, F32 [1, n_attn_tokens, n_head] (outputs; none where the block saw every key).
     std::vector<ggml_tensor *> coverage;
-    // A batched decode of several sessions (runtime/batch_decoder.h): token t is session t's one token and
-    // attends only that session's pool, under its own inputs. Empty: the graph runs one sequence (kv, in.kv).
+    // A batched step of several sessions (runtime/batch_decoder.h): lane i is session i's tokens [t0, t0 + n) of
+    // the step (one for a decode step, several for a verify step), which attend only that session's pool, under
+    // its own inputs. Empty: the graph runs one sequence (kv, in.kv).
     struct Lane {
         const PooledKV * kv;
         KvStepInputs in;
         int64_t n_kv;
+        int64_t t0 = 0, n = 1;
     };
     std::vector<Lane> lanes;
-    // Per token of a batched decode, its session's sliding-window rings (the sliding-window layers attend these
-    // one session at a time; empty when the model has no such layers).
+    // Per session of a batched step, its sliding-window rings (the sliding-window layers attend these one session
+    // at a time; empty when the model has no such layers).
     std::vector<Lane> lane_rings;
     // Per token of a batched decode, its session's linear-attention state (empty when the model has no such layers):
     // each token's conv and delta rule read and write back that session's own state (qwen35.cpp: linear_attention).

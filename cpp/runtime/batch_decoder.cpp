@@ -11,6 +11,14 @@ namespace kvf {
 namespace {
 
 constexpr int64_t k_max_lanes = 64;   // sessions in one step: the graph's node budget is sized for this many
+constexpr int64_t k_max_rows = 32;    // tokens of one session in one step (a verify step's: Session's one-token bound)
+constexpr int64_t k_max_step_rows = 128;   // tokens of all sessions in one step (the node budget's)
+
+int64_t total_rows(const std::vector<std::vector<int32_t>> & rows) {
+    int64_t n = 0;
+    for (const auto & r : rows) n += (int64_t) r.size();
+    return n;
+}
 
 // An arena step attends the same number of slots in every lane: the largest any session needs (past a session's
 // own, its slots are empty and masked).
@@ -25,7 +33,8 @@ int64_t widest(const std::vector<KvKeyOrder> & orders) {
 size_t BatchDecoder::graph_nodes(const Session & s) {
     // A lane's own nodes in a layer: about 24 for its attention (full-attention layers) or for its conv and delta
     // rule (linear-attention layers, qwen35.cpp: delta_rule); 32 leaves room.
-    return s.graph_size() + (size_t) (k_max_lanes * s.model().hparams().n_layer * 32);
+    const int64_t per_layer = k_max_lanes * 32 + (s.model().on_gpu() ? 0 : k_max_step_rows * 8);
+    return s.graph_size() + (size_t) (per_layer * s.model().hparams().n_layer);
 }
 
 BatchDecoder::BatchDecoder(std::shared_ptr<Model> model) : model_(std::move(model)) {
@@ -44,9 +53,13 @@ std::string BatchDecoder::ineligible(const Session & s) const {
     return "";
 }
 
-const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders) {
+const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sessions,
+                                             const std::vector<std::vector<int32_t>> & rows,
+                                             const std::vector<KvKeyOrder> & orders) {
     const PoolArena * arena = sessions.front()->kv().arena();
     if (!arena) return nullptr;
+    // One query a lane along ne3: a session with several rows attends its own pool (GraphCtx::lanes).
+    if (total_rows(rows) != (int64_t) rows.size()) return nullptr;
     // The mul_mat path reads V transposed in place; from slot rows it would need a transposed copy per lane.
     if (!sessions.front()->flash_attn() && !arena->layout().v_trans) return nullptr;
     for (size_t i = 0; i < sessions.size(); ++i) {
@@ -60,8 +73,9 @@ int64_t BatchDecoder::compute_bytes() const {
     return sched_device_bytes(*model_, sched_);
 }
 
-void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
-                               const std::vector<KvKeyOrder> & ring_orders, bool greedy) {
+void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                               const std::vector<KvKeyOrder> & orders, const std::vector<KvKeyOrder> & ring_orders,
+                               bool greedy) {
     const Session & first = *sessions.front();
     const size_t n_nodes = graph_nodes(first);
     if (!sched_) sched_ = first.new_sched(n_nodes);
@@ -69,25 +83,29 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     graph_ctx_ = first.new_graph_ctx(n_nodes);
     graph_ = GraphCtx{};
     GraphCtx & g = graph_;
-    const int64_t n = (int64_t) sessions.size();
+    const int64_t n = (int64_t) sessions.size(), n_rows = total_rows(rows);
     g.ctx = graph_ctx_;
     g.gf = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
-    g.n_tokens = g.n_outputs = n;
+    g.n_tokens = g.n_outputs = n_rows;
     g.flash_attn = first.flash_attn();
-    // every session's query, when one of them scores chunks (qk / quest): split per session after the compute
+    // A verify step's rows as a session's own verify step computes them (Session::build_graph: one-token kernels
+    // on the CPU for a step that reads every row); a decode step of one token a session keeps ggml's own kernels.
+    g.one_token_kernels = !model_->on_gpu() && n_rows > n;
+    // every session's queries, when one of them scores chunks (qk / quest): split per session after the compute
     const bool scored = std::any_of(sessions.begin(), sessions.end(), [](const Session * s) { return s->summaries_ != nullptr; });
-    g.n_query_tokens = scored ? n : 0;
-    g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
-    g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
+    g.n_query_tokens = scored ? n_rows : 0;
+    g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
+    g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
     for (int64_t i = 0; i < n && first.recurrent(); ++i) g.lane_recurrent.push_back(sessions[i]->recurrent());
-    for (int64_t i = 0; i < n && first.ring(); ++i) {
+    for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
-        g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), 1, ring_orders[i].n_kv, false),
-                                ring_orders[i].n_kv});
+        const int64_t ni = (int64_t) rows[i].size();
+        g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), ni, ring_orders[i].n_kv, false),
+                                ring_orders[i].n_kv, t0, ni});
     }
-    if (const PoolArena * arena = shared_arena(sessions, orders)) {
+    if (const PoolArena * arena = shared_arena(sessions, rows, orders)) {
         GraphCtx::ArenaBatch & b = g.arena;
         b.arena = arena;
         b.n_kv = widest(orders);
@@ -101,14 +119,15 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
             }
         }
     } else {
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
             const PooledKV & kv = sessions[i]->kv();
-            g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, orders[i].n_kv, orders[i].gathered),
-                               orders[i].n_kv});
+            const int64_t ni = (int64_t) rows[i].size();
+            g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), ni, orders[i].n_kv, orders[i].gathered),
+                               orders[i].n_kv, t0, ni});
         }
     }
     const Model & m = *model_;
-    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n]
+    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n_rows]
     argmax_ = nullptr;
     if (greedy) {
         argmax_ = ggml_argmax(g.ctx, logits_);   // I32 [n]: one row per session
@@ -126,15 +145,31 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
 
 void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
                         std::vector<int32_t> * greedy, std::vector<float> * logits) {
+    if (tokens.size() != sessions.size()) {
+        throw std::invalid_argument("a batched step needs one token per session (" + std::to_string(tokens.size()) +
+                                    " tokens for " + std::to_string(sessions.size()) + " sessions)");
+    }
+    std::vector<std::vector<int32_t>> rows;
+    for (int32_t t : tokens) rows.push_back({t});
+    run(sessions, rows, greedy, logits);
+}
+
+void BatchDecoder::step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                             std::vector<float> * logits) {
+    if (rows.size() != sessions.size()) {
+        throw std::invalid_argument("a batched step needs the tokens of every session (" + std::to_string(rows.size()) +
+                                    " lists for " + std::to_string(sessions.size()) + " sessions)");
+    }
+    run(sessions, rows, nullptr, logits);
+}
+
+void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                       std::vector<int32_t> * greedy, std::vector<float> * logits) {
     const int64_t n = (int64_t) sessions.size();
     if (n == 0) throw std::invalid_argument("a batched step needs at least one session");
     if (n > k_max_lanes) {
         throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_lanes) + " sessions, got " +
                                     std::to_string(n));
-    }
-    if ((int64_t) tokens.size() != n) {
-        throw std::invalid_argument("a batched step needs one token per session (" + std::to_string(tokens.size()) +
-                                    " tokens for " + std::to_string(n) + " sessions)");
     }
     std::vector<Session *> by_address(sessions);
     std::sort(by_address.begin(), by_address.end());
@@ -147,18 +182,19 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         held.emplace_back(s->mutex_);
     }
     held.emplace_back(model_->compute_mutex());
+    for (int64_t i = 0; i < n; ++i) check_joins(*sessions[i], *sessions.front(), i, (int64_t) rows[i].size());
+    if (total_rows(rows) > k_max_step_rows) {
+        throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_step_rows) + " tokens, got " +
+                                    std::to_string(total_rows(rows)));
+    }
     for (int64_t i = 0; i < n; ++i) {
         const Session & s = *sessions[i];
-        const std::string why = ineligible(s);
-        if (!why.empty()) throw std::invalid_argument("session " + std::to_string(i) + " cannot join a batched step: " + why);
-        if (s.open_run_) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
-            throw std::invalid_argument("session " + std::to_string(i) + " is in the middle of an exact prefill (an open "
-                                        "ExactPrefillRun): finish or close it first");
+        const int64_t ni = (int64_t) rows[i].size();
+        s.check_tokens(rows[i].data(), ni, s.pager_->n_tokens());
+        if (ni > 1 && (ni > s.pager_->max_span_tokens(ni) || (s.ring() && ni > s.ring()->max_step()))) {
+            throw std::invalid_argument("session " + std::to_string(i) + "'s pool cannot place its " +
+                                        std::to_string(ni) + " tokens at once");
         }
-        if (s.flash_attn() != sessions.front()->flash_attn()) {
-            throw std::invalid_argument("session " + std::to_string(i) + " takes another attention path than session 0");
-        }
-        s.check_tokens(&tokens[i], 1, s.pager_->n_tokens());
     }
 
     const auto t0 = std::chrono::steady_clock::now();
@@ -170,98 +206,129 @@ void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vect
         return sessions[a]->kv_->lane() < sessions[b]->kv_->lane();
     });
     std::vector<Session *> in_order(n);
-    std::vector<int32_t> tokens_in_order(n);
+    std::vector<std::vector<int32_t>> rows_in_order(n);
     for (int64_t i = 0; i < n; ++i) {
         in_order[i] = sessions[order[i]];
-        tokens_in_order[i] = tokens[order[i]];
+        rows_in_order[i] = rows[order[i]];
     }
-    std::vector<StepQueries> queries = step_in_order(in_order, tokens_in_order, greedy, logits);
+    std::vector<StepQueries> queries = step_in_order(in_order, rows_in_order, greedy, logits);
     // back to the caller's order (a server's slots come in lane order: nothing to move)
-    const bool reordered = !std::is_sorted(order.begin(), order.end());
-    if (reordered && greedy) {
-        std::vector<int32_t> g(*greedy);
-        for (int64_t i = 0; i < n; ++i) (*greedy)[order[i]] = g[i];
-    }
-    if (reordered && logits) {
-        const size_t row = logits->size() / (size_t) n;
-        std::vector<float> l(*logits);
-        for (int64_t i = 0; i < n; ++i) std::copy_n(l.begin() + i * row, row, logits->begin() + order[i] * row);
+    if (!std::is_sorted(order.begin(), order.end())) {
+        if (greedy) {
+            std::vector<int32_t> g(*greedy);
+            for (int64_t i = 0; i < n; ++i) (*greedy)[order[i]] = g[i];
+        }
+        if (logits) {
+            const size_t n_vocab = logits->size() / (size_t) total_rows(rows);
+            std::vector<size_t> first(n + 1, 0);   // the caller's row of session i's first row
+            for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + rows[i].size();
+            std::vector<float> l(*logits);
+            for (int64_t i = 0, from = 0; i < n; from += (int64_t) rows_in_order[i].size(), ++i) {
+                std::copy_n(l.begin() + from * n_vocab, rows_in_order[i].size() * n_vocab,
+                            logits->begin() + first[order[i]] * n_vocab);
+            }
+        }
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     for (int64_t i = 0; i < n; ++i) {
         Session & s = *in_order[i];
-        s.tokens_.push_back(tokens_in_order[i]);
+        const int64_t pos = s.pager_->n_tokens() - (int64_t) rows_in_order[i].size();
+        s.tokens_.insert(s.tokens_.end(), rows_in_order[i].begin(), rows_in_order[i].end());
         s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
         s.timings_.n_computes++;
-        if (s.summaries_) {   // what its own step leaves a scorer: the step's queries, the chunk it completed
+        if (s.summaries_) {   // what its own step leaves a scorer: the step's queries, the chunks it completed
             s.held_queries_ = std::move(queries[i]);
-            s.seal_chunks(s.pager_->n_tokens() - 1, 1);
+            s.seal_chunks(pos, (int64_t) rows_in_order[i].size());
         }
     }
 }
 
-std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *> & sessions) const {
+void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const {
+    const std::string who = "session " + std::to_string(i);
+    const std::string why = ineligible(s);
+    if (!why.empty()) throw std::invalid_argument(who + " cannot join a batched step: " + why);
+    if (s.open_run_) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
+        throw std::invalid_argument(who + " is in the middle of an exact prefill (an open ExactPrefillRun): finish or "
+                                    "close it first");
+    }
+    if (s.flash_attn() != first.flash_attn()) throw std::invalid_argument(who + " takes another attention path than session 0");
+    if (n_rows < 1 || n_rows > k_max_rows) {
+        throw std::invalid_argument(who + " got " + std::to_string(n_rows) + " tokens: a batched step takes 1 to " +
+                                    std::to_string(k_max_rows) + " a session");
+    }
+    if (n_rows > 1 && s.recurrent()) {
+        throw std::invalid_argument(who + " has a linear-attention state: it takes one token a batched step (a verify "
+                                    "step's rejected drafts need its own step's stash)");
+    }
+}
+
+std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *> & sessions,
+                                                     const std::vector<std::vector<int32_t>> & rows) const {
     std::vector<StepQueries> out(sessions.size());
     if (graph_.queries.empty()) return out;
-    const ggml_tensor * t0 = graph_.queries[0];   // per pooled layer: [head_dim, n_head, n sessions]
-    const int64_t n_layer = (int64_t) graph_.queries.size(), row = t0->ne[0] * t0->ne[1];
-    std::vector<float> all((size_t) (n_layer * ggml_nelements(t0)));
+    const ggml_tensor * t0 = graph_.queries[0];   // per pooled layer: [head_dim, n_head, every row of the step]
+    const int64_t n_layer = (int64_t) graph_.queries.size(), row = t0->ne[0] * t0->ne[1], per_layer = ggml_nelements(t0);
+    std::vector<float> all((size_t) (n_layer * per_layer));
     for (int64_t il = 0; il < n_layer; ++il) {   // one read per layer, whatever the number of sessions
-        ggml_backend_tensor_get(graph_.queries[il], all.data() + il * ggml_nelements(t0), 0, ggml_nbytes(t0));
+        ggml_backend_tensor_get(graph_.queries[il], all.data() + il * per_layer, 0, ggml_nbytes(t0));
     }
-    for (size_t i = 0; i < sessions.size(); ++i) {
+    for (size_t i = 0, first = 0; i < sessions.size(); first += rows[i].size(), ++i) {
         if (!sessions[i]->summaries_) continue;
+        const int64_t n_keep = std::min<int64_t>((int64_t) rows[i].size(), k_capture_tokens);   // the last rows
+        const int64_t from = (int64_t) (first + rows[i].size()) - n_keep;
         StepQueries & q = out[i];
         q.n_layer = n_layer;
-        q.n_tokens = 1;
+        q.n_tokens = n_keep;
         q.n_head = t0->ne[1];
         q.head_dim = t0->ne[0];
-        q.data.resize((size_t) (n_layer * row));
+        q.data.resize((size_t) (n_layer * n_keep * row));
         for (int64_t il = 0; il < n_layer; ++il) {
-            std::copy_n(all.begin() + il * ggml_nelements(t0) + (int64_t) i * row, row, q.data.begin() + il * row);
+            std::copy_n(all.begin() + il * per_layer + from * row, n_keep * row, q.data.begin() + il * n_keep * row);
         }
     }
     return out;
 }
 
 std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *> & sessions,
-                                                    const std::vector<int32_t> & tokens, std::vector<int32_t> * greedy,
-                                                    std::vector<float> * logits) {
+                                                     const std::vector<std::vector<int32_t>> & rows,
+                                                     std::vector<int32_t> * greedy, std::vector<float> * logits) {
     const int64_t n = (int64_t) sessions.size();
     std::vector<Plan> plans, ring_plans;
-    std::vector<int32_t> pos(n);
+    std::vector<int32_t> start(n), pos;   // each session's first position; every row's position
     std::vector<SlidingWindowKV::Mark> ring_marks;
     int64_t n_recurrent_placed = 0;
     auto undo = [&] {   // forget the positions placed so far: no session changes on an error
-        for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(pos[i]));
+        for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(start[i]));
         // The ring row a failed step may have written held a position no window reaches any more.
         for (size_t i = 0; i < ring_marks.size(); ++i) sessions[i]->ring_->rewind_to(ring_marks[i]);
         // Exact before the graph computes (the state's bytes have not moved); see the header for a failed compute.
-        for (int64_t i = 0; i < n_recurrent_placed; ++i) sessions[i]->recurrent_->unplace(pos[i]);
+        for (int64_t i = 0; i < n_recurrent_placed; ++i) sessions[i]->recurrent_->unplace(start[i]);
     };
     std::vector<KvKeyOrder> orders, ring_orders;
     try {
         for (int64_t i = 0; i < n; ++i) {
             Session & s = *sessions[i];
-            pos[i] = (int32_t) s.pager_->n_tokens();
-            plans.push_back(s.pager_->plan_alloc(pos[i], 1));
+            const int64_t ni = (int64_t) rows[i].size();
+            start[i] = (int32_t) s.pager_->n_tokens();
+            for (int64_t j = 0; j < ni; ++j) pos.push_back(start[i] + (int32_t) j);
+            plans.push_back(s.pager_->plan_alloc(start[i], ni));
             s.execute(plans.back());
             orders.push_back(kv_key_order(*s.pager_, s.kv_->layout(), s.ordered_, s.kv_pad_));
             if (s.ring_) {
                 ring_marks.push_back(s.ring_->mark());
-                ring_plans.push_back(s.ring_->place(pos[i], 1));
+                ring_plans.push_back(s.ring_->place(start[i], ni));
                 ring_orders.push_back(s.ring_->key_order());
             }
-            if (s.recurrent_) {
-                s.recurrent_->place(pos[i], 1);
+            if (s.recurrent_) {   // one row (check_joins)
+                s.recurrent_->place(start[i], 1);
                 n_recurrent_placed++;
             }
         }
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
-        std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, orders) != nullptr};
+        std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, rows, orders) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
             shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered,
-                                       (int64_t) (intptr_t) sessions[i]->recurrent_.get()});
+                                       (int64_t) (intptr_t) sessions[i]->recurrent_.get(), (int64_t) rows[i].size()});
         }
         if (shape[1]) {
             shape.push_back(widest(orders));
@@ -270,22 +337,25 @@ std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *
         }
         for (const KvKeyOrder & o : ring_orders) shape.push_back(o.n_kv);
         if (shape != shape_) {
-            build_graph(sessions, orders, ring_orders, greedy != nullptr);
+            build_graph(sessions, rows, orders, ring_orders, greedy != nullptr);
             shape_ = shape;
         }
-        ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, n * sizeof(int32_t));
-        ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, n * sizeof(int32_t));
+        std::vector<int32_t> tokens;
+        for (const auto & r : rows) tokens.insert(tokens.end(), r.begin(), r.end());
+        ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
+        ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, pos.size() * sizeof(int32_t));
         for (size_t i = 0; i < ring_plans.size(); ++i) {
             kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring_->kv().layout(), ring_orders[i], ring_plans[i],
-                               &pos[i], scratch_);
+                               &pos[graph_.lane_rings[i].t0], scratch_);
         }
-        if (graph_.arena.arena) {
+        if (graph_.arena.arena) {   // one row a session (shared_arena)
             std::vector<LaneToken> lt;
             for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv_->lane(), plans[i].slots[0], pos[i], &orders[i]});
             kv_step_inputs_set_lanes(graph_.arena.in, graph_.arena.arena->layout(), lt, scratch_);
         } else {
             for (int64_t i = 0; i < n; ++i) {
-                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i], &pos[i], scratch_);
+                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i],
+                                   &pos[graph_.lanes[i].t0], scratch_);
             }
         }
         if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
@@ -299,7 +369,7 @@ std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *
             logits->resize((size_t) ggml_nelements(logits_));
             ggml_backend_tensor_get(logits_, logits->data(), 0, ggml_nbytes(logits_));
         }
-        std::vector<StepQueries> queries = split_queries(sessions);
+        std::vector<StepQueries> queries = split_queries(sessions, rows);
         check_rpc_connections(sched_);   // a lost RPC device reads as zeros
         return queries;
     } catch (...) {

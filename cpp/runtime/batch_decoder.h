@@ -43,6 +43,14 @@ public:
     // logits [n, n_vocab] row-major (the other output is left empty). On an error no session changes.
     void step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
               std::vector<int32_t> * greedy, std::vector<float> * logits);
+    // A step in which a session may take several tokens (a speculative verify step: the pending token and its
+    // drafts): feed rows[i] to sessions[i] at its n_tokens(); `logits` gets every row's, [sum of the rows' sizes,
+    // n_vocab], session after session in the caller's order. On the CPU every row is computed with the kernels of
+    // a one-token step (GraphCtx::one_token_kernels), as a session's own verify step is, so its rows and K/V are
+    // the ones that step writes. A session with a linear-attention state takes one token (its rejected drafts
+    // need the state's stash, which is its own step's). On an error no session changes.
+    void step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                   std::vector<float> * logits);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
     // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
     // when the sessions do not share an arena.
@@ -50,26 +58,38 @@ public:
 
 private:
     // Graph nodes of a batched step: a session's graph, plus per session and layer its own attention (token
-    // views, K/V writes, pool views, permutes, attention, concat).
+    // views, K/V writes, pool views, permutes, attention, concat), and on the CPU per row of a verify step its
+    // one-token attention.
     static size_t graph_nodes(const Session & s);
     // The arena every session's pool is a lane of, when the step can attend them all at once; else nullptr
     // (each session then attends its own pool: GraphCtx::lanes).
-    static const PoolArena * shared_arena(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders);
-    // step() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns the
+    static const PoolArena * shared_arena(const std::vector<Session *> & sessions,
+                                          const std::vector<std::vector<int32_t>> & rows,
+                                          const std::vector<KvKeyOrder> & orders);
+    // Why session i (n_rows tokens) cannot take part in this step beside `first`: std::invalid_argument.
+    void check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const;
+    // step() and step_rows(): the checks, the sessions' locks, the lane order and the outputs back in the
+    // caller's order.
+    void run(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+             std::vector<int32_t> * greedy, std::vector<float> * logits);
+    // run() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns the
     // queries of the sessions that score chunks (empty for the others).
-    std::vector<StepQueries> step_in_order(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
-                                           std::vector<int32_t> * greedy, std::vector<float> * logits);
-    // The computed step's queries, one StepQueries of one token per session that tracks summaries.
-    std::vector<StepQueries> split_queries(const std::vector<Session *> & sessions) const;
-    void build_graph(const std::vector<Session *> & sessions, const std::vector<KvKeyOrder> & orders,
-                     const std::vector<KvKeyOrder> & ring_orders, bool greedy);
+    std::vector<StepQueries> step_in_order(const std::vector<Session *> & sessions,
+                                           const std::vector<std::vector<int32_t>> & rows, std::vector<int32_t> * greedy,
+                                           std::vector<float> * logits);
+    // The computed step's queries: per session that tracks summaries, its last rows' (up to k_capture_tokens),
+    // as its own step keeps them.
+    std::vector<StepQueries> split_queries(const std::vector<Session *> & sessions,
+                                           const std::vector<std::vector<int32_t>> & rows) const;
+    void build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                     const std::vector<KvKeyOrder> & orders, const std::vector<KvKeyOrder> & ring_orders, bool greedy);
 
     std::shared_ptr<Model> model_;
     ggml_backend_sched_t sched_ = nullptr;
     ggml_context * graph_ctx_ = nullptr;
     GraphCtx graph_;
-    ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, n]
-    ggml_tensor * argmax_ = nullptr;   // I32 [n]
+    ggml_tensor * logits_ = nullptr;   // F32 [n_vocab, rows]
+    ggml_tensor * argmax_ = nullptr;   // I32 [rows]: greedy steps only (one row a session)
     std::vector<int64_t> shape_;       // what the graph was built for (rebuilt on change)
     std::vector<uint8_t> scratch_;
 };

@@ -43,8 +43,10 @@ class Generation:
     forward (_core.BatchDecoder) and hand back with advance(...), in place of next().
 
     With an engine that speculates, a decode step verifies drafts and yields several tokens: the records after it
-    come from the queue of kept tokens (with their logprobs, from the verify step's rows), without a step; such a
-    generation steps alone (needs_decode_step() is False)."""
+    come from the queue of kept tokens (with their logprobs, from the verify step's rows), without a step. A
+    server batches that step too, while needs_verify_step(): verify_rows() gives its tokens (the pending one and
+    the drafts), the caller runs them with other sessions' (BatchDecoder.step_rows) and hands every row's logits
+    back with advance_verify(...)."""
 
     def __init__(self, engine, tokens: list[int], params: SamplingParams, owner: int,
                  n_logprobs: Optional[int]) -> None:
@@ -58,6 +60,7 @@ class Generation:
         self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
         # speculation: tokens verified, not yet given, with their logprobs (if asked)
         self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
+        self._pending: Optional[tuple] = None   # verify_rows() given, its rows not yet back: (drafts, q, n0)
 
     def __iter__(self) -> "Generation":
         return self
@@ -148,10 +151,25 @@ class Generation:
         return (p.max_tokens is not None and self.n_generated >= p.max_tokens) or \
             (not self._queue and self.engine.session.n_tokens >= self.engine.pool.n_ctx)
 
-    def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
-        """One speculative step: `token` and the drafts after it through the session at once; the drafts the
-        model keeps and its own next token (each with its logprobs from its row, if asked), the rejected
-        positions truncated. Falls back to a plain step when the drafter has nothing to propose."""
+    def needs_verify_step(self) -> bool:
+        """The next record needs a speculative verify step (no kept token queued): one the caller may batch, as
+        verify_rows(), the rows through the session, then advance_verify(logits). Never for a session with a
+        linear-attention state (its rejected drafts go back through its own step's stash)."""
+        return self._speculate and self._state == "decoding" and not self._queue and not self._at_limit() and \
+            not self.engine.session.has_recurrent_state
+
+    @property
+    def has_queued(self) -> bool:
+        """Tokens a verify step kept are waiting: the next records need no step."""
+        return bool(self._queue) and self._state == "decoding"
+
+    def verify_rows(self) -> list[int]:
+        """The verify step's tokens, fed to the session at its n_tokens: `token` and the drafts proposed after it
+        (the drafter runs here), or [token] alone when it proposes none."""
+        with self.engine._turn(self.owner):
+            return self._propose()
+
+    def _propose(self) -> list[int]:
         e, s = self.engine, self.engine.session
         p = self.params
         left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
@@ -166,13 +184,25 @@ class Generation:
             if e.policy.reselects:
                 room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
         drafts, q = e.speculator.propose(self._history, room, self.sampler)
-        if not drafts:
-            return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
-                [(e._decode_one_greedy(self.token), None)]
-        n0 = s.n_tokens
-        if s.has_recurrent_state:
-            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
-        rows = s.forward(np.asarray([self.token, *drafts], dtype=np.int32), n0, all_logits=True)
+        self._pending = (list(drafts), q, s.n_tokens)
+        return [self.token, *drafts]
+
+    def advance_verify(self, rows: np.ndarray) -> GenerationRecord:
+        """The next record, the caller having fed verify_rows() to the session: rows are their logits [n, n_vocab]."""
+        with self.engine._turn(self.owner):
+            if self._pending is None:
+                raise RuntimeError("advance_verify() without verify_rows()")
+            self._queue = self._verified(rows)
+            return self._emit(*self._queue.pop(0))
+
+    def _verified(self, rows: np.ndarray) -> list[tuple[int, Optional[TokenLogprobs]]]:
+        """The drafts the model keeps and its own next token (each with its logprobs from its row, if asked), the
+        rejected positions truncated."""
+        e, s = self.engine, self.engine.session
+        (drafts, q, n0), self._pending = self._pending, None
+        if not drafts:   # a plain decode step
+            e._after_decode()
+            return [self._choose(rows[0])]
         kept, own = accept(drafts, rows, q, self.sampler)
         if len(kept) < len(drafts) and s.has_recurrent_state:
             s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
@@ -187,6 +217,20 @@ class Generation:
         if self.n_logprobs is None:
             return [(t, None) for t in chosen]
         return [(t, token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)]
+
+    def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
+        """One speculative step run here: verify_rows() through the session at once, then what it kept. Falls back
+        to a plain step when the drafter has nothing to propose."""
+        e, s = self.engine, self.engine.session
+        tokens = self.verify_rows()
+        if len(tokens) == 1:
+            self._pending = None
+            return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
+                [(e._decode_one_greedy(self.token), None)]
+        if s.has_recurrent_state:
+            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
+        rows = s.forward(np.asarray(tokens, dtype=np.int32), s.n_tokens, all_logits=True)
+        return self._verified(rows)
 
     def _choose(self, logits: np.ndarray) -> tuple[int, Optional[TokenLogprobs]]:
         token = self.sampler(logits)

@@ -13,7 +13,9 @@ scheduler from inside a prompt. The decode steps of a round run as one batched f
 read once for all slots, and the slots' pools are lanes of one arena (slot_engines), so one attention call
 per layer covers every slot, each over its own pool; the argmax on the backend when every slot decodes
 greedily, else the logits come back) under every policy (a qk / quest slot keeps its own token's queries for
-its scorer; the drafter's companion follows the history only when it scores); slots that speculate step alone;
+its scorer; the drafter's companion follows the history only when it scores), and so do slots that speculate: a
+round's verify steps (each slot's pending token and drafts) run in the same forward (BatchDecoder.step_rows), the
+kept tokens going out at the start of the next round; hybrids' and MTP heads' verify steps run alone;
 sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
@@ -199,10 +201,15 @@ class Scheduler:
         self._shutdown()
 
     def _round(self) -> None:
-        """Every decoding slot takes one step, the decode steps that can share one batched forward together and the
-        others alone; then the prompt that arrived first takes one step (at most one prompt step a round)."""
+        """Every decoding slot takes one step, the decode and verify steps that can share one batched forward
+        together and the others alone; then the prompt that arrived first takes one step (at most one prompt step
+        a round). A verify step's kept tokens are given at the start of the next round, all of them."""
+        for slot in self.slots:   # what earlier verify steps kept goes out first: every speculating slot then verifies
+            while slot.busy and slot.decoding and slot.records.has_queued:   # in this round, beside the others
+                self._step(slot)
         decoding = [s for s in self.slots if s.busy and s.decoding]
-        batch = [s for s in decoding if s.batchable and not s.request.cancelled and s.records.needs_decode_step()]
+        batch = [s for s in decoding if s.batchable and not s.request.cancelled and
+                 (s.records.needs_decode_step() or s.records.needs_verify_step())]
         t0 = time.perf_counter()
         if len(batch) > 1 and self._batched_step(batch):
             decoding = [s for s in decoding if s not in batch]
@@ -233,9 +240,11 @@ class Scheduler:
         return max(chunk, int(self.decode_round_s * max(rates) * n_layer) // chunk * chunk)
 
     def _batched_step(self, batch: list[Slot]) -> bool:
-        """One forward for the slots' decode steps; False (nothing changed) if it failed, so that each slot
-        steps alone and a fault stays with its own request. The greedy token of a slot whose logits come back
+        """One forward for the slots' decode and verify steps; False (nothing changed) if it failed, so that each
+        slot steps alone and a fault stays with its own request. The greedy token of a slot whose logits come back
         is their argmax (NumPy's, the first maximum, as the backend's)."""
+        if any(s.records.needs_verify_step() for s in batch):
+            return self._batched_verify(batch)
         sessions, tokens = [s.engine.session for s in batch], [s.records.token for s in batch]
         logits = any(s.records.wants_logits for s in batch)
         try:
@@ -254,6 +263,29 @@ class Scheduler:
                 step = lambda gen=gen, row=row: gen.advance(logits=row)
             else:
                 step = lambda gen=gen, row=row: gen.advance(int(np.argmax(row)))
+            self._deliver(slot, step)
+        return True
+
+    def _batched_verify(self, batch: list[Slot]) -> bool:
+        """_batched_step with speculating slots among them: each proposes its drafts, then one forward runs every
+        slot's tokens (its pending one, and its drafts) and every row's logits come back."""
+        try:
+            rows = [s.records.verify_rows() if s.records.needs_verify_step() else [s.records.token] for s in batch]
+            out = self.decoder.step_rows([s.engine.session for s in batch], rows)
+        except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
+            log.exception("a batched verify step of slots %s failed; stepping them one by one", [s.id for s in batch])
+            return False
+        self.n_batched_steps += 1
+        self.n_batched_tokens += sum(len(r) for r in rows)
+        self.batch_compute_bytes = self.decoder.compute_bytes
+        for slot, logits in zip(batch, out):
+            gen = slot.records
+            if gen.needs_verify_step():
+                step = lambda gen=gen, logits=logits: gen.advance_verify(logits)
+            elif gen.wants_logits:
+                step = lambda gen=gen, logits=logits: gen.advance(logits=logits[0])
+            else:
+                step = lambda gen=gen, logits=logits: gen.advance(int(np.argmax(logits[0])))
             self._deliver(slot, step)
         return True
 
