@@ -212,18 +212,7 @@ def test_verify_steps_of_several_tokens_step_batched_as_alone(tiny_gguf, attenti
                                rtol=0, atol=2e-3)
 
 
-def test_verify_steps_that_cannot_batch_are_refused_and_change_nothing(tiny_gguf, tmp_path):
-    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
-    decoder = _core.BatchDecoder(model)
-    a, b = session(model, 448), session(model, 448)
-    for s in (a, b):
-        s.forward(np.arange(1, 70, dtype=np.int32), 0)
-    before = [pager_state(s) for s in (a, b)]
-    for rows, match in [([[5], []], "got 0 tokens"), ([[5], list(range(1, 34))], "1 to 32"),
-                        ([[5]], "the tokens of every session"), ([[5, 6], [7, model.hparams.n_vocab]], "vocabulary")]:
-        with pytest.raises(ValueError, match=match):
-            decoder.step_rows([a, b], rows)
-        assert [pager_state(s) for s in (a, b)] == before
+def test_a_hybrid_takes_one_token_a_batched_step(tmp_path):
     qwen35 = hybrid_model(tmp_path, "tiny-qwen35", "f32")
     h = [session(qwen35, 448), session(qwen35, 448)]
     with pytest.raises(ValueError, match="linear-attention state"):
@@ -288,6 +277,11 @@ def test_bad_steps_change_nothing(tiny_gguf):
         with pytest.raises(ValueError, match=match):
             decoder.step_greedy(sessions, tokens)
     assert [pager_state(s) for s in (a, b)] == before
+    for rows, match in [([[5], []], "got 0 tokens"), ([[5], list(range(1, 34))], "1 to 32"),
+                        ([[5]], "the tokens of every session"), ([[5, 6], [7, model.hparams.n_vocab]], "vocabulary")]:
+        with pytest.raises(ValueError, match=match):   # verify steps (step_rows)
+            decoder.step_rows([a, b], rows)
+        assert [pager_state(s) for s in (a, b)] == before
     # Regression: a session inside an open exact prefill (its prompt's positions placed already) joined a step.
     running = session(model, 448)
     run = running.begin_prefill_exact(np.arange(1, 300, dtype=np.int32), 0, n_batch=64)

@@ -1,0 +1,100 @@
+"""What batching the server's rounds buys for the slots that used to step one at a time (issue 38 item 3): qk /
+quest slots, and slots that speculate (their verify steps). The scheduler itself (no HTTP), S slots each with a
+prompt past the pool and G tokens to generate, every configuration once with the rounds batched and once with
+every slot stepping alone, in one process. Each slot's prompt runs once first (one token generated), then comes
+back with G tokens to generate: the slot holds it, so all S slots decode from the same round on. Aggregate decode
+tok/s over the window in which all S decode (from the last slot's first token to the first slot's last); the
+tokens of the two runs compared.
+
+    OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model smollm2 --slots 4 --prompt 1024 --gen 160
+    OMP_WAIT_POLICY=passive python experiments/serve_batching.py --configs lru,lru+prompt_lookup --prompt 448 --gen 320
+
+A prompt past the pool comes back as an exact prefill of its last token (one round a layer: 30 for SmolLM2), so the
+slots start decoding that many rounds apart; a speculating slot generates its tokens in few rounds, hence the
+speculation runs with a prompt the pool holds and more tokens to generate.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from kvflash_ggml import _core, resolve_model_path
+from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
+from kvflash_ggml.server.scheduler import Request, Scheduler, slot_engines
+from kvflash_ggml.tokenizer import Tokenizer
+
+CONFIGS = {"lru": ("lru", None), "qk": ("qk", None), "quest": ("quest", None),
+           "lru+prompt_lookup": ("lru", SpeculativeConfig(draft="prompt_lookup"))}
+
+
+def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list[list[int]], int]:
+    pool = PoolConfig(n_ctx=args.prompt + args.gen + 256, pool_tokens=args.pool)
+    engines = slot_engines(args.slots, model, tok, pool, ResidencyConfig(policy=policy, prefill="exact"),
+                           store_each_turn=False, speculative=speculative)
+    sched = Scheduler(engines, max_queue=args.slots, batch=batch)
+    # a text that repeats (prompt lookup finds drafts), different per slot
+    texts = [f"Entry {i}: the ledger lists {i} sacks of grain, then " * 400 for i in range(args.slots)]
+    prompts = [tok.encode(t)[:args.prompt] for t in texts]
+    stamps: list[list[float]] = [[] for _ in prompts]
+
+    async def drain(i, r):
+        out = []
+        while (item := await r.out.get()) is not None:
+            stamps[i].append(time.perf_counter())
+            out.append(item)
+        return out
+
+    async def send(max_tokens):
+        loop = asyncio.get_running_loop()
+        reqs = [Request(p, SamplingParams(max_tokens=max_tokens, temperature=0), loop) for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        return await asyncio.gather(*(drain(i, r) for i, r in enumerate(reqs)))
+
+    async def main():
+        await send(1)   # each slot computes its prompt once (as bench serve fills its slots) ...
+        for s in stamps:
+            s.clear()
+        return await send(args.gen)   # ... and holds it when the same prompt comes back: every slot decodes at once
+
+    try:
+        records = asyncio.run(main())
+    finally:
+        sched.stop()
+    t0 = max(s[0] for s in stamps)     # every slot decodes from here ...
+    t1 = min(s[-2] for s in stamps)    # ... to here (the last stamp is the closing record)
+    if t1 <= t0:
+        raise SystemExit(f"{policy}: the slots never decoded together (more --gen, or a --prompt the pool holds)")
+    n = sum(sum(1 for t in s[:-1] if t0 < t <= t1) for s in stamps)
+    tokens = [[r.token for r in recs[:-1]] for recs in records]
+    return n / (t1 - t0), tokens, sched.n_batched_steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=160)
+    ap.add_argument("--pool", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    path = resolve_model_path(args.model)
+    model = _core.Model(path, backend="cpu", n_threads=args.threads)
+    tok = Tokenizer(path)
+    print(f"{args.slots} slots, prompts of {args.prompt} tokens, {args.gen} generated, pool {args.pool}, "
+          f"{args.threads} threads")
+    print("| configuration | batched tok/s | slot by slot tok/s | batched / alone | batched steps | same tokens |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in args.configs.split(","):
+        policy, spec = CONFIGS[name]
+        alone, tok_a, _ = run(model, tok, args, policy, spec, batch=False)
+        batched, tok_b, n_batched = run(model, tok, args, policy, spec, batch=True)
+        print(f"| {name} | {batched:.1f} | {alone:.1f} | {batched / alone:.2f}x | {n_batched} | "
+              f"{'yes' if tok_a == tok_b else 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
