@@ -270,9 +270,9 @@ def test_slots_that_score_chunks_batch_and_give_their_tokens_alone(make_schedule
     the reselects their scores drive mid-generation (prompts past the 512-token pool; a reselect every 64 tokens)
     page what their slots stepped alone page: the same greedy tokens, the same page-ins (qk: test_batch_decoder.py's
     scores of batched sessions). A round runs one prompt step, so the later slots start decoding later: the earlier
-    ones generate longer, and the prompts' steps are the pool's (not sized by the rounds' measured time), so all
-    three decode together for over a hundred rounds whatever the machine's speed."""
-    n_gen = [360, 240, 120]
+    ones generate longer, and the prompts' steps are the pool's (not sized by the rounds' measured time: 60 rounds a
+    prompt), so two or three decode together for ~140 rounds (all three for ~80) whatever the machine's speed."""
+    n_gen = [260, 170, 80]
 
     def run_all(batch):
         sched, tok = make_scheduler(n_slots=3, batch=batch, policy=policy)
