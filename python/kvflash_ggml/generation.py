@@ -222,7 +222,7 @@ class Generation:
         """One speculative step run here: verify_rows() through the session at once, then what it kept. Falls back
         to a plain step when the drafter has nothing to propose."""
         e, s = self.engine, self.engine.session
-        tokens = self.verify_rows()
+        tokens = self._propose()   # under next()'s turn already
         if len(tokens) == 1:
             self._pending = None
             return [self._choose(e._decode_one(self.token))] if self.wants_logits else \

@@ -241,51 +241,37 @@ class Scheduler:
 
     def _batched_step(self, batch: list[Slot]) -> bool:
         """One forward for the slots' decode and verify steps; False (nothing changed) if it failed, so that each
-        slot steps alone and a fault stays with its own request. The greedy token of a slot whose logits come back
-        is their argmax (NumPy's, the first maximum, as the backend's)."""
-        if any(s.records.needs_verify_step() for s in batch):
-            return self._batched_verify(batch)
+        slot steps alone and a fault stays with its own request. With a verify step among them every slot's rows
+        come back as logits (BatchDecoder.step_rows: a speculating slot's pending token and drafts, another's one
+        token); else the argmax, or the logits when a slot samples. The greedy token of a slot whose logits come
+        back is their argmax (NumPy's, the first maximum, as the backend's)."""
+        verifies = [s.records.needs_verify_step() for s in batch]
         sessions, tokens = [s.engine.session for s in batch], [s.records.token for s in batch]
-        logits = any(s.records.wants_logits for s in batch)
+        greedy = not any(verifies) and not any(s.records.wants_logits for s in batch)
         try:
-            out = self.decoder.step(sessions, tokens) if logits else self.decoder.step_greedy(sessions, tokens)
-        except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
-            log.exception("a batched decode step of slots %s failed; stepping them one by one", [s.id for s in batch])
-            return False
-        self.n_batched_steps += 1
-        self.n_batched_tokens += len(batch)
-        self.batch_compute_bytes = self.decoder.compute_bytes
-        for slot, row in zip(batch, out):
-            gen = slot.records
-            if not logits:
-                step = lambda gen=gen, token=row: gen.advance(token)
-            elif gen.wants_logits:
-                step = lambda gen=gen, row=row: gen.advance(logits=row)
+            if any(verifies):   # the drafters propose here; the rows: [n_i, n_vocab] per slot
+                rows = [s.records.verify_rows() if v else [t] for s, v, t in zip(batch, verifies, tokens)]
+                out = self.decoder.step_rows(sessions, rows)
             else:
-                step = lambda gen=gen, row=row: gen.advance(int(np.argmax(row)))
-            self._deliver(slot, step)
-        return True
-
-    def _batched_verify(self, batch: list[Slot]) -> bool:
-        """_batched_step with speculating slots among them: each proposes its drafts, then one forward runs every
-        slot's tokens (its pending one, and its drafts) and every row's logits come back."""
-        try:
-            rows = [s.records.verify_rows() if s.records.needs_verify_step() else [s.records.token] for s in batch]
-            out = self.decoder.step_rows([s.engine.session for s in batch], rows)
+                rows = [[t] for t in tokens]
+                out = self.decoder.step_greedy(sessions, tokens) if greedy else \
+                    self.decoder.step(sessions, tokens)[:, None]   # one row a slot
         except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
-            log.exception("a batched verify step of slots %s failed; stepping them one by one", [s.id for s in batch])
+            log.exception("a batched step of slots %s failed; stepping them one by one", [s.id for s in batch])
             return False
         self.n_batched_steps += 1
         self.n_batched_tokens += sum(len(r) for r in rows)
         self.batch_compute_bytes = self.decoder.compute_bytes
-        for slot, logits in zip(batch, out):
+        for slot, verify, result in zip(batch, verifies, out):
             gen = slot.records
-            if gen.needs_verify_step():
-                step = lambda gen=gen, logits=logits: gen.advance_verify(logits)
+            if verify:
+                step = lambda gen=gen, rows=result: gen.advance_verify(rows)
+            elif greedy:
+                step = lambda gen=gen, token=result: gen.advance(token)
             elif gen.wants_logits:
-                step = lambda gen=gen, logits=logits: gen.advance(logits=logits[0])
+                step = lambda gen=gen, rows=result: gen.advance(logits=rows[0])
             else:
-                step = lambda gen=gen, logits=logits: gen.advance(int(np.argmax(logits[0])))
+                step = lambda gen=gen, rows=result: gen.advance(int(np.argmax(rows[0])))
             self._deliver(slot, step)
         return True
 
