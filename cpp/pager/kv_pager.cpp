@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -19,6 +20,11 @@ std::string range(int64_t lo, int64_t hi) { return "[" + str(lo) + ", " + str(hi
 
 int64_t count_set(const std::vector<uint8_t> & mask) {
     return std::count(mask.begin(), mask.end(), uint8_t(1));
+}
+
+// A per-chunk mask (protected_mask's) as plan_residency's filter.
+std::function<bool(int64_t)> mask_filter(const std::vector<uint8_t> & keep) {
+    return [&keep](int64_t c) { return keep[c] != 0; };
 }
 
 void check_chunk(int64_t chunk, size_t n, const char * what) {
@@ -98,11 +104,20 @@ std::vector<uint8_t> KvPager::protected_mask(int64_t n_tokens, int64_t pin_c0, i
     return mask;
 }
 
-std::vector<uint8_t> KvPager::alloc_keep(int64_t start, int64_t n) const {
-    std::vector<uint8_t> keep = protected_mask(start + n);
-    for (int64_t c = start / cfg_.chunk_tokens; c <= (start + n - 1) / cfg_.chunk_tokens; ++c) {
-        keep[c] = 1;
+// Built from the pool's owners rather than a pass over every chunk, so a decode step's plan costs O(pool + span),
+// not O(context): pinned chunks that hold positions are resident (I4), and every chunk from n_chunks() on is in the span.
+std::vector<int64_t> KvPager::alloc_keep(int64_t start, int64_t n) const {
+    const int64_t head = (start + n - 1) / cfg_.chunk_tokens;
+    std::vector<int64_t> keep;
+    for (int64_t c = 0; c < std::min(cfg_.sink_chunks, head + 1); ++c) keep.push_back(c);
+    for (int64_t c : block_owner_) {
+        if (c >= 0 && chunks_[c].pinned) keep.push_back(c);
     }
+    for (int64_t c = std::max<int64_t>(0, std::min(start / cfg_.chunk_tokens, head - cfg_.tail_chunks)); c <= head; ++c) {
+        keep.push_back(c);   // the tail window at the new head and the span
+    }
+    std::sort(keep.begin(), keep.end());
+    keep.erase(std::unique(keep.begin(), keep.end()), keep.end());
     return keep;
 }
 
@@ -159,17 +174,17 @@ std::vector<int64_t> KvPager::rank_for_eviction(std::vector<int64_t> candidates,
     return candidates;
 }
 
-std::vector<int64_t> KvPager::victims_in_order(const std::vector<uint8_t> & keep) const {
+std::vector<int64_t> KvPager::victims_in_order(const ChunkFilter & kept) const {
     std::vector<int64_t> candidates;
-    for (int64_t c = 0; c < (int64_t) chunks_.size(); ++c) {
-        if (chunks_[c].block >= 0 && !keep[c]) {
+    for (int64_t c : block_owner_) {   // the resident chunks, O(pool); rank_for_eviction fixes their order
+        if (c >= 0 && !kept(c)) {
             candidates.push_back(c);
         }
     }
     return rank_for_eviction(std::move(candidates), scores_);
 }
 
-void KvPager::plan_residency(Plan & plan, const std::vector<int64_t> & need, const std::vector<uint8_t> & keep,
+void KvPager::plan_residency(Plan & plan, const std::vector<int64_t> & need, const ChunkFilter & kept,
                              const std::vector<int64_t> & release) const {
     if (need.empty()) return;   // most decode steps: nothing to place, so no victims to rank
     std::vector<uint8_t> is_free(n_blocks_, 0);
@@ -177,7 +192,7 @@ void KvPager::plan_residency(Plan & plan, const std::vector<int64_t> & need, con
     for (int64_t b : release) is_free[b] = 1;
     // free blocks first (in hand-out order); evict only once they are used up
     const std::vector<int64_t> avail   = in_hand_out_order(is_free);
-    const std::vector<int64_t> victims = victims_in_order(keep);
+    const std::vector<int64_t> victims = victims_in_order(kept);
     size_t next_free = 0;
     size_t next_victim = 0;
     for (int64_t c : need) {
@@ -211,9 +226,9 @@ Plan KvPager::plan_alloc(int64_t start, int64_t n) const {
                                 str(cfg_.max_tokens) + "; at most " + str(cfg_.max_tokens - start) +
                                 " more positions fit");
     }
-    const std::vector<uint8_t> keep = alloc_keep(start, n);
-    if (count_set(keep) > n_blocks_) {
-        throw std::runtime_error("plan_alloc: span " + range(start, start + n) + " needs " + str(count_set(keep)) +
+    const std::vector<int64_t> keep = alloc_keep(start, n);
+    if ((int64_t) keep.size() > n_blocks_) {
+        throw std::runtime_error("plan_alloc: span " + range(start, start + n) + " needs " + str((int64_t) keep.size()) +
                                  " resident chunks (sinks, pins, tail window, the span) but the pool has n_blocks=" +
                                  str(n_blocks_) + "; max_span_tokens()=" + str(max_span_tokens()) +
                                  " (split the span)");
@@ -224,12 +239,12 @@ Plan KvPager::plan_alloc(int64_t start, int64_t n) const {
     plan.span_n         = n;
     plan.n_tokens_after = start + n;
     std::vector<int64_t> need;
-    for (int64_t c = 0; c < (int64_t) keep.size(); ++c) {
-        if (keep[c] && chunks_[c].block < 0) {
+    for (int64_t c : keep) {
+        if (chunks_[c].block < 0) {
             need.push_back(c);
         }
     }
-    plan_residency(plan, need, keep, {});
+    plan_residency(plan, need, [&keep](int64_t c) { return std::binary_search(keep.begin(), keep.end(), c); }, {});
 
     // the block of every span chunk after apply: unchanged if resident, else from the plan
     const int64_t ct = cfg_.chunk_tokens;
@@ -247,9 +262,9 @@ Plan KvPager::plan_alloc(int64_t start, int64_t n) const {
 }
 
 int64_t KvPager::max_span_tokens(int64_t limit) const {
-    // Each probe is O(chunks): a decode step asks with limit 1, so it pays for one probe, not ~17.
+    // Each probe is O(pool + span): a decode step asks with limit 1, so it pays for one probe, not ~17.
     const int64_t room = std::min(cfg_.max_tokens - n_tokens_, std::max<int64_t>(limit, 1));
-    auto fits = [&](int64_t n) { return count_set(alloc_keep(n_tokens_, n)) <= n_blocks_; };
+    auto fits = [&](int64_t n) { return (int64_t) alloc_keep(n_tokens_, n).size() <= n_blocks_; };
     if (room == 0 || !fits(1)) {
         return 0;   // fits(1) holds whenever room > 0, by I5
     }
@@ -289,7 +304,7 @@ Plan KvPager::plan_reselect(const std::vector<float> & scores) const {
     plan.sets_scores    = true;
     const std::vector<int64_t> need = evicted_among(keep);
     // When the keep set fills the pool, making room for `need` evicts every resident chunk outside it.
-    plan_residency(plan, need, keep, {});
+    plan_residency(plan, need, mask_filter(keep), {});
     return plan;
 }
 
@@ -315,7 +330,7 @@ Plan KvPager::plan_truncate(int64_t n) const {
             need.push_back(c);
         }
     }
-    plan_residency(plan, need, keep, release);
+    plan_residency(plan, need, mask_filter(keep), release);
     return plan;
 }
 
@@ -347,7 +362,7 @@ Plan KvPager::plan_pin(int64_t lo, int64_t hi) const {
     }
     const std::vector<uint8_t> keep = protected_mask(n_tokens_, c0, c1);
     const std::vector<int64_t> need = evicted_among(keep);
-    plan_residency(plan, need, keep, {});
+    plan_residency(plan, need, mask_filter(keep), {});
     return plan;
 }
 
@@ -472,12 +487,12 @@ int64_t KvPager::slot_of(int64_t pos) const {
     return b < 0 ? -1 : b * cfg_.chunk_tokens + pos % cfg_.chunk_tokens;
 }
 
-std::vector<int64_t> KvPager::slot_positions() const {
+std::vector<int64_t> KvPager::slot_positions() const {   // O(pool): every decode step asks
     const int64_t ct = cfg_.chunk_tokens;
     std::vector<int64_t> out(cfg_.pool_tokens, -1);
-    for (int64_t c = 0; c < n_chunks(); ++c) {
-        const int64_t b = chunks_[c].block;
-        for (int64_t i = 0; b >= 0 && i < ct && c * ct + i < n_tokens_; ++i) {
+    for (int64_t b = 0; b < n_blocks_; ++b) {
+        const int64_t c = block_owner_[b];
+        for (int64_t i = 0; c >= 0 && i < ct && c * ct + i < n_tokens_; ++i) {
             out[b * ct + i] = c * ct + i;
         }
     }
@@ -513,8 +528,8 @@ bool KvPager::is_pinned(int64_t chunk) const {
 }
 
 bool KvPager::is_identity() const {
-    for (int64_t c = 0; c < (int64_t) chunks_.size(); ++c) {
-        if (chunks_[c].block >= 0 && chunks_[c].block != c) {
+    for (int64_t b = 0; b < n_blocks_; ++b) {
+        if (block_owner_[b] >= 0 && block_owner_[b] != b) {
             return false;
         }
     }
@@ -522,7 +537,7 @@ bool KvPager::is_identity() const {
 }
 
 int64_t KvPager::n_resident() const {
-    return std::count_if(chunks_.begin(), chunks_.end(), [](const ChunkState & cs) { return cs.block >= 0; });
+    return std::count_if(block_owner_.begin(), block_owner_.end(), [](int64_t c) { return c >= 0; });
 }
 
 int64_t KvPager::n_host_images() const {

@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -183,18 +184,19 @@ private:
     bool is_protected(int64_t chunk, int64_t n_tokens, bool pinned) const;
     // Per chunk (sized for max_tokens): protected at n_tokens, with chunks [pin_c0, pin_c1) counted pinned.
     std::vector<uint8_t> protected_mask(int64_t n_tokens, int64_t pin_c0 = 0, int64_t pin_c1 = 0) const;
-    // What must be resident after writing [start, start+n): the protection at the new head + the span.
-    std::vector<uint8_t> alloc_keep(int64_t start, int64_t n) const;
+    // What must be resident after writing [start, start+n): the protection at the new head + the span, sorted.
+    std::vector<int64_t> alloc_keep(int64_t start, int64_t n) const;
     int64_t n_chunks_for(int64_t n_tokens) const;
     int64_t n_sinks_or_pinned(int64_t pin_c0 = 0, int64_t pin_c1 = 0) const;
     bool pins_leave_room(int64_t n_sinks_or_pinned) const;   // the I5 rule
-    // Plan page-outs/page-ins/fresh so that every chunk in `need` is resident, evicting only chunks outside
-    // `keep`. Blocks freed by `release` are reusable. A needed chunk below n_chunks() is paged in (it has a
+    // Plan page-outs/page-ins/fresh so that every chunk in `need` is resident, evicting only chunks
+    // `kept` refuses. Blocks freed by `release` are reusable. A needed chunk below n_chunks() is paged in (it has a
     // host image by I3), one above gets a fresh block. Callers check capacity first; throws logic_error if
     // it still does not fit.
-    void plan_residency(Plan & plan, const std::vector<int64_t> & need, const std::vector<uint8_t> & keep,
+    using ChunkFilter = std::function<bool(int64_t)>;   // kept(chunk): never an eviction victim
+    void plan_residency(Plan & plan, const std::vector<int64_t> & need, const ChunkFilter & kept,
                         const std::vector<int64_t> & release) const;
-    std::vector<int64_t> victims_in_order(const std::vector<uint8_t> & keep) const;
+    std::vector<int64_t> victims_in_order(const ChunkFilter & kept) const;
     // Chunks with positions that `keep` marks but that are not resident (they must be paged in).
     std::vector<int64_t> evicted_among(const std::vector<uint8_t> & keep) const;
     // The one eviction order: `candidates` sorted from first victim to last under `scores`.
