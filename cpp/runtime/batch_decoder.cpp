@@ -92,7 +92,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     // on the CPU for a step that reads every row); a decode step of one token a session keeps ggml's own kernels.
     g.one_token_kernels = !model_->on_gpu() && n_rows > n;
     // every session's queries, when one of them scores chunks (qk / quest): split per session after the compute
-    const bool scored = std::any_of(sessions.begin(), sessions.end(), [](const Session * s) { return s->summaries_ != nullptr; });
+    const bool scored = std::any_of(sessions.begin(), sessions.end(), [](const Session * s) { return s->tracks_summaries(); });
     g.n_query_tokens = scored ? n_rows : 0;
     g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
@@ -179,7 +179,7 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     std::vector<std::unique_lock<std::recursive_mutex>> held;
     for (Session * s : by_address) {
         if (!s) throw std::invalid_argument("a batched step got no session");
-        held.emplace_back(s->mutex_);
+        held.push_back(std::move(s->lock(false, true).session));   // an open exact prefill: check_joins says so
     }
     held.emplace_back(model_->compute_mutex());
     for (int64_t i = 0; i < n; ++i) check_joins(*sessions[i], *sessions.front(), i, (int64_t) rows[i].size());
@@ -190,10 +190,10 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     for (int64_t i = 0; i < n; ++i) {
         const Session & s = *sessions[i];
         const int64_t ni = (int64_t) rows[i].size();
-        s.check_tokens(rows[i].data(), ni, s.pager_->n_tokens());
-        if (ni > 1 && (ni > s.pager_->max_span_tokens(ni) || (s.ring() && ni > s.ring()->max_step()))) {
-            throw std::invalid_argument("session " + std::to_string(i) + "'s pool cannot place its " +
-                                        std::to_string(ni) + " tokens at once");
+        try {   // before any session is placed, so that a bad step moves no chunk
+            s.check_step(rows[i].data(), ni);
+        } catch (const std::invalid_argument & e) {
+            throw std::invalid_argument("session " + std::to_string(i) + ": " + e.what());
         }
     }
 
@@ -203,7 +203,7 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     std::vector<int64_t> order(n);
     for (int64_t i = 0; i < n; ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return sessions[a]->kv_->lane() < sessions[b]->kv_->lane();
+        return sessions[a]->kv().lane() < sessions[b]->kv().lane();
     });
     std::vector<Session *> in_order(n);
     std::vector<std::vector<int32_t>> rows_in_order(n);
@@ -211,7 +211,7 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
         in_order[i] = sessions[order[i]];
         rows_in_order[i] = rows[order[i]];
     }
-    std::vector<StepQueries> queries = step_in_order(in_order, rows_in_order, greedy, logits);
+    auto [placed, queries] = step_in_order(in_order, rows_in_order, greedy, logits);
     // back to the caller's order (a server's slots come in lane order: nothing to move)
     if (!std::is_sorted(order.begin(), order.end())) {
         if (greedy) {
@@ -230,16 +230,8 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
         }
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    for (int64_t i = 0; i < n; ++i) {
-        Session & s = *in_order[i];
-        const int64_t pos = s.pager_->n_tokens() - (int64_t) rows_in_order[i].size();
-        s.tokens_.insert(s.tokens_.end(), rows_in_order[i].begin(), rows_in_order[i].end());
-        s.timings_.t_compute_ms += ms / (double) n;   // each session's share of the step
-        s.timings_.n_computes++;
-        if (s.summaries_) {   // what its own step leaves a scorer: the step's queries, the chunks it completed
-            s.held_queries_ = std::move(queries[i]);
-            s.seal_chunks(pos, (int64_t) rows_in_order[i].size());
-        }
+    for (int64_t i = 0; i < n; ++i) {   // each session's share of the step's time
+        in_order[i]->finish_step(placed[i], rows_in_order[i].data(), ms / (double) n, std::move(queries[i]));
     }
 }
 
@@ -247,7 +239,7 @@ void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t
     const std::string who = "session " + std::to_string(i);
     const std::string why = ineligible(s);
     if (!why.empty()) throw std::invalid_argument(who + " cannot join a batched step: " + why);
-    if (s.open_run_) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
+    if (s.in_exact_run()) {   // its positions are placed already and its state is the run's (Session::lock refuses it too)
         throw std::invalid_argument(who + " is in the middle of an exact prefill (an open ExactPrefillRun): finish or "
                                     "close it first");
     }
@@ -273,7 +265,7 @@ std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *
         ggml_backend_tensor_get(graph_.queries[il], all.data() + il * per_layer, 0, ggml_nbytes(t0));
     }
     for (size_t i = 0, first = 0; i < sessions.size(); first += rows[i].size(), ++i) {
-        if (!sessions[i]->summaries_) continue;
+        if (!sessions[i]->tracks_summaries()) continue;
         const int64_t n_keep = std::min<int64_t>((int64_t) rows[i].size(), k_capture_tokens);   // the last rows
         const int64_t from = (int64_t) (first + rows[i].size()) - n_keep;
         StepQueries & q = out[i];
@@ -289,46 +281,26 @@ std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *
     return out;
 }
 
-std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *> & sessions,
+BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *> & sessions,
                                                      const std::vector<std::vector<int32_t>> & rows,
                                                      std::vector<int32_t> * greedy, std::vector<float> * logits) {
     const int64_t n = (int64_t) sessions.size();
-    std::vector<Plan> plans, ring_plans;
-    std::vector<int32_t> start(n), pos;   // each session's first position; every row's position
-    std::vector<SlidingWindowKV::Mark> ring_marks;
-    int64_t n_recurrent_placed = 0;
-    auto undo = [&] {   // forget the positions placed so far: no session changes on an error
-        for (size_t i = 0; i < plans.size(); ++i) sessions[i]->execute(sessions[i]->pager_->plan_truncate(start[i]));
-        // The ring row a failed step may have written held a position no window reaches any more.
-        for (size_t i = 0; i < ring_marks.size(); ++i) sessions[i]->ring_->rewind_to(ring_marks[i]);
-        // Exact before the graph computes (the state's bytes have not moved); see the header for a failed compute.
-        for (int64_t i = 0; i < n_recurrent_placed; ++i) sessions[i]->recurrent_->unplace(start[i]);
-    };
+    std::vector<Session::PlacedStep> placed;
+    std::vector<int32_t> pos;   // every row's position
     std::vector<KvKeyOrder> orders, ring_orders;
     try {
         for (int64_t i = 0; i < n; ++i) {
-            Session & s = *sessions[i];
-            const int64_t ni = (int64_t) rows[i].size();
-            start[i] = (int32_t) s.pager_->n_tokens();
-            for (int64_t j = 0; j < ni; ++j) pos.push_back(start[i] + (int32_t) j);
-            plans.push_back(s.pager_->plan_alloc(start[i], ni));
-            s.execute(plans.back());
-            orders.push_back(kv_key_order(*s.pager_, s.kv_->layout(), s.ordered_, s.kv_pad_));
-            if (s.ring_) {
-                ring_marks.push_back(s.ring_->mark());
-                ring_plans.push_back(s.ring_->place(start[i], ni));
-                ring_orders.push_back(s.ring_->key_order());
-            }
-            if (s.recurrent_) {   // one row (check_joins)
-                s.recurrent_->place(start[i], 1);
-                n_recurrent_placed++;
-            }
+            placed.push_back(sessions[i]->place_step(rows[i].data(), (int64_t) rows[i].size()));
+            const Session::PlacedStep & p = placed.back();
+            for (int64_t j = 0; j < p.n; ++j) pos.push_back((int32_t) (p.start + j));
+            orders.push_back(p.order);
+            if (p.has_ring) ring_orders.push_back(p.ring_order);
         }
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
         std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, rows, orders) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
-            shape.insert(shape.end(), {(int64_t) (intptr_t) sessions[i]->kv_.get(), orders[i].gathered,
-                                       (int64_t) (intptr_t) sessions[i]->recurrent_.get(), (int64_t) rows[i].size()});
+            shape.insert(shape.end(), {(int64_t) (intptr_t) &sessions[i]->kv(), orders[i].gathered,
+                                       (int64_t) (intptr_t) sessions[i]->recurrent(), (int64_t) rows[i].size()});
         }
         if (shape[1]) {
             shape.push_back(widest(orders));
@@ -344,17 +316,17 @@ std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *
         for (const auto & r : rows) tokens.insert(tokens.end(), r.begin(), r.end());
         ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
         ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, pos.size() * sizeof(int32_t));
-        for (size_t i = 0; i < ring_plans.size(); ++i) {
-            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring_->kv().layout(), ring_orders[i], ring_plans[i],
-                               &pos[graph_.lane_rings[i].t0], scratch_);
+        for (size_t i = 0; i < ring_orders.size(); ++i) {
+            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring()->kv().layout(), ring_orders[i],
+                               placed[i].ring_plan, &pos[graph_.lane_rings[i].t0], scratch_);
         }
         if (graph_.arena.arena) {   // one row a session (shared_arena)
             std::vector<LaneToken> lt;
-            for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv_->lane(), plans[i].slots[0], pos[i], &orders[i]});
+            for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv().lane(), placed[i].plan.slots[0], pos[i], &orders[i]});
             kv_step_inputs_set_lanes(graph_.arena.in, graph_.arena.arena->layout(), lt, scratch_);
         } else {
             for (int64_t i = 0; i < n; ++i) {
-                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv_->layout(), orders[i], plans[i],
+                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv().layout(), orders[i], placed[i].plan,
                                    &pos[graph_.lanes[i].t0], scratch_);
             }
         }
@@ -371,9 +343,9 @@ std::vector<StepQueries> BatchDecoder::step_in_order(const std::vector<Session *
         }
         std::vector<StepQueries> queries = split_queries(sessions, rows);
         check_rpc_connections(sched_);   // a lost RPC device reads as zeros
-        return queries;
-    } catch (...) {
-        undo();
+        return {std::move(placed), std::move(queries)};
+    } catch (...) {   // forget the positions placed so far: no session changes on an error
+        for (size_t i = 0; i < placed.size(); ++i) sessions[i]->unplace_step(placed[i]);
         throw;
     }
 }

@@ -72,9 +72,13 @@ private:
     // caller's order.
     void run(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
              std::vector<int32_t> * greedy, std::vector<float> * logits);
-    // run() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns the
-    // queries of the sessions that score chunks (empty for the others).
-    std::vector<StepQueries> step_in_order(const std::vector<Session *> & sessions,
+    // run() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns each
+    // session's placed step and the queries of the sessions that score chunks (empty for the others).
+    struct StepResult {
+        std::vector<Session::PlacedStep> placed;
+        std::vector<StepQueries> queries;
+    };
+    StepResult step_in_order(const std::vector<Session *> & sessions,
                                            const std::vector<std::vector<int32_t>> & rows, std::vector<int32_t> * greedy,
                                            std::vector<float> * logits);
     // The computed step's queries: per session that tracks summaries, its last rows' (up to k_capture_tokens),

@@ -445,6 +445,62 @@ void Session::adopt(const Session & src, int64_t n) {
     }
 }
 
+void Session::check_step(const int32_t * tokens, int64_t n) const {
+    const SessionLock held = lock(false);
+    check_tokens(tokens, n, pager_->n_tokens());
+    if (n > 1 && (n > pager_->max_span_tokens(n) || (ring_ && n > ring_->max_step()))) {
+        throw std::invalid_argument("the pool cannot place " + std::to_string(n) + " tokens at once");
+    }
+}
+
+Session::PlacedStep Session::place_step(const int32_t * tokens, int64_t n) {
+    const SessionLock held = lock(false);
+    check_step(tokens, n);
+    PlacedStep step;
+    step.start = pager_->n_tokens();
+    step.n = n;
+    step.plan = pager_->plan_alloc(step.start, n);
+    execute(step.plan);
+    try {
+        step.order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
+        if (ring_) {
+            step.ring_mark = ring_->mark();
+            step.has_ring = true;
+            step.ring_plan = ring_->place(step.start, n);
+            step.ring_order = ring_->key_order();
+        }
+        if (recurrent_) {
+            recurrent_->place(step.start, n);
+            step.has_recurrent = true;
+        }
+    } catch (...) {
+        unplace_step(step);
+        throw;
+    }
+    return step;
+}
+
+void Session::unplace_step(const PlacedStep & step) {
+    const SessionLock held = lock(false);
+    execute(pager_->plan_truncate(step.start));
+    // The ring rows a failed step may have written held positions no window reaches any more.
+    if (step.has_ring) ring_->rewind_to(step.ring_mark);
+    // Exact before the graph computes (the state's bytes have not moved); BatchDecoder's header says what a compute
+    // that fails midway leaves.
+    if (step.has_recurrent) recurrent_->unplace(step.start);
+}
+
+void Session::finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries) {
+    const SessionLock held = lock(false);
+    tokens_.insert(tokens_.end(), tokens, tokens + step.n);
+    timings_.t_compute_ms += compute_ms;
+    timings_.n_computes++;
+    if (summaries_) {   // what its own step leaves a scorer: the step's queries, the chunks it completed
+        held_queries_ = std::move(queries);
+        seal_chunks(step.start, step.n);
+    }
+}
+
 void Session::seal_chunks(int64_t start, int64_t n) {
     if (!summaries_) return;
     const auto t0 = std::chrono::steady_clock::now();

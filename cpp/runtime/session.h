@@ -255,6 +255,34 @@ public:
     // ExactPrefillRun is open, unless during_run (a read that the run's steps do not disturb).
     SessionLock lock(bool device = true, bool during_run = false) const;
 
+    // ---- one step of this session in a graph built elsewhere (BatchDecoder: several sessions' steps in one) ----
+    // place_step checks tokens [n_tokens(), + n) as forward does (and that the pool and a ring take them at once)
+    // and places them: the pager's plan carried out, the ring's rows and the recurrent state's row. Then exactly one
+    // of finish_step (the graph computed: hold the tokens, count the step's share of compute_ms, keep its queries
+    // and seal the chunks it completed, as the session's own step does) or unplace_step (not computed: the session
+    // holds what it held before). The caller holds the session's lock throughout; place_step changes nothing when it
+    // throws.
+    struct PlacedStep {
+        int64_t start = 0, n = 0;
+        Plan plan;                         // the pool's slots for the step's tokens
+        KvKeyOrder order;                  // the pool's keys as the step's attention reads them
+        bool has_ring = false;
+        SlidingWindowKV::Mark ring_mark;   // the ring before the step (its written rows hold no reachable position)
+        Plan ring_plan;
+        KvKeyOrder ring_order;
+        bool has_recurrent = false;        // the state's row placed (one token)
+    };
+    void check_step(const int32_t * tokens, int64_t n) const;   // place_step's checks alone (changes nothing)
+    PlacedStep place_step(const int32_t * tokens, int64_t n);
+    void finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries);
+    void unplace_step(const PlacedStep & step);
+    bool in_exact_run() const { return open_run_ != nullptr; }   // an ExactPrefillRun is open (every step is refused)
+    bool tracks_summaries() const { return summaries_ != nullptr; }   // the qk / quest scorers' chunk summaries
+    // A graph of this session's model beside its own: its node budget, backends (inputs pinned on a GPU) and context.
+    size_t graph_size() const;
+    ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;   // for graphs of up to n_nodes (0: graph_size())
+    ggml_context * new_graph_ctx(size_t n_nodes = 0) const;     // a no_alloc context for one graph
+
     int64_t n_tokens() const;
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
     bool full_cache() const { return full_cache_; }
@@ -288,13 +316,8 @@ public:
                        const RecurrentState::Copy * recurrent);
 
 private:
-    friend class BatchDecoder;   // runtime/batch_decoder.h: steps several sessions in one graph
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
     void check_tokens(const int32_t * tokens, int64_t n, int64_t start) const;   // forward's argument checks
-    size_t graph_size() const;
-    // The session's backends (a GPU's inputs in pinned memory), for graphs of up to n_nodes (0: graph_size()).
-    ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;
-    ggml_context * new_graph_ctx(size_t n_nodes = 0) const;     // a no_alloc context for one graph
     // ---- layer-major prefill (session_prefill.cpp) ----
     const ExactPrefillRun * open_run_ = nullptr;   // set while a run is open: every other call is refused
     mutable bool in_run_ = false;                   // the open run's own calls (under the mutex)
