@@ -238,6 +238,7 @@ def raises(name, call):
     except ConnectionError as e:
         report(**{name: str(e), name + "_s": time.monotonic() - t0})
 raises("second", lambda: session.forward(tokens[64:65], 64))
+report(n_after_second=session.n_tokens, pager_ok=session.pager.check_invariants() is None)
 raises("save", lambda: session.save(snap))
 report(snapshot_written=os.path.exists(snap))
 raises("new_session", lambda: _core.Session(model, config))
@@ -383,6 +384,7 @@ def test_server_killed_during_exact_prefill(smollm2_path, rpc_server_process, tm
     assert found["error"] is not None and f"ggml-rpc server at {endpoint} went away" in found["error"]
     assert found["layers_done"] == 3   # the next layer's check raised: no layer after it ran
     assert found["n_tokens"] == 64     # the failed prompt was forgotten, as after any exception
+    assert found["n_after_second"] == 64 and found["pager_ok"]   # the failed step was unplaced
     for later in ("second", "save", "new_session"):   # the same error, without waiting
         assert found[later] == found["error"] and found[later + "_s"] < 1.0, later
     assert not found["snapshot_written"]   # a lost device's K/V read as zeros: no snapshot of them

@@ -247,30 +247,31 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
     const int64_t n_vocab = model_->hparams().n_vocab;
     for (int64_t done = 0; done < n;) {
         const int64_t step = step_tokens(n - done);
-        const Plan plan = pager_->plan_alloc(start + done, step);
-        execute(plan);
-        tokens_.insert(tokens_.end(), tokens + done, tokens + done + step);
+        const PlacedStep placed = place_step(tokens + done, step);
         const bool last = done + step == n;
         float * out = logits && (all_logits || last) ? logits + (all_logits ? (size_t) done * n_vocab : 0) : nullptr;
-        compute(tokens + done, step, plan, all_logits, out, last ? greedy : nullptr);
-        seal_chunks(start + done, step);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            compute(tokens + done, placed, all_logits, out, last ? greedy : nullptr);
+        } catch (...) {
+            unplace_step(placed);
+            throw;
+        }
+        finish_step(placed, tokens + done, ms_since(t0), StepQueries{});   // queries() reads the step's graph
         done += step;
     }
 }
 
-void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
+void Session::compute(const int32_t * tokens, const PlacedStep & step, bool all_logits, float * logits_out,
                       int32_t * greedy_out) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const KvKeyOrder order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
-    const Plan ring_alloc = ring_ ? ring_->place(alloc.span_start, n) : Plan{};
-    if (recurrent_) recurrent_->place(alloc.span_start, n);
-    const KvKeyOrder ring_order = ring_ ? ring_->key_order() : KvKeyOrder{};
+    const int64_t n = step.n;
+    const KvKeyOrder & order = step.order, & ring_order = step.ring_order;
     const int64_t n_outputs = all_logits ? n : 1;
     if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered ||
         shape_[4] != ring_order.n_kv) {
         build_graph(n, order.n_kv, n_outputs, order.gathered, ring_order.n_kv);
     }
-    set_inputs(tokens, n, alloc, n_outputs, order, ring_alloc, ring_order);
+    set_inputs(tokens, n, step.plan, n_outputs, order, step.ring_plan, ring_order);
     if (held_queries_.n_layer > 0) held_queries_ = StepQueries{};   // queries() reads this step's from now on
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
@@ -278,8 +279,6 @@ void Session::compute(const int32_t * tokens, int64_t n, const Plan & alloc, boo
     }
     if (logits_out) read_logits(logits_out);
     if (greedy_out) *greedy_out = read_greedy();
-    timings_.t_compute_ms += ms_since(t0);
-    timings_.n_computes++;
 }
 
 void Session::build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered, int64_t n_ring_kv) {

@@ -323,9 +323,10 @@ private:
     mutable bool in_run_ = false;                   // the open run's own calls (under the mutex)
     void place_prompt(const int32_t * tokens, int64_t n, int64_t start);
     void seal_chunks(int64_t start, int64_t n);   // summarise chunks completed by positions [start, start+n)
-    // Allocate, compute and read back in steps of at most n_batch tokens; either output may be null.
+    // Place, compute, read back and finish steps of at most n_batch tokens; either output may be null. A step whose
+    // compute throws is unplaced: the session holds the tokens of the steps before it.
     void run(const int32_t * tokens, int64_t n, int64_t start, bool all_logits, float * logits, int32_t * greedy);
-    void compute(const int32_t * tokens, int64_t n, const Plan & alloc, bool all_logits, float * logits_out,
+    void compute(const int32_t * tokens, const PlacedStep & step, bool all_logits, float * logits_out,
                  int32_t * greedy_out);
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered, int64_t n_ring_kv);
     void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order,
