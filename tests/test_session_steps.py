@@ -1,4 +1,4 @@
-"""Session.step_tokens: the session's split of a forward into steps, defined once in C++.
+"""Session.step_tokens: the session's split of a forward into steps, defined once in C++; Session.shared_prefix.
 
 A step takes at most n_batch tokens and what the pool can place; a session that captures queries
 (track_summaries) or attention (capture_attention) keeps at least CAPTURE_TOKENS tokens for its last step,
@@ -61,3 +61,23 @@ def test_capture_keeps_a_full_last_step(tiny_gguf, capture):
     a = by_hand.forward(tokens[:n - k], 0, all_logits=True)
     b = by_hand.forward(tokens[n - k:], n - k, all_logits=True)
     np.testing.assert_array_equal(logits, np.concatenate([a, b]))
+
+
+def test_shared_prefix_compares_with_the_held_tokens(tiny_gguf):
+    s = _session(tiny_gguf())
+    held = _tokens(40)
+    s.forward(held, 0)
+    other = held.copy()
+    other[25] += 1
+    assert s.shared_prefix(held) == 40
+    assert s.shared_prefix(np.concatenate([held, _tokens(5, seed=1)])) == 40   # a longer sequence: all held
+    assert s.shared_prefix(held[:10]) == 10
+    assert s.shared_prefix(other) == 25
+    assert s.shared_prefix(other[20:], 20) == 25      # the first 20 vouched for, the rest compared
+    assert s.shared_prefix(other[30:], 30) == 40      # only what follows `start` is compared
+    assert s.shared_prefix([], 0) == 0 and s.shared_prefix(held[40:], 40) == 40
+    assert s.shared_prefix(list(map(int, held))) == 40   # a list of ints, as prompts come
+    with pytest.raises(ValueError, match="start must be in"):
+        s.shared_prefix(held, 41)
+    with pytest.raises(ValueError, match="start must be in"):
+        s.shared_prefix(held, -1)

@@ -269,6 +269,11 @@ void register_session(py::module_ & m, py::module_ & testing) {
                  return without_gil([&] { return s.forward_greedy(t.data(), (int64_t) t.size(), start); });
              }, py::arg("tokens"), py::arg("start"),
              "forward(), returning only the argmax after the last token (computed on the backend)")
+        .def("shared_prefix", [](const Session & s, const Tokens & tokens, int64_t start) {
+                 return without_gil([&] { return s.shared_prefix(tokens.data(), (int64_t) tokens.size(), start); });
+             }, py::arg("tokens"), py::arg("start") = 0,
+             "How long a prefix the held tokens share with a sequence whose positions [start, ...) are `tokens` and "
+             "whose first `start` are held (no copy of the held tokens)")
         .def("truncate", &Session::truncate, py::arg("n_tokens"), released,
              "forget positions >= n_tokens; raises ValueError (changing nothing) unless can_truncate(n_tokens)")
         .def("can_truncate", &Session::can_truncate, py::arg("n_tokens"), released,

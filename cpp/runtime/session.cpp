@@ -364,6 +364,18 @@ void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, 
     }
 }
 
+int64_t Session::shared_prefix(const int32_t * tokens, int64_t n, int64_t start) const {
+    const SessionLock held = lock(false);
+    const int64_t n_held = (int64_t) tokens_.size();
+    if (start < 0 || start > n_held || n < 0) {
+        throw std::invalid_argument("shared_prefix: start=" + std::to_string(start) + " and " + std::to_string(n) +
+                                    " tokens; start must be in [0, n_tokens()=" + std::to_string(n_held) + "]");
+    }
+    const int64_t m = std::min(n, n_held - start);
+    const auto first = tokens_.begin() + start;
+    return start + (int64_t) (std::mismatch(first, first + m, tokens).first - first);
+}
+
 bool Session::can_truncate(int64_t n) const {
     const SessionLock held = lock(false);
     return n >= 0 && n <= pager_->n_tokens() && (!ring_ || ring_->can_truncate(n)) &&

@@ -285,6 +285,10 @@ public:
 
     int64_t n_tokens() const;
     const std::vector<int32_t> & tokens() const { return tokens_; }   // the n_tokens() tokens held
+    // The length of the prefix that the held tokens share with a sequence whose positions [start, start + n) are
+    // tokens[0, n) and whose first `start` the caller knows to be held (at most n_tokens()): compared from start
+    // on, without a copy of what the session holds.
+    int64_t shared_prefix(const int32_t * tokens, int64_t n, int64_t start) const;
     bool full_cache() const { return full_cache_; }
     bool flash_attn() const { return flash_attn_; }
     bool ordered_attention() const { return ordered_; }

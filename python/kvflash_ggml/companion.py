@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from .options import DeviceConfig
 from .tokenizer import Tokenizer
-from .tokens import common_prefix, forward_in_steps, rewind
+from .tokens import forward_in_steps, rewind
 from .weights import load_model
 
 GROWTH = 1.25  # a grown context holds this much more than the history that outgrew it
@@ -105,14 +105,14 @@ class Companion:
 
     # -- holding tokens --------------------------------------------------------------------------
     def holds(self, tokens: np.ndarray) -> bool:
-        return np.array_equal(self.session.tokens, tokens)
+        return self.session.n_tokens == len(tokens) and self.session.shared_prefix(tokens) == len(tokens)
 
     def hold(self, tokens: np.ndarray, *, tail: int = 0) -> None:
         """Make the session hold `tokens` (its own), keeping the K/V of the prefix it shares with them and
         running at least the last `tail` of them again. The session captures attention, so its own step split
         (Session.step_tokens) runs the last CAPTURE_TOKENS of them in its last step, the one the capture covers."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        keep = min(common_prefix(self.session.tokens, tokens), len(tokens) - tail)
+        keep = min(self.session.shared_prefix(tokens), len(tokens) - tail)
         if keep < self.session.n_tokens:
             keep = rewind(self.session, keep)
         self.version += 1

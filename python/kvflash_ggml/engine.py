@@ -32,7 +32,7 @@ from .options import SPARSE_FROM_TOKENS, SPARSE_LOCAL_CHUNKS, PoolConfig, Reside
 from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import Tokenizer, check_messages
-from .tokens import chunk_aligned_batches, common_prefix, drive, forward_steps, rewind, text_if_bytes, token_ids
+from .tokens import chunk_aligned_batches, drive, forward_steps, rewind, text_if_bytes, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Engine:
         what the call began from. _prefill runs it whole; a server's rounds run one step each."""
         if self.companion is not None:   # a drafter that cannot hold the prompt: before any state changes
             self.companion.check(tokens)
-        n_keep = common_prefix(self.session.tokens, tokens)
+        n_keep = self.session.shared_prefix(tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
         n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
@@ -216,7 +216,7 @@ class Engine:
             log.warning("prefix cache: dropping %s: %s", hit.path.name, e)
             self.prefix_cache.discard(hit.path)
             return n_keep
-        return common_prefix(self.session.tokens, tokens)
+        return self.session.shared_prefix(tokens)
 
     def _run_prompt(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
         if not self.session.has_recurrent_state or len(tokens) - n_keep < 2:

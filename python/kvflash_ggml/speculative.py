@@ -101,16 +101,15 @@ class DraftModel:
         self.model = model
         self.pool = pool
         self.session = session
-        self._held: list[int] = []   # the session's tokens (kept here: reading them from the core is O(n))
-        self._synced = 0             # history[:_synced] is what the last call saw, and the session holds it
+        self._synced = 0   # history[:_synced] is what the last call saw, and the session holds it
 
     def follow(self, history: Sequence[int], *, unchanged: int = 0) -> np.ndarray:
         """Make the draft session hold `history` (computing only what differs); its logits after the last token.
         unchanged: its first tokens that are the last call's too (within a generation: all that call saw), so
         only what follows them is compared."""
         s = self.session
-        start = min(unchanged, self._synced)
-        n_keep = start + common_prefix(self._held[start:], history[start:])
+        start = min(unchanged, self._synced, s.n_tokens)
+        n_keep = s.shared_prefix(np.asarray(history[start:], dtype=np.int32), start)
         n_keep = min(n_keep, len(history) - 1)   # the last token runs for its logits
         if n_keep < s.n_tokens:
             n_keep = rewind(s, n_keep)
@@ -126,8 +125,6 @@ class DraftModel:
                 s.reselect(prompt_attention_scores(attention, s.pager.n_chunks()))
         else:
             logits = forward_in_steps(s, new, n_keep)
-        del self._held[n_keep:]
-        self._held.extend(history[n_keep:])
         self._synced = len(history)
         return logits
 
@@ -141,7 +138,6 @@ class DraftModel:
         for i in range(k):
             if i > 0:
                 logits = s.forward(np.asarray(drafts[-1:], dtype=np.int32), s.n_tokens)
-                self._held.append(drafts[-1])
             if sampler.greedy:
                 drafts.append(int(np.argmax(logits)))
             else:
