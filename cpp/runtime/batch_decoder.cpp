@@ -22,9 +22,9 @@ int64_t total_rows(const std::vector<std::vector<int32_t>> & rows) {
 
 // An arena step attends the same number of slots in every lane: the largest any session needs (past a session's
 // own, its slots are empty and masked).
-int64_t widest(const std::vector<KvKeyOrder> & orders) {
+int64_t widest(const std::vector<Session::PlacedStep> & placed) {
     int64_t n_kv = 0;
-    for (const KvKeyOrder & o : orders) n_kv = std::max(n_kv, o.n_kv);
+    for (const Session::PlacedStep & p : placed) n_kv = std::max(n_kv, p.order.n_kv);
     return n_kv;
 }
 
@@ -55,7 +55,7 @@ std::string BatchDecoder::ineligible(const Session & s) const {
 
 const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sessions,
                                              const std::vector<std::vector<int32_t>> & rows,
-                                             const std::vector<KvKeyOrder> & orders) {
+                                             const std::vector<Session::PlacedStep> & placed) {
     const PoolArena * arena = sessions.front()->kv().arena();
     if (!arena) return nullptr;
     // One query a lane along ne3: a session with several rows attends its own pool (GraphCtx::lanes).
@@ -63,7 +63,7 @@ const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sess
     // The mul_mat path reads V transposed in place; from slot rows it would need a transposed copy per lane.
     if (!sessions.front()->flash_attn() && !arena->layout().v_trans) return nullptr;
     for (size_t i = 0; i < sessions.size(); ++i) {
-        if (sessions[i]->kv().arena() != arena || orders[i].gathered) return nullptr;
+        if (sessions[i]->kv().arena() != arena || placed[i].order.gathered) return nullptr;
     }
     return arena;
 }
@@ -74,7 +74,7 @@ int64_t BatchDecoder::compute_bytes() const {
 }
 
 void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                               const std::vector<KvKeyOrder> & orders, const std::vector<KvKeyOrder> & ring_orders,
+                               const std::vector<Session::PlacedStep> & placed,
                                bool greedy) {
     const Session & first = *sessions.front();
     const size_t n_nodes = graph_nodes(first);
@@ -102,13 +102,13 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
         const int64_t ni = (int64_t) rows[i].size();
-        g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), ni, ring_orders[i].n_kv, false),
-                                ring_orders[i].n_kv, t0, ni});
+        const int64_t n_kv = placed[i].ring_order.n_kv;
+        g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), ni, n_kv, false), n_kv, t0, ni});
     }
-    if (const PoolArena * arena = shared_arena(sessions, rows, orders)) {
+    if (const PoolArena * arena = shared_arena(sessions, rows, placed)) {
         GraphCtx::ArenaBatch & b = g.arena;
         b.arena = arena;
-        b.n_kv = widest(orders);
+        b.n_kv = widest(placed);
         b.in = kv_step_inputs_new(g.ctx, arena->layout(), n, b.n_kv, false);
         for (int64_t i = 0; i < n; ++i) {   // runs of lanes that follow one another (the sessions come sorted by lane)
             const int64_t lane = sessions[i]->kv().lane();
@@ -122,8 +122,8 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
         for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
             const PooledKV & kv = sessions[i]->kv();
             const int64_t ni = (int64_t) rows[i].size();
-            g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), ni, orders[i].n_kv, orders[i].gathered),
-                               orders[i].n_kv, t0, ni});
+            const KvKeyOrder & order = placed[i].order;
+            g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), ni, order.n_kv, order.gathered), order.n_kv, t0, ni});
         }
     }
     const Model & m = *model_;
@@ -287,46 +287,44 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
     const int64_t n = (int64_t) sessions.size();
     std::vector<Session::PlacedStep> placed;
     std::vector<int32_t> pos;   // every row's position
-    std::vector<KvKeyOrder> orders, ring_orders;
     try {
         for (int64_t i = 0; i < n; ++i) {
-            placed.push_back(sessions[i]->place_step(rows[i].data(), (int64_t) rows[i].size()));
-            const Session::PlacedStep & p = placed.back();
-            for (int64_t j = 0; j < p.n; ++j) pos.push_back((int32_t) (p.start + j));
-            orders.push_back(p.order);
-            if (p.has_ring) ring_orders.push_back(p.ring_order);
+            placed.push_back(sessions[i]->place_step((int64_t) rows[i].size()));
+            for (int64_t j = 0; j < placed[i].n; ++j) pos.push_back((int32_t) (placed[i].start + j));
         }
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
-        std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, rows, orders) != nullptr};
+        std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, rows, placed) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
-            shape.insert(shape.end(), {(int64_t) (intptr_t) &sessions[i]->kv(), orders[i].gathered,
+            shape.insert(shape.end(), {(int64_t) (intptr_t) &sessions[i]->kv(), placed[i].order.gathered,
                                        (int64_t) (intptr_t) sessions[i]->recurrent(), (int64_t) rows[i].size()});
         }
         if (shape[1]) {
-            shape.push_back(widest(orders));
+            shape.push_back(widest(placed));
         } else {
-            for (const KvKeyOrder & o : orders) shape.push_back(o.n_kv);
+            for (const Session::PlacedStep & p : placed) shape.push_back(p.order.n_kv);
         }
-        for (const KvKeyOrder & o : ring_orders) shape.push_back(o.n_kv);
+        for (const Session::PlacedStep & p : placed) {
+            if (p.has_ring) shape.push_back(p.ring_order.n_kv);
+        }
         if (shape != shape_) {
-            build_graph(sessions, rows, orders, ring_orders, greedy != nullptr);
+            build_graph(sessions, rows, placed, greedy != nullptr);
             shape_ = shape;
         }
         std::vector<int32_t> tokens;
         for (const auto & r : rows) tokens.insert(tokens.end(), r.begin(), r.end());
         ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
         ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, pos.size() * sizeof(int32_t));
-        for (size_t i = 0; i < ring_orders.size(); ++i) {
-            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring()->kv().layout(), ring_orders[i],
+        for (size_t i = 0; i < graph_.lane_rings.size(); ++i) {
+            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring()->kv().layout(), placed[i].ring_order,
                                placed[i].ring_plan, &pos[graph_.lane_rings[i].t0], scratch_);
         }
         if (graph_.arena.arena) {   // one row a session (shared_arena)
             std::vector<LaneToken> lt;
-            for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv().lane(), placed[i].plan.slots[0], pos[i], &orders[i]});
+            for (int64_t i = 0; i < n; ++i) lt.push_back({sessions[i]->kv().lane(), placed[i].plan.slots[0], pos[i], &placed[i].order});
             kv_step_inputs_set_lanes(graph_.arena.in, graph_.arena.arena->layout(), lt, scratch_);
         } else {
             for (int64_t i = 0; i < n; ++i) {
-                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv().layout(), orders[i], placed[i].plan,
+                kv_step_inputs_set(graph_.lanes[i].in, sessions[i]->kv().layout(), placed[i].order, placed[i].plan,
                                    &pos[graph_.lanes[i].t0], scratch_);
             }
         }

@@ -65,7 +65,7 @@ private:
     // (each session then attends its own pool: GraphCtx::lanes).
     static const PoolArena * shared_arena(const std::vector<Session *> & sessions,
                                           const std::vector<std::vector<int32_t>> & rows,
-                                          const std::vector<KvKeyOrder> & orders);
+                                          const std::vector<Session::PlacedStep> & placed);
     // Why session i (n_rows tokens) cannot take part in this step beside `first`: std::invalid_argument.
     void check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const;
     // step() and step_rows(): the checks, the sessions' locks, the lane order and the outputs back in the
@@ -78,15 +78,14 @@ private:
         std::vector<Session::PlacedStep> placed;
         std::vector<StepQueries> queries;
     };
-    StepResult step_in_order(const std::vector<Session *> & sessions,
-                                           const std::vector<std::vector<int32_t>> & rows, std::vector<int32_t> * greedy,
-                                           std::vector<float> * logits);
+    StepResult step_in_order(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
+                             std::vector<int32_t> * greedy, std::vector<float> * logits);
     // The computed step's queries: per session that tracks summaries, its last rows' (up to k_capture_tokens),
     // as its own step keeps them.
     std::vector<StepQueries> split_queries(const std::vector<Session *> & sessions,
                                            const std::vector<std::vector<int32_t>> & rows) const;
     void build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                     const std::vector<KvKeyOrder> & orders, const std::vector<KvKeyOrder> & ring_orders, bool greedy);
+                     const std::vector<Session::PlacedStep> & placed, bool greedy);
 
     std::shared_ptr<Model> model_;
     ggml_backend_sched_t sched_ = nullptr;

@@ -247,7 +247,7 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
     const int64_t n_vocab = model_->hparams().n_vocab;
     for (int64_t done = 0; done < n;) {
         const int64_t step = step_tokens(n - done);
-        const PlacedStep placed = place_step(tokens + done, step);
+        const PlacedStep placed = place_step(step);
         const bool last = done + step == n;
         float * out = logits && (all_logits || last) ? logits + (all_logits ? (size_t) done * n_vocab : 0) : nullptr;
         const auto t0 = std::chrono::steady_clock::now();
@@ -464,9 +464,8 @@ void Session::check_step(const int32_t * tokens, int64_t n) const {
     }
 }
 
-Session::PlacedStep Session::place_step(const int32_t * tokens, int64_t n) {
+Session::PlacedStep Session::place_step(int64_t n) {
     const SessionLock held = lock(false);
-    check_step(tokens, n);
     PlacedStep step;
     step.start = pager_->n_tokens();
     step.n = n;

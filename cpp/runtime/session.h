@@ -256,8 +256,9 @@ public:
     SessionLock lock(bool device = true, bool during_run = false) const;
 
     // ---- one step of this session in a graph built elsewhere (BatchDecoder: several sessions' steps in one) ----
-    // place_step checks tokens [n_tokens(), + n) as forward does (and that the pool and a ring take them at once)
-    // and places them: the pager's plan carried out, the ring's rows and the recurrent state's row. Then exactly one
+    // check_step checks tokens [n_tokens(), + n) as forward does (and that the pool and a ring take them at once);
+    // place_step, after those checks (check_step's, or forward's and step_tokens'), places them: the pager's plan
+    // carried out, the ring's rows and the recurrent state's row. Then exactly one
     // of finish_step (the graph computed: hold the tokens, count the step's share of compute_ms, keep its queries
     // and seal the chunks it completed, as the session's own step does) or unplace_step (not computed: the session
     // holds what it held before). The caller holds the session's lock throughout; place_step changes nothing when it
@@ -270,10 +271,10 @@ public:
         SlidingWindowKV::Mark ring_mark;   // the ring before the step (its written rows hold no reachable position)
         Plan ring_plan;
         KvKeyOrder ring_order;
-        bool has_recurrent = false;        // the state's row placed (one token)
+        bool has_recurrent = false;        // the state's rows placed
     };
-    void check_step(const int32_t * tokens, int64_t n) const;   // place_step's checks alone (changes nothing)
-    PlacedStep place_step(const int32_t * tokens, int64_t n);
+    void check_step(const int32_t * tokens, int64_t n) const;   // changes nothing
+    PlacedStep place_step(int64_t n);
     void finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries);
     void unplace_step(const PlacedStep & step);
     bool in_exact_run() const { return open_run_ != nullptr; }   // an ExactPrefillRun is open (every step is refused)
