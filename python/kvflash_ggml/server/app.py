@@ -190,7 +190,7 @@ def _add_slot_endpoints(app: FastAPI, s: Shared) -> None:
     @app.get("/slots")
     async def slots() -> list:
         return [{"id": s.id, "n_ctx": n_ctx, "pool_tokens": pool_tokens, "is_processing": s.busy,
-                 "n_tokens": len(s.held_tokens), "n_requests": s.n_requests,
+                 "n_tokens": s.n_held, "n_requests": s.n_requests,
                  "kvflash": {k: s.stats.get(k) for k in ("device_kv_bytes", "host_kv_bytes", "page_ins", "page_outs",
                                                          "prompt_tokens_reused")}}
                 for s in scheduler.slots]
@@ -492,7 +492,7 @@ def _save(slot, path: Path) -> dict:
     t0 = time.perf_counter()
     slot.engine.save_state(path)
     os.chmod(path, PRIVATE_FILE)   # its token section is the conversation
-    return {"id_slot": slot.id, "filename": path.name, "n_saved": len(slot.held_tokens),
+    return {"id_slot": slot.id, "filename": path.name, "n_saved": slot.engine.session.n_tokens,
             "n_written": path.stat().st_size, "timings": {"save_ms": _ms(t0, time.perf_counter())}}
 
 
@@ -500,16 +500,16 @@ def _restore(slot, path: Path) -> dict:
     _idle(slot)
     t0 = time.perf_counter()
     slot.engine.load_state(path)
-    slot.held_tokens = list(slot.engine.session.tokens)
-    return {"id_slot": slot.id, "filename": path.name, "n_restored": len(slot.held_tokens),
+    slot.n_held = slot.engine.session.n_tokens
+    return {"id_slot": slot.id, "filename": path.name, "n_restored": slot.n_held,
             "n_read": path.stat().st_size, "timings": {"restore_ms": _ms(t0, time.perf_counter())}}
 
 
 def _erase(slot) -> dict:
     _idle(slot)
-    n = len(slot.held_tokens)
+    n = slot.engine.session.n_tokens
     slot.engine.session.reset()
-    slot.held_tokens = []
+    slot.n_held = 0
     return {"id_slot": slot.id, "n_erased": n}
 
 

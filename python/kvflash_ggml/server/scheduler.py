@@ -41,7 +41,6 @@ from ..engine import Engine
 from ..generation import Generation, GenerationRecord
 from ..host_store import check_host_store
 from ..options import SamplingParams
-from ..tokens import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,9 @@ class Slot:
         self.request: Optional[Request] = None
         self.records: Optional[Generation] = None
         self.last_used = 0.0
-        self.held_tokens: list[int] = []     # what the session held after its last request (read without a lock)
+        # How many tokens the session held after its last request: what GET /slots shows without waiting for a
+        # step. The tokens themselves are the session's alone (Session.shared_prefix compares with them).
+        self.n_held = 0
         self.stats: dict = {}                # the engine's stats() after its last request
         self.n_requests = 0
         self.batchable = False               # its greedy decode steps may join a batched forward
@@ -283,7 +284,7 @@ class Scheduler:
                     return
                 request = self._pending.popleft()
             # the longest shared prefix, then the least recently used (then the lowest id: no tie reaches the slot)
-            shared, _, _, slot = max((common_prefix(s.held_tokens, request.tokens), -s.last_used, -s.id, s)
+            shared, _, _, slot = max((s.engine.session.shared_prefix(request.tokens), -s.last_used, -s.id, s)
                                      for s in idle)
             self._assign(slot, request, shared)
 
@@ -291,7 +292,7 @@ class Scheduler:
         """shared: how many leading tokens the request's prompt shares with what the slot holds."""
         engine = slot.engine
         chunk = engine.session.pager.config().chunk_tokens
-        if shared < len(slot.held_tokens) // chunk * chunk:
+        if shared < engine.session.n_tokens // chunk * chunk:
             engine.store_prefix()   # taken over: the conversation it held can come back from the cache
         slot.request = request
         request.slot_id, request.t_start = slot.id, time.perf_counter()
@@ -332,7 +333,7 @@ class Scheduler:
         slot.last_used = time.perf_counter()
         slot.n_requests += 1
         try:
-            slot.held_tokens = list(slot.engine.session.tokens)
+            slot.n_held = slot.engine.session.n_tokens
             slot.stats = record.stats if record is not None and record.stats else slot.engine.stats()
         except Exception:   # noqa: BLE001
             log.exception("slot %d: reading its state failed", slot.id)
