@@ -324,15 +324,16 @@ constexpr int64_t k_f16_chunk = 8;     // 32-value steps per pass when a row is 
 // The chains are independent, so a tile runs one chain at a time for all its outputs.
 //
 // One pass: rows x[r] (F16, NR of them) against columns y[c] (floats: F16 values, exact; n_cols of them), steps
-// [t0, t1), in tiles of NR rows x 2 columns. acc: per output (r, c) at acc + r * row_stride + c * 32 its 4 chains
-// of 8 floats, read first when load, written back.
+// [t0, t1), in tiles of NR rows x 2 columns. acc: per output (r, c) at acc + r * row_stride + c * step its 4 chains
+// (F16Kernels::step floats), read first when load, written back.
 using F16Pass = void (*)(int64_t t0, int64_t t1, const ggml_fp16_t * const * x, const float * const * y, int64_t n_cols,
                          float * acc, int64_t row_stride, bool load);
-// out[r] = the horizontal sum of s[r * stride .. + 8) as ggml_vec_dot_f16 ends it, for r < 8.
+// out[r] = the sum of output r's 4 chains at s + r * stride as ggml_vec_dot_f16 ends it, for r < 8.
 using F16Hsum = void (*)(const float * s, int64_t stride, float * out);
 struct F16Kernels {
     F16Pass pass[k_f16_tile_rows];   // [rows - 1]
     F16Hsum hsum8;
+    int64_t step;                    // values per step (4 chains of step / 4 lanes): what acc holds per output
 };
 
 #ifdef KVF_QUANT_MATMUL_X86
@@ -407,32 +408,83 @@ __attribute__((target("avx2,f16c"))) void round_to_f16(const float * from, float
     for (; i < n; ++i) to[i] = _cvtsh_ss(_cvtss_sh(from[i], 0));
 }
 
-const F16Kernels k_f16_avx2 = {{f16_pass_avx2<1>, f16_pass_avx2<2>, f16_pass_avx2<3>, f16_pass_avx2<4>}, f16_hsum8_avx2};
+const F16Kernels k_f16_avx2 = {{f16_pass_avx2<1>, f16_pass_avx2<2>, f16_pass_avx2<3>, f16_pass_avx2<4>}, f16_hsum8_avx2, 32};
 
-const F16Kernels * f16_cpu_kernels() {
+// ggml's AVX-512 variants without AVX512-FP16 sum ggml_vec_dot_f16 in 4 chains of 16 lanes over 64 values a step
+// (GGML_F16_STEP 64), then chains (0 + 2) + (1 + 3) and _mm512_reduce_add_ps: the AVX2 kernels' order, twice as wide.
+template <int NR, int NC>
+__attribute__((target("avx512f"), always_inline)) inline void f16_tile_avx512(
+    int64_t t0, int64_t t1, const ggml_fp16_t * const * x, const float * const * y, float * acc, int64_t row_stride,
+    bool load) {
+    for (int j = 0; j < 4; ++j) {
+        __m512 a[NR][NC];
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < NC; ++c) a[r][c] = load ? _mm512_loadu_ps(acc + r * row_stride + c * 64 + j * 16) : _mm512_setzero_ps();
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t i = 64 * t + 16 * j;
+            __m512 xv[NR], yv[NC];
+            for (int r = 0; r < NR; ++r) xv[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[r] + i)));
+            for (int c = 0; c < NC; ++c) yv[c] = _mm512_loadu_ps(y[c] + i);
+            for (int r = 0; r < NR; ++r)
+                for (int c = 0; c < NC; ++c) a[r][c] = _mm512_fmadd_ps(xv[r], yv[c], a[r][c]);
+        }
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * row_stride + c * 64 + j * 16, a[r][c]);
+    }
+}
+
+template <int NR>
+__attribute__((target("avx512f"))) void f16_pass_avx512(int64_t t0, int64_t t1, const ggml_fp16_t * const * x,
+                                                          const float * const * y, int64_t n_cols, float * acc,
+                                                          int64_t row_stride, bool load) {
+    int64_t c = 0;
+    for (; c + k_f16_tile_cols <= n_cols; c += k_f16_tile_cols) {
+        f16_tile_avx512<NR, k_f16_tile_cols>(t0, t1, x, y + c, acc + c * 64, row_stride, load);
+    }
+    if (c < n_cols) f16_tile_avx512<NR, 1>(t0, t1, x, y + c, acc + c * 64, row_stride, load);
+}
+
+__attribute__((target("avx512f"))) void f16_hsum8_avx512(const float * s, int64_t stride, float * out) {
+    for (int i = 0; i < 8; ++i) {
+        const float * c = s + i * stride;
+        const __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(c), _mm512_loadu_ps(c + 32)),
+                                       _mm512_add_ps(_mm512_loadu_ps(c + 16), _mm512_loadu_ps(c + 48)));
+        out[i] = _mm512_reduce_add_ps(v);
+    }
+}
+
+const F16Kernels k_f16_avx512 = {{f16_pass_avx512<1>, f16_pass_avx512<2>, f16_pass_avx512<3>, f16_pass_avx512<4>},
+                                 f16_hsum8_avx512, 64};
+
+// The kernels this CPU runs, widest first: which one sums as the loaded ggml variant does is for the check to say.
+std::vector<const F16Kernels *> f16_cpu_kernels() {
     __builtin_cpu_init();
-    const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    return ok ? &k_f16_avx2 : nullptr;
+    std::vector<const F16Kernels *> out;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c")) out.push_back(&k_f16_avx512);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        out.push_back(&k_f16_avx2);
+    }
+    return out;
 }
 
 #else
 
-const F16Kernels * f16_cpu_kernels() { return nullptr; }
+std::vector<const F16Kernels *> f16_cpu_kernels() { return {}; }
 void round_to_f16(const float *, float *, int64_t) { throw std::logic_error("f16_mul_mat: no kernels on this CPU"); }
 
 #endif
 
 // Rows [r0, r1) of a's matrix h against n_cols columns ys (rounded to F16, widened), writing outs[c][row]:
 // k_f16_rows rows at a time in tiles, in passes of k_f16_chunk steps when a row is longer; then their chains
-// (acc: 4 x 8 floats per row and column) summed up 8 rows at a time, and the values past the last multiple of 32
+// (acc: step floats per row and column) summed up 8 rows at a time, and the values past the last multiple of step
 // added in double one product at a time, as ggml_vec_dot_f16 ends.
 void f16_rows(const F16Kernels & k, const ggml_tensor * a, int64_t h, int64_t r0, int64_t r1, const float * const * ys,
               float * const * outs, int64_t n_cols, float * acc) {
-    const int64_t K = a->ne[0], np = K & ~int64_t(31), n_steps = np / 32;
+    const int64_t K = a->ne[0], np = K & ~(k.step - 1), n_steps = np / k.step;
     const auto row = [&](int64_t r) {
         return reinterpret_cast<const ggml_fp16_t *>(static_cast<const char *>(a->data) + r * a->nb[1] + h * a->nb[2]);
     };
-    const int64_t row_floats = n_cols * 32;
+    const int64_t row_floats = n_cols * k.step;
     for (int64_t rb = r0; rb < r1; rb += k_f16_rows) {
         const int64_t re = std::min(r1, rb + k_f16_rows);
         if (n_steps == 0) std::fill(acc, acc + k_f16_rows * row_floats, 0.0f);
@@ -447,7 +499,7 @@ void f16_rows(const F16Kernels & k, const ggml_tensor * a, int64_t h, int64_t r0
         }
         for (int64_t c = 0; c < n_cols; ++c) {
             alignas(32) float sums[k_f16_rows];
-            k.hsum8(acc + c * 32, row_floats, sums);   // rows past re: stale floats, never written out
+            k.hsum8(acc + c * k.step, row_floats, sums);   // rows past re: stale floats, never written out
             if (np == K) {
                 std::memcpy(outs[c] + rb, sums, (size_t) (re - rb) * sizeof(float));
                 continue;
@@ -476,7 +528,7 @@ void f16_mul_mat_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     if (b0 >= b1) return;
     thread_local std::vector<float> y_buf, acc_buf;
     y_buf.resize((size_t) (K * N * B));
-    acc_buf.resize((size_t) (k_f16_rows * n_cols * 32 + 8));
+    acc_buf.resize((size_t) (k_f16_rows * n_cols * k.step + 8));
     float * y = y_buf.data();
     float * acc = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(acc_buf.data()) + 31) & ~uintptr_t(31));
     // only the columns of the matrices this thread's rows meet
@@ -564,13 +616,12 @@ bool f16_same_as_ggml(const F16Kernels * kernels) {
 
 const F16Kernels * checked_f16_kernels() {
     static const F16Kernels * kernels = []() -> const F16Kernels * {
-        const F16Kernels * k = f16_cpu_kernels();
-        if (!k) return nullptr;
         try {
-            return f16_same_as_ggml(k) ? k : nullptr;
+            for (const F16Kernels * k : f16_cpu_kernels())
+                if (f16_same_as_ggml(k)) return k;
         } catch (const std::exception &) {   // no CPU backend: nothing computes on one anyway
-            return nullptr;
         }
+        return nullptr;
     }();
     return kernels;
 }
