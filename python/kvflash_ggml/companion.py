@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from .options import DeviceConfig
 from .tokenizer import Tokenizer
-from .tokens import forward_in_steps, rewind
+from .tokens import forward_in_steps, keep_prefix
 from .weights import load_model
 
 GROWTH = 1.25  # a grown context holds this much more than the history that outgrew it
@@ -112,9 +112,7 @@ class Companion:
         running at least the last `tail` of them again. The session captures attention, so its own step split
         (Session.step_tokens) runs the last CAPTURE_TOKENS of them in its last step, the one the capture covers."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        keep = min(self.session.shared_prefix(tokens), len(tokens) - tail)
-        if keep < self.session.n_tokens:
-            keep = rewind(self.session, keep)
+        keep = keep_prefix(self.session, min(self.session.shared_prefix(tokens), len(tokens) - tail))
         self.version += 1
         new = tokens[keep:]
         if len(new):   # in steps: a long history is many short calls, so Ctrl-C is honoured between them

@@ -32,7 +32,7 @@ from .options import SPARSE_FROM_TOKENS, SPARSE_LOCAL_CHUNKS, PoolConfig, Reside
 from .policy import SessionView
 from .snapshot import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, SnapshotError, session_key
 from .tokenizer import Tokenizer, check_messages
-from .tokens import chunk_aligned_batches, drive, forward_steps, rewind, text_if_bytes, token_ids
+from .tokens import chunk_aligned_batches, drive, forward_steps, keep_prefix, text_if_bytes, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,7 @@ class Engine:
         n_keep = self.session.shared_prefix(tokens)
         if self.prefix_cache is not None:
             n_keep = self._restore_cached_prefix(tokens, n_keep)
-        n_keep = min(n_keep, len(tokens) - 1)   # the last prompt token is always run, for its logits
-        if n_keep < self.session.n_tokens:
-            n_keep = rewind(self.session, n_keep)
+        n_keep = keep_prefix(self.session, min(n_keep, len(tokens) - 1))   # the last token runs, for its logits
         try:
             logits = yield from self._run_prompt(tokens, n_keep)
         except BaseException:
@@ -303,8 +301,7 @@ class Engine:
         """After a prompt failed part way: hold only the first n_keep tokens (what the call began from, less
         any part it had to drop), so a retry starts clean."""
         try:
-            if self.session.n_tokens > n_keep:
-                rewind(self.session, n_keep)
+            keep_prefix(self.session, n_keep)
         except Exception:   # noqa: BLE001 - the core could not truncate: start over from nothing held
             log.exception("prefill roll back failed; resetting the session")
             self.session.reset()

@@ -34,7 +34,7 @@ from .drafter import prompt_attention_scores
 from .options import PoolConfig, SamplingParams, SpeculativeConfig
 from .sampling import Sampler
 from .tokenizer import Tokenizer
-from .tokens import common_prefix, forward_in_steps, rewind
+from .tokens import common_prefix, forward_in_steps, keep_prefix
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ class DraftModel:
         s = self.session
         start = min(unchanged, self._synced, s.n_tokens)
         n_keep = s.shared_prefix(np.asarray(history[start:], dtype=np.int32), start)
-        n_keep = min(n_keep, len(history) - 1)   # the last token runs for its logits
-        if n_keep < s.n_tokens:
-            n_keep = rewind(s, n_keep)
+        n_keep = keep_prefix(s, min(n_keep, len(history) - 1))   # the last token runs for its logits
         new = np.asarray(history[n_keep:], dtype=np.int32)
         # Layer-major for new tokens the pool cannot hold (a prompt), never for a generation's few: it copies
         # every held position's K/V through the staging layer, a cost that grows with the context (at 128K on

@@ -64,6 +64,13 @@ def rewind(session: _core.Session, n: int) -> int:
     return m
 
 
+def keep_prefix(session: _core.Session, n_keep: int) -> int:
+    """Make the session hold at most its first n_keep tokens (the prefix its caller found shared with what comes
+    next): goes back only when it holds more, and then to where it can go back exactly (rewind); returns how
+    many it holds. The engine's prompt, the draft model and the drafter's companion all hold tokens so."""
+    return rewind(session, n_keep) if n_keep < session.n_tokens else n_keep
+
+
 def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
     """The prompt as Python ints, each a token id of the vocabulary; a clear error otherwise."""
     out = []
