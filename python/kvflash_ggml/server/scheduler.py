@@ -283,9 +283,10 @@ class Scheduler:
                 if not idle or not self._pending:
                     return
                 request = self._pending.popleft()
-            # the longest shared prefix, then the least recently used (then the lowest id: no tie reaches the slot)
-            shared, _, _, slot = max((s.engine.session.shared_prefix(request.tokens), -s.last_used, -s.id, s)
-                                     for s in idle)
+            # the longest shared prefix, then the least recently used (then the lowest id: no tie reaches the slot);
+            # the prompt converted once, not once a slot
+            prompt = np.asarray(request.tokens, dtype=np.int32)
+            shared, _, _, slot = max((s.engine.session.shared_prefix(prompt), -s.last_used, -s.id, s) for s in idle)
             self._assign(slot, request, shared)
 
     def _assign(self, slot: Slot, request: Request, shared: int) -> None:
