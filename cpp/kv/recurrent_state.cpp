@@ -158,6 +158,22 @@ void RecurrentState::restore(const Copy & c) {
     stash_n_ = -1;
 }
 
+namespace {
+
+struct StateSavePoint : ContextMemory::SavePoint {
+    RecurrentState::Copy copy;
+};
+
+}  // namespace
+
+std::unique_ptr<ContextMemory::SavePoint> RecurrentState::save_point() const {
+    auto p = std::make_unique<StateSavePoint>();
+    p->copy = copy();
+    return p;
+}
+
+void RecurrentState::roll_back(const SavePoint & p) { rewind_to(dynamic_cast<const StateSavePoint &>(p).copy); }
+
 void RecurrentState::rewind_to(const Copy & c) {
     while (!checkpoints_.empty() && checkpoints_.back().n_tokens > c.n_tokens) checkpoints_.pop_back();
     if (stash_n_ > c.n_tokens) stash_n_ = -1;

@@ -23,6 +23,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "common/backend_buffers.h"
+#include "kv/context_memory.h"
 
 #include <cstdint>
 #include <memory>
@@ -33,7 +34,7 @@ namespace kvf {
 class ByteReader;
 class ByteWriter;
 
-class RecurrentState {
+class RecurrentState : public ContextMemory {
 public:
     // n_layer recurrent layers, each an F32 conv state of conv_elems and an F32 recurrent state of ssm_elems, on
     // its backend (backends: one per layer, or one for all); carry_elems > 0: the MTP head's carry too (F32,
@@ -48,19 +49,19 @@ public:
     ggml_tensor * ssm(int64_t l) const { return ssm_[(size_t) l]; }     // F32 [ssm_elems]
     ggml_tensor * mtp_carry() const { return carry_; }                  // F32 [carry_elems] (nullptr: none)
     int64_t n_layer() const { return (int64_t) conv_.size(); }
-    int64_t n_tokens() const { return n_tokens_; }
-    int64_t device_bytes() const;
-    int64_t device_bytes_on(ggml_backend_t backend) const;
+    int64_t n_tokens() const override { return n_tokens_; }
+    int64_t device_bytes() const override;
+    int64_t device_bytes_on(ggml_backend_t backend) const override;
 
     // Positions [start, start+n) are consumed next (start == n_tokens()): the graph about to run writes them.
     void place(int64_t start, int64_t n);
     // Forget the positions [start, n_tokens()) the last place() gave a graph that never ran (a batched step that failed
     // before its compute): the state's bytes have not moved, so this is exact, unlike a truncate.
     void unplace(int64_t start);
-    bool can_truncate(int64_t n) const;
+    bool can_truncate(int64_t n) const override;
     // Back to n: nothing (the end), zero state (0), or the checkpoint at n; later checkpoints are dropped.
-    void truncate(int64_t n);   // throws std::invalid_argument unless can_truncate(n)
-    void clear();               // zero state, nothing consumed, no checkpoints
+    void truncate(int64_t n) override;   // throws std::invalid_argument unless can_truncate(n)
+    void clear() override;               // zero state, nothing consumed, no checkpoints
     // Keep a copy of the state at n_tokens() (host memory; the oldest goes beyond k_max_checkpoints).
     static constexpr size_t k_max_checkpoints = 2;
     void checkpoint();
@@ -68,7 +69,7 @@ public:
     // use): speculative decoding stashes before a verify step and goes back here when drafts are rejected. It
     // counts as a point truncate reaches, until a truncate goes below it.
     void stash();
-    int64_t rewind_point(int64_t n) const;   // the latest position <= n that truncate reaches
+    int64_t rewind_point(int64_t n) const override;   // the latest position <= n that truncate reaches
     int64_t checkpoint_bytes() const;        // host memory the checkpoints hold
 
     // Every byte of the state (all layers, conv then recurrent; the carry last) and its token count: a copy to go back to.
@@ -79,6 +80,9 @@ public:
     Copy copy() const;
     void restore(const Copy & c);   // another session's state (a snapshot): drops the checkpoints
     void rewind_to(const Copy & c);  // this state as copy() took it earlier: keeps the checkpoints up to it
+    // A copy() (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape) and rewind_to it.
+    std::unique_ptr<SavePoint> save_point() const override;
+    void roll_back(const SavePoint & p) override;
 
     // ---- state: n_layer, conv and recurrent sizes, the carry's size (version 2), n_tokens, then every byte ----
     static constexpr uint32_t k_state_version = 2;

@@ -76,6 +76,33 @@ void SlidingWindowKV::truncate(int64_t n) {
     n_tokens_ = n;
 }
 
+int64_t SlidingWindowKV::rewind_point(int64_t n) const {
+    n = std::clamp<int64_t>(n, 0, n_tokens_);
+    return can_truncate(n) ? n : 0;
+}
+
+namespace {
+
+struct RingSavePoint : ContextMemory::SavePoint {
+    SlidingWindowKV::Mark mark;
+    std::vector<uint8_t> rows;   // empty: the ring held nothing
+};
+
+}  // namespace
+
+std::unique_ptr<ContextMemory::SavePoint> SlidingWindowKV::save_point() const {
+    auto p = std::make_unique<RingSavePoint>();
+    p->mark = mark();
+    if (n_tokens_ > 0) p->rows = copy_rows();
+    return p;
+}
+
+void SlidingWindowKV::roll_back(const SavePoint & p) {
+    const auto & saved = dynamic_cast<const RingSavePoint &>(p);
+    rewind_to(saved.mark);
+    if (!saved.rows.empty()) restore_rows(saved.rows);
+}
+
 void SlidingWindowKV::clear() {
     std::fill(slot_pos_.begin(), slot_pos_.end(), -1);
     n_tokens_ = 0;

@@ -20,6 +20,7 @@
 // slot_pos[r] is -1 for a row that holds nothing visible. Every ring layer holds the same positions.
 #pragma once
 
+#include "kv/context_memory.h"
 #include "kv/kv_step_inputs.h"
 #include "kv/pooled_kv.h"
 
@@ -29,7 +30,7 @@
 
 namespace kvf {
 
-class SlidingWindowKV {
+class SlidingWindowKV : public ContextMemory {
 public:
     // layout: the ring layers' row widths and types; its n_layer is the number of sliding-window layers
     // and its pool_tokens the ring size (ring_tokens_for). window: positions a query sees, itself included.
@@ -41,8 +42,9 @@ public:
     int64_t window() const { return window_; }
     int64_t ring_tokens() const { return kv_->layout().pool_tokens; }
     int64_t max_step() const { return ring_tokens() - window_; }   // tokens one step may write
-    int64_t n_tokens() const { return n_tokens_; }
-    int64_t device_bytes() const { return kv_->device_bytes(); }
+    int64_t n_tokens() const override { return n_tokens_; }
+    int64_t device_bytes() const override { return kv_->device_bytes(); }
+    int64_t device_bytes_on(ggml_backend_t backend) const override { return kv_->device_bytes_on(backend); }
 
     // Positions [start, start+n) are written next (start == n_tokens(), n <= max_step()): their rows, as
     // an alloc plan's span for kv_step_inputs_set. The ring's bookkeeping moves to n_tokens() = start+n.
@@ -51,9 +53,14 @@ public:
     KvKeyOrder key_order() const;
 
     // Whether forgetting positions >= n keeps everything a query at n sees.
-    bool can_truncate(int64_t n) const;
-    void truncate(int64_t n);   // throws std::invalid_argument unless can_truncate(n)
-    void clear();
+    bool can_truncate(int64_t n) const override;
+    void truncate(int64_t n) override;   // throws std::invalid_argument unless can_truncate(n)
+    int64_t rewind_point(int64_t n) const override;   // n where the window before it is still held, else 0
+    void clear() override;
+    // The bookkeeping and, once anything is held, every row's bytes (a prompt extending held positions overwrites
+    // rows their windows still need).
+    std::unique_ptr<SavePoint> save_point() const override;
+    void roll_back(const SavePoint & p) override;
     // The bookkeeping alone, for layer-major prefill, which writes the same positions into one layer after another.
     struct Mark { int64_t n_tokens; std::vector<int64_t> slot_pos; };
     Mark mark() const { return {n_tokens_, slot_pos_}; }

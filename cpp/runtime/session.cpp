@@ -130,6 +130,8 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
         recurrent_ = std::make_unique<RecurrentState>(recurrent_on, hp.n_recurrent_layers(), hp.ssm_conv_state(),
                                                       hp.ssm_recurrent_state(), cfg_.mtp ? hp.n_embd : 0, model_->backend());
     }
+    if (ring_) memories_.push_back(ring_.get());
+    if (recurrent_) memories_.push_back(recurrent_.get());
     if (cfg_.mtp) mtp_ = new_mtp_drafts();
     pc.chunk_bytes = kv_->chunk_bytes();
     pager_ = std::make_unique<KvPager>(pc);
@@ -378,16 +380,19 @@ int64_t Session::shared_prefix(const int32_t * tokens, int64_t n, int64_t start)
 
 bool Session::can_truncate(int64_t n) const {
     const SessionLock held = lock(false);
-    return n >= 0 && n <= pager_->n_tokens() && (!ring_ || ring_->can_truncate(n)) &&
-           (!recurrent_ || recurrent_->can_truncate(n));
+    if (n < 0 || n > pager_->n_tokens()) return false;
+    for (const ContextMemory * m : memories_) if (!m->can_truncate(n)) return false;
+    return true;
 }
 
 int64_t Session::rewind_point(int64_t n) const {
     const SessionLock held = lock(false);
     n = std::clamp<int64_t>(n, 0, pager_->n_tokens());
-    if (can_truncate(n)) return n;
-    const int64_t c = recurrent_ ? recurrent_->rewind_point(n) : 0;
-    return can_truncate(c) ? c : 0;
+    // Each memory lowers n to the latest point at or before it that it reaches. A ring that reaches a point reaches
+    // every later one, so what is left is the latest point all of them reach (the check is the guard for a memory
+    // without that property).
+    for (const ContextMemory * m : memories_) n = std::min(n, m->rewind_point(n));
+    return can_truncate(n) ? n : 0;
 }
 
 void Session::checkpoint() {
@@ -402,10 +407,10 @@ void Session::stash() {
 
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
-    if (n >= 0 && n <= pager_->n_tokens()) {   // each throws, changing nothing, if it cannot
-        if (recurrent_ && !recurrent_->can_truncate(n)) recurrent_->truncate(n);
-        if (ring_) ring_->truncate(n);
-        if (recurrent_) recurrent_->truncate(n);
+    if (n >= 0 && n <= pager_->n_tokens()) {
+        // Each throws, changing nothing, if it cannot: asked first, so that none has moved when one refuses.
+        for (ContextMemory * m : memories_) if (!m->can_truncate(n)) m->truncate(n);
+        for (ContextMemory * m : memories_) m->truncate(n);
     }
     execute(pager_->plan_truncate(n));
     tokens_.resize((size_t) n);
@@ -419,7 +424,7 @@ void Session::adopt(const Session & src, int64_t n) {
     std::scoped_lock sessions(mutex_, src.mutex_);
     std::scoped_lock devices(model_->compute_mutex(), src.model_->compute_mutex());
     const int64_t C = cfg_.chunk_tokens, start = n_tokens();
-    if (ring_ || recurrent_) {
+    if (!memories_.empty()) {
         throw std::invalid_argument("adopt: it copies pooled chunks; a model's sliding-window rings or linear-attention "
                                     "state cannot be adopted");
     }
@@ -590,8 +595,7 @@ void Session::reset() {
     const SessionLock held = lock();
     pager_->reset();
     kv_->clear_host();
-    if (ring_) ring_->clear();
-    if (recurrent_) recurrent_->clear();
+    for (ContextMemory * m : memories_) m->clear();
     tokens_.clear();
     held_queries_ = StepQueries{};
     if (summaries_) summaries_->clear();

@@ -358,6 +358,7 @@ private:
     std::unique_ptr<PooledKV> kv_;
     std::unique_ptr<SlidingWindowKV> ring_;       // null unless the model has sliding-window layers
     std::unique_ptr<RecurrentState> recurrent_;   // null unless the model has linear-attention layers
+    std::vector<ContextMemory *> memories_;       // ring_ and recurrent_ where present: going back, clearing, rolling back
     std::unique_ptr<ChunkSummaries> summaries_;   // null unless cfg.track_summaries
     std::unique_ptr<MtpDrafts, void (*)(MtpDrafts *)> mtp_{nullptr, nullptr};   // null unless cfg.mtp
     ggml_backend_sched_t sched_ = nullptr;

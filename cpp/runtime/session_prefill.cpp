@@ -212,8 +212,7 @@ private:
     int64_t peak_compute_ = 0;
     std::chrono::steady_clock::time_point t0_;
     SlidingWindowKV::Mark ring_start_{};
-    std::vector<uint8_t> ring_rows_;
-    RecurrentState::Copy recurrent_start_{};
+    std::vector<std::unique_ptr<ContextMemory::SavePoint>> saved_;   // one per s_.memories_, in order
     // Chunks [0, c_held) hold earlier positions; chunks [c_new, c_end) get new ones (a chunk the held tokens
     // end inside is both: it goes into staging whole and comes back whole).
     int64_t c_held_, c_new_, c_end_;
@@ -262,11 +261,10 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     out_.logits.resize((size_t) hp_.n_vocab);
     out_.attention.assign((size_t) end_, 0.0f);
     t0_ = std::chrono::steady_clock::now();
-    if (s_.ring_) ring_start_ = s_.ring_->mark();
-    if (s_.ring_ && start_ > 0) ring_rows_ = s_.ring_->copy_rows();
-    // A linear-attention layer's state moves on step by step and cannot go back: a copy to return to if the
-    // prompt fails (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape).
-    if (s_.recurrent_) recurrent_start_ = s_.recurrent_->copy();
+    // The rings and the linear-attention state move on layer by layer and cannot go back: what to return to if the
+    // prompt fails.
+    if (s_.ring_) ring_start_ = s_.ring_->mark();   // each ring layer places the prompt's positions again
+    for (const ContextMemory * m : s_.memories_) saved_.push_back(m->save_point());
     c_held_ = (start_ + C_ - 1) / C_;
     c_new_ = start_ / C_;
     c_end_ = (end_ + C_ - 1) / C_;
@@ -593,11 +591,7 @@ void Session::ExactPrefillPass::write_back(int il) {
 void Session::ExactPrefillPass::roll_back() {
     hidden_->synchronize_copies();
     s_.kv_->synchronize();
-    if (s_.ring_) {
-        s_.ring_->rewind_to(ring_start_);
-        if (!ring_rows_.empty()) s_.ring_->restore_rows(ring_rows_);
-    }
-    if (s_.recurrent_) s_.recurrent_->rewind_to(recurrent_start_);
+    for (size_t i = 0; i < saved_.size(); ++i) s_.memories_[i]->roll_back(*saved_[i]);
     s_.truncate(start_);
 }
 
