@@ -71,8 +71,8 @@ void bind_session_snapshots(py::class_<Session> & cls) {
         }, py::kw_only(), py::arg("prefix_chunks") = py::none())
         .def("load", [](Session & s, const Path & path) {
             py::gil_scoped_release nogil;
-            const std::vector<uint8_t> data = read_snapshot_file(path.string());
-            snapshot_load(s, data.data(), data.size());
+            const SnapshotFile file(path.string());
+            snapshot_load(s, file.data(), file.size());
         }, py::arg("path"), "Replace this session's state by a snapshot's; on error nothing changes.")
         .def("load_bytes", [](Session & s, const py::buffer & data) {
             Bytes b(data);
@@ -82,8 +82,8 @@ void bind_session_snapshots(py::class_<Session> & cls) {
         .def_static("restore", [](std::shared_ptr<Model> model, const Path & path, std::optional<int64_t> max_tokens) {
             const int64_t limit = restore_limit(max_tokens);
             py::gil_scoped_release nogil;
-            const std::vector<uint8_t> data = read_snapshot_file(path.string());
-            return snapshot_restore(std::move(model), data.data(), data.size(), limit);
+            const SnapshotFile file(path.string());
+            return snapshot_restore(std::move(model), file.data(), file.size(), limit);
         }, py::arg("model"), py::arg("path"), py::kw_only(), py::arg("max_tokens") = py::none(), py::keep_alive<0, 1>(),
            "A new session with the saved config and state (no model computation). The saved context may be at "
            "most max_tokens (None: the model's trained context); a snapshot asking for more raises SnapshotError "
@@ -115,8 +115,8 @@ void register_snapshot(py::module_ & m) {
         return info_dict(snapshot_info(b.data(), b.size()));
     }, py::arg("data"), "Header facts of snapshot bytes (checks the container and checksum).");
     m.def("snapshot_file_info", [](const std::filesystem::path & path) {
-        const std::vector<uint8_t> data = read_snapshot_file(path.string());
-        return info_dict(snapshot_info(data.data(), data.size()));
+        const SnapshotFile file(path.string());
+        return info_dict(snapshot_info(file.data(), file.size()));
     }, py::arg("path"));
     m.def("snapshot_checksum", [](const py::buffer & data) {
         Bytes b(data);

@@ -1,6 +1,7 @@
 #include "snapshot/snapshot.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -383,36 +384,52 @@ void snapshot_to_file(const Session & s, const std::string & path, int64_t prefi
     }
 }
 
-std::vector<uint8_t> read_snapshot_file(const std::string & path) {
+SnapshotFile::SnapshotFile(const std::string & path) {
     struct stat st;
     if (stat(path.c_str(), &st) != 0) io_fail("cannot open", path);
     check_load_source(path, st);
     const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) io_fail("cannot open", path);
-    FILE * f = fdopen(fd, "rb");
-    if (!f) {
+    const auto fail = [&](const char * what) {
         const int err = errno;
         close(fd);
         errno = err;
-        io_fail("cannot open", path);
-    }
-    if (fstat(fileno(f), &st) != 0) {
-        std::fclose(f);
-        io_fail("cannot stat", path);
-    }
+        io_fail(what, path);
+    };
+    if (fstat(fd, &st) != 0) fail("cannot stat");
     try {
         check_load_source(path, st);   // the file opened is the one checked
     } catch (...) {
-        std::fclose(f);
+        close(fd);
         throw;
     }
-    std::vector<uint8_t> out((size_t) st.st_size);
-    const size_t got = out.empty() ? 0 : std::fread(out.data(), 1, out.size(), f);
-    const bool failed = std::ferror(f);
-    std::fclose(f);
-    if (failed) io_fail("cannot read", path);
-    out.resize(got);   // a file that shrank while being read is then reported as truncated
-    return out;
+    size_ = (size_t) st.st_size;
+    if (size_ == 0) {   // nothing to map (mmap refuses 0 bytes): the parse reports it truncated
+        close(fd);
+        return;
+    }
+    void * p = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p != MAP_FAILED) {
+        map_ = p;
+        close(fd);   // the mapping keeps the file
+        return;
+    }
+    read_.resize(size_);
+    size_t got = 0;
+    while (got < size_) {
+        const ssize_t n = read(fd, read_.data() + got, size_ - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) fail("cannot read");
+        if (n == 0) break;   // a file that shrank while being read is then reported as truncated
+        got += (size_t) n;
+    }
+    close(fd);
+    read_.resize(got);
+    size_ = got;
+}
+
+SnapshotFile::~SnapshotFile() {
+    if (map_) munmap(map_, size_);
 }
 
 void snapshot_load(Session & s, const uint8_t * data, size_t size) { load_parsed(s, parse(data, size)); }

@@ -57,7 +57,28 @@ constexpr uint32_t k_snapshot_format_version = 3;   // the newest this build rea
 // ledger the session would have after truncating to them (the live session is not touched).
 std::vector<uint8_t> snapshot_to_bytes(const Session & s, int64_t prefix_chunks = -1);
 void snapshot_to_file(const Session & s, const std::string & path, int64_t prefix_chunks = -1);
-std::vector<uint8_t> read_snapshot_file(const std::string & path);
+
+// A snapshot file's bytes for a load: the file mapped read-only, so a restore holds no second copy of it (its pages
+// are the page cache's, which the kernel drops again under pressure; a 1M-token q8_0 snapshot is 68 GiB), or read
+// into memory where the file system cannot map it. The mapping is of the file opened and checked: a file renamed
+// over it meanwhile (as every save does) does not change it. A file truncated in place by another process while
+// it is mapped ends this one with SIGBUS, as a GGUF truncated under llama.cpp's mmap does: snapshots are only ever
+// replaced by renaming, never rewritten in place.
+class SnapshotFile {
+public:
+    explicit SnapshotFile(const std::string & path);   // SnapshotIOError if it cannot be opened, is not a regular file
+    ~SnapshotFile();
+    SnapshotFile(const SnapshotFile &) = delete;
+    SnapshotFile & operator=(const SnapshotFile &) = delete;
+    const uint8_t * data() const { return map_ ? static_cast<const uint8_t *>(map_) : read_.data(); }
+    size_t size() const { return size_; }
+    bool mapped() const { return map_ != nullptr; }
+
+private:
+    void * map_ = nullptr;
+    size_t size_ = 0;
+    std::vector<uint8_t> read_;   // where mmap is refused
+};
 
 // Load into an existing session (same model, same kv_type and chunk size; the pool and context may
 // differ where the saved state fits). On any error the session is unchanged.
