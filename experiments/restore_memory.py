@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    with kvf.Model(model_path=args.model, n_ctx=args.tokens + 64, pool_tokens=args.pool, n_threads=args.threads,
+    n_ctx = args.tokens + 64
+    with kvf.Model(model_path=args.model, n_ctx=n_ctx, pool_tokens=args.pool, n_threads=args.threads,
                    prefill="pooled", allow_beyond_train_ctx=True) as llm:   # only bytes are measured
         core_model = llm.engine.model
         llm.engine.prefill(np.random.default_rng(0).integers(100, 20000, args.tokens).tolist())
@@ -66,13 +67,13 @@ def main() -> None:
             llm.engine.session.save(path)
             size = os.path.getsize(path) / 2**20
             print(f"snapshot: {size:.0f} MiB, {llm.engine.session.n_tokens} tokens, pool {args.pool}")
-            restored, from_file = peak_during(lambda: _core.Session.restore(core_model, path, max_tokens=args.tokens + 64))
+            restored, from_file = peak_during(lambda: _core.Session.restore(core_model, path, max_tokens=n_ctx))
             store = restored.memory()["host_store_bytes"] / 2**20
             del restored
             # what restore(path) did before it mapped the file: the whole file read into memory, then restored from it
             def read_then_restore():
                 with open(path, "rb") as f:
-                    return _core.Session.from_bytes(core_model, f.read(), max_tokens=args.tokens + 64)
+                    return _core.Session.from_bytes(core_model, f.read(), max_tokens=n_ctx)
             restored, from_bytes = peak_during(read_then_restore)
             del restored
     print(f"host store of the restored session: {store:.0f} MiB")

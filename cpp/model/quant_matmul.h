@@ -44,11 +44,11 @@ ggml_tensor * quant_mul_mat(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x
 // F16 first), and one of several columns with llamafile's tinyBLAS, whose sums run in another order: a verify
 // step's rows then differed from plain decoding's (by up to ~0.9 in a SmolLM2 logit), and greedy near-ties
 // flipped. f16_mul_mat computes each output with exactly ggml_vec_dot_f16's operations (its AVX2 path: four 8-lane
-// FMA chains over 32 values at a time, the same reduction, the leftover in double; or its AVX-512 path: 16 lanes, 64), on the columns rounded as ggml
-// rounds them, three columns per pass over a row (long rows in chunks that stay in L1). Checked bit for bit
-// against ggml_mul_mat of one column once per process (the ggml variant loaded decides how its dot product
-// sums); f16_mul_mat_usable() is false where both differ (AVX512-FP16 variants sum in F16), where the CPU lacks
-// AVX2, FMA or F16C, or in mode 0.
+// FMA chains over 32 values at a time, the same reduction, the leftover in double; its AVX-512 path: 16 lanes over
+// 64), on the columns rounded as ggml rounds them, three columns per pass over a row (long rows in chunks that stay
+// in L1). Checked bit for bit against ggml_mul_mat of one column once per process (the ggml variant loaded decides
+// how its dot product sums); f16_mul_mat_usable() is false where neither matches (a ggml built with AVX512-FP16
+// sums in F16: native builds turn it off, CMakeLists.txt), where the CPU lacks AVX2, FMA or F16C, or in mode 0.
 bool f16_mul_mat_usable();
 
 // a: F16 [K, M, A] (rows contiguous along K, any other strides); b: F32 [K, N, B] (likewise), B a multiple of A

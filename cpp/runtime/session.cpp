@@ -626,7 +626,7 @@ SessionMemory Session::memory() const {
         dm.name = ggml_backend_name(b);
         dm.weight_bytes = model_->device_weight_bytes(d);
         dm.pool_bytes = kv_->device_bytes_on(b);
-        dm.ring_bytes = ring_ ? ring_->kv().device_bytes_on(b) : 0;
+        dm.ring_bytes = ring_ ? ring_->device_bytes_on(b) : 0;
         dm.recurrent_bytes = recurrent_ ? recurrent_->device_bytes_on(b) : 0;
         dm.compute_bytes = sched_device_bytes(*model_, sched_, d) + (b == model_->backend() ? mtp_compute_bytes() : 0);
         mem.devices.push_back(dm);
