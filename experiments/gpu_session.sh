@@ -25,7 +25,8 @@
 #                  filled (FIT_CTX, FIT_SLOTS)
 #     serve        kvflash bench serve on the 8B shape: aggregate decode tok/s of 1, 4, 8 streams (SERVE_STREAMS) at
 #                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto), beside the llama-server the build
-#                  phase installed (LLAMA_SERVER: another binary, or none: ours only)
+#                  phase installed (LLAMA_SERVER: another binary, or none: ours only); SERVE_FLAGS: more flags for
+#                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
@@ -186,8 +187,9 @@ for phase in "$@"; do
         need_model
         for ctx in ${SERVE_CONTEXTS:-4096 32768}; do
             python3 -m kvflash_ggml bench serve --model "$MODEL" --streams "${SERVE_STREAMS:-1,4,8}" --context "$ctx" \
-                --gen "${SERVE_GEN:-512}" --kvflash "${SERVE_POOL:-auto}" --ours-flags "--backend cuda" \
-                ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} --logs "$OUT/serve" --out "$OUT/serve-$ctx.json" 2>&1 | tee -a "$OUT/serve.log"
+                --gen "${SERVE_GEN:-512}" --kvflash "${SERVE_POOL:-auto}" --ours-flags "--backend cuda ${SERVE_FLAGS:-}" \
+                ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} --logs "$OUT/serve${SERVE_TAG:-}" \
+                --out "$OUT/serve${SERVE_TAG:-}-$ctx.json" 2>&1 | tee -a "$OUT/serve.log"
         done ;;
     spec)
         need_model

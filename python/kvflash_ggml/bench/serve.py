@@ -7,7 +7,9 @@
               stream's first token to the first stream's end). The same load then runs against llama-server
               `-np S -c S*ctx` (its prompt cache reuses a slot's prompt the same way): --llama-server BIN, or by
               default the one built from our tree (KVFLASH_LLAMA_SERVER=ON: installed in the package, or in a
-              build/*/bin folder here), if any; --llama-server none: ours only.
+              build/*/bin folder here), if any; --llama-server none: ours only. Each server's cost beside its
+              rate: its GPU peak (the driver's view, above what was in use before it started) and, ours, how
+              many of its tokens its batched forwards decoded (its /metrics).
   interference (--interference) S - 1 streams of --gen tokens decode (short prompts); once each has its
               first token, one --context-token prompt arrives on the last slot. The decoding streams' inter-token
               latency: its median over the run, and its p99 over the gaps that overlap the long prompt (from its
@@ -36,6 +38,7 @@ import numpy as np
 
 from ..known_models import resolve_model_path
 from ..testing.server_process import ServerProcess, free_port
+from .budget import PeakSampler, gpu_used_by_device
 from .reference import find_llama_server
 
 
@@ -123,6 +126,30 @@ def all_answered(name: str, results: list[dict]) -> list[dict]:
     return results
 
 
+def server_footprint(used_before: dict, peak: dict) -> Optional[int]:
+    """The server's device memory at its peak, the driver's view: the most any GPU had in use while it ran, above
+    what that GPU had in use before it started (None on a machine without GPUs)."""
+    return max((peak[d] - used_before.get(d, 0) for d in peak), default=None)
+
+
+def batched_share(url: str) -> dict:
+    """Our server's own count of the tokens its batched forwards decoded (its /metrics), read after the run: a
+    throughput figure says whether the slots' steps shared one forward or ran one by one."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith(("kvflash_batched_", "kvflash_generated_tokens_total"))}
+    return {"batched_steps": int(values.get("kvflash_batched_steps_total", 0)),
+            "batched_tokens": int(values.get("kvflash_batched_tokens_total", 0)),
+            "server_generated": int(values.get("kvflash_generated_tokens_total", 0))}
+
+
+def describe_cost(r: dict) -> str:
+    parts = [f"GPU peak {r['gpu_peak_bytes'] / 2**30:.2f} GiB"] if r.get("gpu_peak_bytes") is not None else []
+    if "batched_tokens" in r:
+        parts.append(f"{r['batched_tokens']} of {r['server_generated']} tokens in {r['batched_steps']} batched steps")
+    return f"; {', '.join(parts)}" if parts else ""
+
+
 def servers_to_run(args) -> list:
     """(name, start) of ours, then llama-server's when one runs beside it."""
     return [("kvflash", ours)] + ([("llama-server", llama_server)] if args.llama_server else [])
@@ -134,19 +161,22 @@ def throughput(args) -> dict:
         prompts = [prompt_ids(args.context, seed=i, n_vocab=n_vocab) for i in range(n_streams)]
         row = {"streams": n_streams, "context": args.context}
         for name, start in servers_to_run(args):
-            server = start(args, n_streams, Path(args.logs) / f"{name}-{n_streams}.log")
-            try:
-                all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
-                t0 = time.perf_counter()
-                all_answered(name, concurrent(server.url, prompts, 1))
-                fill_s = time.perf_counter() - t0
-                row[name] = {**aggregate_decode(all_answered(name, concurrent(server.url, prompts, args.gen))),
-                             "fill_s": fill_s}
-            finally:
-                server.stop()
+            used_before = gpu_used_by_device()
+            with PeakSampler(interval_s=0.02) as peak:
+                server = start(args, n_streams, Path(args.logs) / f"{name}-{n_streams}.log")
+                try:
+                    all_answered(name, [stream_completion(server.url, prompt_ids(64, 999, n_vocab), 4)])   # warm up
+                    t0 = time.perf_counter()
+                    all_answered(name, concurrent(server.url, prompts, 1))
+                    fill_s = time.perf_counter() - t0
+                    row[name] = {**aggregate_decode(all_answered(name, concurrent(server.url, prompts, args.gen))),
+                                 "fill_s": fill_s, **(batched_share(server.url) if name == "kvflash" else {})}
+                finally:
+                    server.stop()
+            row[name]["gpu_peak_bytes"] = server_footprint(used_before, peak.peak)
             print(f"{name:>12}  {n_streams} x {args.context}: {row[name]['tok_s'] or 0:.1f} tok/s aggregate decode "
                   f"(the {n_streams} prompts took {fill_s:.1f} s; then first tokens within "
-                  f"{row[name]['ttft_max_s']:.2f} s)", flush=True)
+                  f"{row[name]['ttft_max_s']:.2f} s){describe_cost(row[name])}", flush=True)
         if "llama-server" in row and row["llama-server"]["tok_s"] and row["kvflash"]["tok_s"]:
             row["ratio"] = row["kvflash"]["tok_s"] / row["llama-server"]["tok_s"]
             print(f"{'ratio':>12}  {row['ratio']:.2f}x", flush=True)
