@@ -40,6 +40,12 @@ def gpu_used_by_device() -> dict:
     return {d["name"]: d["memory_total"] - d["memory_free"] for d in _core.gpu_devices()}
 
 
+def above(before: dict, used: dict) -> Optional[int]:
+    """A process's own footprint: the most any device has in use (`used`) above what it had in use before the
+    process started (None where there is no device)."""
+    return max((n - before.get(name, 0) for name, n in used.items()), default=None)
+
+
 def gib(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
@@ -106,7 +112,7 @@ def watch(cmd: Sequence[str], budget: int, read: Reading = gpu_used_by_device,
         peak, over = 0, False
         while True:
             done = proc.poll() is not None
-            own = max((used - before.get(name, 0) for name, used in read().items()), default=0)
+            own = above(before, read()) or 0
             peak = max(peak, own)
             if own > budget and not done:
                 proc.kill()

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..known_models import resolve_model_path
 from ..testing.server_process import ServerProcess, free_port
-from .budget import PeakSampler, gpu_used_by_device
+from .budget import PeakSampler, above, gpu_used_by_device
 from .reference import find_llama_server
 
 
@@ -126,18 +126,12 @@ def all_answered(name: str, results: list[dict]) -> list[dict]:
     return results
 
 
-def server_footprint(used_before: dict, peak: dict) -> Optional[int]:
-    """The server's device memory at its peak, the driver's view: the most any GPU had in use while it ran, above
-    what that GPU had in use before it started (None on a machine without GPUs)."""
-    return max((peak[d] - used_before.get(d, 0) for d in peak), default=None)
-
-
-def batched_share(url: str) -> dict:
+def batched_counts(url: str) -> dict:
     """Our server's own count of the tokens its batched forwards decoded (its /metrics), read after the run: a
     throughput figure says whether the slots' steps shared one forward or ran one by one."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith(("kvflash_batched_", "kvflash_generated_tokens_total"))}
+    from prometheus_client.parser import text_string_to_metric_families
+    values = {s.name: s.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)
+              for s in family.samples}
     return {"batched_steps": int(values.get("kvflash_batched_steps_total", 0)),
             "batched_tokens": int(values.get("kvflash_batched_tokens_total", 0)),
             "server_generated": int(values.get("kvflash_generated_tokens_total", 0))}
@@ -170,10 +164,10 @@ def throughput(args) -> dict:
                     all_answered(name, concurrent(server.url, prompts, 1))
                     fill_s = time.perf_counter() - t0
                     row[name] = {**aggregate_decode(all_answered(name, concurrent(server.url, prompts, args.gen))),
-                                 "fill_s": fill_s, **(batched_share(server.url) if name == "kvflash" else {})}
+                                 "fill_s": fill_s, **(batched_counts(server.url) if name == "kvflash" else {})}
                 finally:
                     server.stop()
-            row[name]["gpu_peak_bytes"] = server_footprint(used_before, peak.peak)
+            row[name]["gpu_peak_bytes"] = above(used_before, peak.peak)
             print(f"{name:>12}  {n_streams} x {args.context}: {row[name]['tok_s'] or 0:.1f} tok/s aggregate decode "
                   f"(the {n_streams} prompts took {fill_s:.1f} s; then first tokens within "
                   f"{row[name]['ttft_max_s']:.2f} s){describe_cost(row[name])}", flush=True)
