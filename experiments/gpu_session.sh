@@ -27,6 +27,9 @@
 #                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto), beside the llama-server the build
 #                  phase installed (LLAMA_SERVER: another binary, or none: ours only); SERVE_FLAGS: more flags for
 #                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder
+#     serve-profile  experiments/serve_batching.py --profile on the GPU: where the server's decode time goes (the core's
+#                  calls vs the rest, the sessions' timers) for PROFILE_CONFIGS (default lru,quest), SERVE_STREAMS
+#                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096)
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
@@ -191,6 +194,11 @@ for phase in "$@"; do
                 ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} --logs "$OUT/serve${SERVE_TAG:-}" \
                 --out "$OUT/serve${SERVE_TAG:-}-$ctx.json" 2>&1 | tee -a "$OUT/serve.log"
         done ;;
+    serve-profile)
+        need_model
+        python3 experiments/serve_batching.py --model "$MODEL" --backend cuda --batched-only --profile \
+            --slots "${SERVE_STREAMS:-8}" --prompt "${SERVE_CONTEXTS:-32768}" --gen "${SERVE_GEN:-512}" \
+            --pool "${SERVE_POOL:-4096}" --configs "${PROFILE_CONFIGS:-lru,quest}" 2>&1 | tee -a "$OUT/serve-profile.log" ;;
     spec)
         need_model
         [ -f /tmp/l1b.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/l1b.gguf --shape llama3.2-1b --type q4_0 2>&1 | tee -a "$OUT/session.log"

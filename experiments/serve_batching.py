@@ -9,6 +9,10 @@ tokens of the two runs compared.
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model smollm2 --slots 4 --prompt 1024 --gen 160
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --configs lru,lru+prompt_lookup --prompt 448 --gen 320
 
+--profile: where the second send's time goes, per configuration: wall time inside the core calls the rounds make
+(BatchDecoder steps, a session's own steps, scoring, reselects, queries) and the sessions' own timers (compute,
+paging, scoring), summed over the slots. --backend cuda: on the GPU (--model a GGUF path).
+
 A prompt past the pool comes back as an exact prefill of its last token (one round a layer: 30 for SmolLM2), so the
 slots start decoding that many rounds apart; a speculating slot generates its tokens in few rounds, hence the
 speculation runs with a prompt the pool holds and more tokens to generate.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import time
 
 from kvflash_ggml import _core, resolve_model_path
@@ -28,6 +33,50 @@ CONFIGS = {"lru": ("lru", None), "qk": ("qk", None), "quest": ("quest", None),
            "lru+prompt_lookup": ("lru", SpeculativeConfig(draft="prompt_lookup"))}
 
 
+# The core calls a round makes, timed by --profile (class, method).
+PROFILED = [(_core.BatchDecoder, m) for m in ("step", "step_greedy", "step_rows")] + \
+           [(_core.Session, m) for m in ("forward", "forward_greedy", "chunk_scores", "reselect", "queries",
+                                         "prefill_exact", "begin_prefill_exact")]
+
+
+class CallTimes:
+    """Wall time and calls per profiled method while on; the methods are put back by off()."""
+
+    def __init__(self) -> None:
+        self.ms: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        self.saved = []
+
+    def on(self) -> None:
+        for cls, name in PROFILED:
+            orig = getattr(cls, name)
+            self.saved.append((cls, name, orig))
+
+            def timed(*a, _orig=orig, _key=f"{cls.__name__}.{name}", **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _orig(*a, **kw)
+                finally:
+                    self.ms[_key] += (time.perf_counter() - t0) * 1e3
+                    self.calls[_key] += 1
+            setattr(cls, name, timed)
+
+    def off(self) -> None:
+        for cls, name, orig in self.saved:
+            setattr(cls, name, orig)
+        self.saved.clear()
+
+
+def session_timers(engines) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for e in engines:
+        t = e.session.timings
+        c.update({"t_compute_ms": t.t_compute_ms, "t_paging_ms": t.t_paging_ms, "t_scoring_ms": t.t_scoring_ms,
+                  "n_computes": t.n_computes, "n_graph_builds": t.n_graph_builds,
+                  "policy_ms": getattr(e, "_t_policy_ms", 0.0)})
+    return c
+
+
 def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list[list[int]], int]:
     pool = PoolConfig(n_ctx=args.prompt + args.gen + 256, pool_tokens=args.pool)
     engines = slot_engines(args.slots, model, tok, pool, ResidencyConfig(policy=policy, prefill="exact"),
@@ -35,7 +84,7 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
     sched = Scheduler(engines, max_queue=args.slots, batch=batch)
     # a text that repeats (prompt lookup finds drafts), different per slot
     texts = [f"Entry {i}: the ledger lists {i} sacks of grain, then " * 400 for i in range(args.slots)]
-    prompts = [tok.encode(t)[:args.prompt] for t in texts]
+    prompts = [(ids * (args.prompt // len(ids) + 1))[:args.prompt] for ids in map(tok.encode, texts)]
     stamps: list[list[float]] = [[] for _ in prompts]
 
     async def drain(i, r):
@@ -56,7 +105,21 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
         await send(1)   # each slot computes its prompt once (as bench serve fills its slots) ...
         for s in stamps:
             s.clear()
-        return await send(args.gen)   # ... and holds it when the same prompt comes back: every slot decodes at once
+        if not args.profile:
+            return await send(args.gen)   # ... and holds it when the same prompt comes back: every slot decodes at once
+        calls, before = CallTimes(), session_timers(engines)
+        calls.on()
+        t0 = time.perf_counter()
+        try:
+            return await send(args.gen)
+        finally:
+            calls.off()
+            wall = (time.perf_counter() - t0) * 1e3
+            timers = session_timers(engines)
+            timers.subtract(before)
+            print(f"  {policy} {'batched' if batch else 'alone'}: second send {wall:.0f} ms; " +
+                  ", ".join(f"{k} {calls.ms[k]:.0f} ms / {calls.calls[k]}" for k in sorted(calls.ms)) + "; sessions: " +
+                  ", ".join(f"{k} {v:.0f}" for k, v in timers.items()), flush=True)
 
     try:
         records = asyncio.run(main())
@@ -80,9 +143,12 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--profile", action="store_true", help="where the second send's time goes (see above)")
+    ap.add_argument("--batched-only", action="store_true", help="skip the slot-by-slot runs")
     args = ap.parse_args()
     path = resolve_model_path(args.model)
-    model = _core.Model(path, backend="cpu", n_threads=args.threads)
+    model = _core.Model(path, backend=args.backend, n_threads=args.threads)
     tok = Tokenizer(path)
     print(f"{args.slots} slots, prompts of {args.prompt} tokens, {args.gen} generated, pool {args.pool}, "
           f"{args.threads} threads")
@@ -90,8 +156,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---|")
     for name in args.configs.split(","):
         policy, spec = CONFIGS[name]
-        alone, tok_a, _ = run(model, tok, args, policy, spec, batch=False)
         batched, tok_b, n_batched = run(model, tok, args, policy, spec, batch=True)
+        if args.batched_only:
+            print(f"| {name} | {batched:.1f} | - | - | {n_batched} | - |", flush=True)
+            continue
+        alone, tok_a, _ = run(model, tok, args, policy, spec, batch=False)
         print(f"| {name} | {batched:.1f} | {alone:.1f} | {batched / alone:.2f}x | {n_batched} | "
               f"{'yes' if tok_a == tok_b else 'no'} |", flush=True)
 

@@ -3,6 +3,8 @@ forward would have left it: the same greedy tokens and logits, the same tokens h
 References are the same sessions stepped alone (which the CPU and CUDA tests compare with libllama)."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -351,6 +353,7 @@ def test_hybrid_sessions_step_batched_as_alone(tmp_path, shape, weight_type, att
     decoder = _core.BatchDecoder(model)
     assert all(decoder.ineligible(s) is None for s in batched)
     tok = step_both(alone, batched, decoder, tok, 100)
+    assert decoder.delta_rule_calls == (1 if arena else 4)   # an arena's four lanes: one run
     assert batched[0].pager.stats().page_outs > 0   # the steps paged
     for a, b in zip(states(alone), states(batched)):
         np.testing.assert_allclose(b, a, rtol=0, atol=STATE_TOL[weight_type])
@@ -360,6 +363,32 @@ def test_hybrid_sessions_step_batched_as_alone(tmp_path, shape, weight_type, att
     np.testing.assert_allclose(decoder.step(batched, tok), logits_a, rtol=0, atol=2e-3)
     for s in batched:
         s.pager.check_invariants()
+
+
+def test_hybrid_lanes_apart_and_taken_again_step_as_alone(tmp_path):
+    """The recurrent state lives in its pool's arena lane: a lane given back and taken again starts from zero state,
+    and sessions whose lanes do not follow one another (lanes 0, 1 and 3: two runs) step as they do alone."""
+    model = hybrid_model(tmp_path, "tiny-qwen35", "q8_0")
+    arena = _core.PoolArena(4)
+    ps = prompts(model.hparams.n_vocab, [120, 60, 200, 90], seed=5)
+    batched = [session(model, 448, "flash", arena) for _ in range(4)]
+    for s, p in zip(batched, ps):
+        s.forward_greedy(p, 0)
+    assert arena.device_bytes == sum(s.memory()["pool_bytes"] + s.memory()["recurrent_bytes"] for s in batched)
+    del batched[2]   # lane 2 back to the arena, its state as that session left it
+    gc.collect()
+    again = session(model, 448, "flash", arena)
+    assert again.arena_lane == 2 and not np.any(np.frombuffer(again.recurrent_state(), np.float32))
+    del again
+    gc.collect()
+    batched = [batched[0], batched[1], batched[2]]   # lanes 0, 1, 3
+    assert [s.arena_lane for s in batched] == [0, 1, 3]
+    alone = [session(model, 448, "flash") for _ in range(3)]
+    tok = [s.forward_greedy(p, 0) for s, p in zip(alone, [ps[0], ps[1], ps[3]])]
+    decoder = _core.BatchDecoder(model)
+    tok = step_both(alone, batched, decoder, tok, 40)
+    assert decoder.delta_rule_calls == 2   # lanes 0-1, then 3
+    assert [s.recurrent_state() for s in alone] == [s.recurrent_state() for s in batched]
 
 
 def test_a_failed_hybrid_step_changes_no_state(tmp_path):

@@ -483,8 +483,9 @@ def test_batched_decode_on_cuda_equals_steps_alone(model_path, variant, arena):
     greedy_a = [s.forward_greedy(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)]
     greedy_b = decoder.step_greedy(batched, tok)
     report(f"CUDA-BATCH {variant} arena={arena}: greedy alone {greedy_a} batched {greedy_b}, "
-           f"{decoder.attention_calls} attention calls per layer")
+           f"{decoder.attention_calls} attention calls per layer, {decoder.delta_rule_calls} delta-rule calls")
     assert decoder.attention_calls == (1 if arena else 3)
+    assert decoder.delta_rule_calls == ((1 if arena else 3) if variant.startswith("qwen35") else 0)
 
 
 # The MTP head (qwen35's nextn layer) on the GPU: head 64 for the attention (flash on CUDA), delta-net head 32.

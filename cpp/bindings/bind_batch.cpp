@@ -65,6 +65,9 @@ void register_batch(py::module_ & m) {
         .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
                                "attention calls per layer in the last step: one per run of consecutive arena lanes, "
                                "else one per session")
+        .def_property_readonly("delta_rule_calls", &BatchDecoder::delta_rule_calls,
+                               "conv + delta-rule calls per linear-attention layer in the last step: one per run of "
+                               "consecutive arena lanes, else one per session (0: no such layers)")
         .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
                                "device bytes of the batched step graphs' compute buffer");
 }

@@ -251,8 +251,8 @@ void register_session(py::module_ & m, py::module_ & testing) {
     session
         .def(py::init<std::shared_ptr<Model>, const SessionConfig &, std::shared_ptr<PoolArena>>(), py::arg("model"),
              py::arg("config"), py::arg("arena") = nullptr, py::keep_alive<1, 2>(),
-             "arena: keep the pool in a lane of this PoolArena (batched decode steps of its sessions attend all "
-             "their pools at once)")
+             "arena: keep the pool (and a hybrid's linear-attention state) in a lane of this PoolArena (batched "
+             "decode steps of its sessions attend all their pools, and run all their states, at once)")
         .def_property_readonly("arena_lane", [](const Session & s) {
                  const SessionLock held = s.lock(false);
                  return s.kv().arena() ? s.kv().lane() : -1;

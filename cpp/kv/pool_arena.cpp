@@ -82,9 +82,49 @@ int64_t PoolArena::lanes_free() const {
 }
 
 int64_t PoolArena::device_bytes() const {
-    int64_t n = 0;
+    int64_t n = recurrent_bufs_ ? recurrent_bufs_->bytes() : 0;
     for (size_t il = 0; il < k_.size(); ++il) n += (int64_t) (ggml_nbytes(k_[il]) + ggml_nbytes(v_[il]));
     return n;
+}
+
+void PoolArena::reserve_recurrent(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const LayerBackends on = per_layer(backends, n_layer);
+    if (recurrent_bufs_) {
+        if (on != recurrent_backends_ || n_layer != (int64_t) conv_.size() || conv_elems != conv_[0]->ne[0] ||
+            ssm_elems != ssm_[0]->ne[0]) {
+            throw std::invalid_argument("a session joining a pool arena must have the recurrent state of the sessions "
+                                        "already in it (" + std::to_string(conv_.size()) + " layers of " +
+                                        std::to_string(conv_[0]->ne[0]) + " + " + std::to_string(ssm_[0]->ne[0]) +
+                                        " values), got " + std::to_string(n_layer) + " of " +
+                                        std::to_string(conv_elems) + " + " + std::to_string(ssm_elems));
+        }
+        return;
+    }
+    auto bufs = std::make_unique<BackendBuffers>((size_t) (2 * n_layer));
+    std::vector<ggml_tensor *> conv, ssm;
+    for (int64_t l = 0; l < n_layer; ++l) {
+        ggml_context * c = bufs->ctx(on[(size_t) l]);
+        conv.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F32, conv_elems, n_lanes_));
+        ssm.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F32, ssm_elems, n_lanes_));
+        ggml_format_name(conv.back(), "arena_conv_%d", (int) l);
+        ggml_format_name(ssm.back(), "arena_ssm_%d", (int) l);
+    }
+    bufs->allocate("the recurrent state of " + std::to_string(n_lanes_) + " sessions");   // throws: nothing is kept
+    recurrent_bufs_ = std::move(bufs);
+    conv_ = std::move(conv);
+    ssm_ = std::move(ssm);
+    recurrent_backends_ = on;
+}
+
+ggml_tensor * PoolArena::lane_conv(ggml_context * ctx, int64_t l, int64_t lane) const {
+    ggml_tensor * t = conv_[l];
+    return bind(ggml_view_1d(ctx, t, t->ne[0], (size_t) lane * t->nb[1]));
+}
+
+ggml_tensor * PoolArena::lane_ssm(ggml_context * ctx, int64_t l, int64_t lane) const {
+    ggml_tensor * t = ssm_[l];
+    return bind(ggml_view_1d(ctx, t, t->ne[0], (size_t) lane * t->nb[1]));
 }
 
 ggml_tensor * PoolArena::lane_k(ggml_context * ctx, int64_t il, int64_t lane) const {

@@ -7,6 +7,11 @@
 // sequence dimension (ne[3]), as llama.cpp's multi-stream KV cache does. Eight sessions each calling their
 // own set_rows and flash attention per layer made a step ~4x slower than one session's (H100, 8B, 32K).
 //
+// A hybrid model's sessions keep their linear-attention state here too, in the lane of their pool: per recurrent
+// layer, conv [conv_elems, n_lanes] and ssm [ssm_elems, n_lanes]. A session's RecurrentState views its lane; a
+// batched decode runs one conv and one delta rule per run of lanes instead of one per session (each session's
+// own ops made the Qwen3.5-27B shape's 8-lane step ~4,200 kernels: R106).
+//
 // The first session to join fixes the per-lane layout (sessions compute it from their config and the
 // attention path) and allocates the arena; every later one must bring the same layout. A lane is held
 // until its PooledKV goes away, and is zeroed when taken again.
@@ -44,7 +49,16 @@ public:
     const KvLayout & layout() const { return layout_; }   // one lane's (valid once allocated)
     ggml_tensor * k(int64_t il) const { return k_[il]; }   // [n_embd_k, pool_tokens * n_lanes]
     ggml_tensor * v(int64_t il) const { return v_[il]; }   // [n_embd_v, pool_tokens * n_lanes] or [pool_tokens, n_embd_v * n_lanes]
-    int64_t device_bytes() const;
+    int64_t device_bytes() const;   // the pools' and the recurrent state's
+
+    // Room for each lane's linear-attention state: n_layer layers, layer l on backends[l] (allocated on the first
+    // call; later calls must bring the same sizes and backends: std::invalid_argument otherwise).
+    void reserve_recurrent(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems);
+    ggml_tensor * conv(int64_t l) const { return conv_[l]; }   // F32 [conv_elems, n_lanes]
+    ggml_tensor * ssm(int64_t l) const { return ssm_[l]; }     // F32 [ssm_elems, n_lanes]
+    // Lane `lane` of layer l's conv or recurrent state, F32 [conv_elems] / [ssm_elems], made in ctx and bound.
+    ggml_tensor * lane_conv(ggml_context * ctx, int64_t l, int64_t lane) const;
+    ggml_tensor * lane_ssm(ggml_context * ctx, int64_t l, int64_t lane) const;
 
     // Lane `lane` of layer il's K or V, shaped as a PooledKV's own tensors; made in ctx (no_alloc) and
     // bound to the arena's memory.
@@ -61,6 +75,9 @@ private:
     LayerBackends backends_;
     std::unique_ptr<BackendBuffers> bufs_;
     std::vector<ggml_tensor *> k_, v_;
+    LayerBackends recurrent_backends_;
+    std::unique_ptr<BackendBuffers> recurrent_bufs_;
+    std::vector<ggml_tensor *> conv_, ssm_;
 };
 
 }  // namespace kvf

@@ -1,6 +1,7 @@
 #include "kv/recurrent_state.h"
 
 #include "common/byte_io.h"
+#include "kv/pool_arena.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -11,9 +12,7 @@ namespace kvf {
 RecurrentState::RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
                                int64_t carry_elems, ggml_backend_t carry_backend)
     : bufs_((size_t) (2 * n_layer + 1)), conv_elems_(conv_elems), ssm_elems_(ssm_elems), carry_elems_(carry_elems) {
-    if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0 || carry_elems < 0) {
-        throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
-    }
+    check_sizes(n_layer, conv_elems, ssm_elems, carry_elems);
     const LayerBackends on = per_layer(backends, n_layer);
     for (int64_t l = 0; l < n_layer; ++l) {
         ggml_context * c = bufs_.ctx(on[(size_t) l]);
@@ -23,23 +22,65 @@ RecurrentState::RecurrentState(const LayerBackends & backends, int64_t n_layer, 
         ggml_format_name(ssm_.back(), "ssm_state.%d", (int) l);
         backend_of_.insert(backend_of_.end(), 2, on[(size_t) l]);
     }
-    if (carry_elems > 0) {
-        if (!carry_backend) carry_backend = on.back();
-        carry_ = ggml_new_tensor_1d(bufs_.ctx(carry_backend), GGML_TYPE_F32, carry_elems);
-        ggml_set_name(carry_, "mtp_carry");
-        backend_of_.push_back(carry_backend);
-    }
+    make_carry(on, carry_elems, carry_backend);
     bufs_.allocate("the recurrent state (" + std::to_string(n_layer) + " layers of " +
                    std::to_string((conv_elems + ssm_elems) * 4) + " bytes)");
     clear();
 }
 
-RecurrentState::~RecurrentState() = default;
+RecurrentState::RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
+                               int64_t carry_elems, ggml_backend_t carry_backend, std::shared_ptr<PoolArena> arena,
+                               int64_t lane)
+    : bufs_(1), arena_(std::move(arena)), lane_(lane), conv_elems_(conv_elems), ssm_elems_(ssm_elems),
+      carry_elems_(carry_elems) {
+    check_sizes(n_layer, conv_elems, ssm_elems, carry_elems);
+    if (!arena_ || lane < 0 || lane >= arena_->n_lanes()) throw std::invalid_argument("RecurrentState: no arena lane given");
+    const LayerBackends on = per_layer(backends, n_layer);
+    arena_->reserve_recurrent(on, n_layer, conv_elems, ssm_elems);
+    view_ctx_ = ggml_init({ggml_tensor_overhead() * (size_t) (2 * n_layer), nullptr, true});
+    for (int64_t l = 0; l < n_layer; ++l) {
+        conv_.push_back(arena_->lane_conv(view_ctx_, l, lane));
+        ssm_.push_back(arena_->lane_ssm(view_ctx_, l, lane));
+        backend_of_.insert(backend_of_.end(), 2, on[(size_t) l]);
+    }
+    make_carry(on, carry_elems, carry_backend);
+    bufs_.allocate("the multi-token-prediction head's carry");
+    clear();   // a lane an earlier session held keeps its bytes
+}
 
-int64_t RecurrentState::device_bytes() const { return bufs_.bytes() + (stash_bufs_ ? stash_bufs_->bytes() : 0); }
+void RecurrentState::check_sizes(int64_t n_layer, int64_t conv_elems, int64_t ssm_elems, int64_t carry_elems) {
+    if (n_layer <= 0 || conv_elems <= 0 || ssm_elems <= 0 || carry_elems < 0) {
+        throw std::invalid_argument("RecurrentState needs positive layer count and state sizes");
+    }
+}
+
+void RecurrentState::make_carry(const LayerBackends & on, int64_t carry_elems, ggml_backend_t carry_backend) {
+    if (carry_elems <= 0) return;
+    if (!carry_backend) carry_backend = on.back();
+    carry_ = ggml_new_tensor_1d(bufs_.ctx(carry_backend), GGML_TYPE_F32, carry_elems);
+    ggml_set_name(carry_, "mtp_carry");
+    backend_of_.push_back(carry_backend);
+}
+
+RecurrentState::~RecurrentState() {
+    if (view_ctx_) ggml_free(view_ctx_);
+}
+
+int64_t RecurrentState::lane_bytes_on(ggml_backend_t backend) const {
+    if (!arena_) return 0;
+    int64_t n = 0;
+    for (size_t i = 0; i < 2 * conv_.size(); ++i) {
+        if (!backend || backend_of_[i] == backend) n += (int64_t) ggml_nbytes(i % 2 ? ssm_[i / 2] : conv_[i / 2]);
+    }
+    return n;
+}
+
+int64_t RecurrentState::device_bytes() const {
+    return lane_bytes_on(nullptr) + bufs_.bytes() + (stash_bufs_ ? stash_bufs_->bytes() : 0);
+}
 
 int64_t RecurrentState::device_bytes_on(ggml_backend_t backend) const {
-    return bufs_.bytes_on(backend) + (stash_bufs_ ? stash_bufs_->bytes_on(backend) : 0);
+    return lane_bytes_on(backend) + bufs_.bytes_on(backend) + (stash_bufs_ ? stash_bufs_->bytes_on(backend) : 0);
 }
 
 std::vector<ggml_tensor *> RecurrentState::tensors() const {
@@ -116,6 +157,9 @@ void RecurrentState::truncate(int64_t n) {
 
 void RecurrentState::clear() {
     bufs_.clear();
+    if (arena_) for (size_t l = 0; l < conv_.size(); ++l) {
+        for (ggml_tensor * t : {conv_[l], ssm_[l]}) ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
+    }
     n_tokens_ = 0;
     checkpoints_.clear();
     stash_n_ = -1;

@@ -33,6 +33,7 @@ namespace kvf {
 
 class ByteReader;
 class ByteWriter;
+class PoolArena;
 
 class RecurrentState : public ContextMemory {
 public:
@@ -41,6 +42,10 @@ public:
     // n_embd), on carry_backend (nullptr: the last layer's).
     RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
                    int64_t carry_elems = 0, ggml_backend_t carry_backend = nullptr);
+    // The same, the layers' state in lane `lane` of `arena` (the lane of the session's pool; kv/pool_arena.h), zeroed;
+    // the carry, the checkpoints and the stash stay the session's own.
+    RecurrentState(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems,
+                   int64_t carry_elems, ggml_backend_t carry_backend, std::shared_ptr<PoolArena> arena, int64_t lane);
     ~RecurrentState();
     RecurrentState(const RecurrentState &) = delete;
     RecurrentState & operator=(const RecurrentState &) = delete;
@@ -49,6 +54,8 @@ public:
     ggml_tensor * ssm(int64_t l) const { return ssm_[(size_t) l]; }     // F32 [ssm_elems]
     ggml_tensor * mtp_carry() const { return carry_; }                  // F32 [carry_elems] (nullptr: none)
     int64_t n_layer() const { return (int64_t) conv_.size(); }
+    const PoolArena * arena() const { return arena_.get(); }   // nullptr: the state has memory of its own
+    int64_t lane() const { return lane_; }                       // its lane in arena() (-1: none)
     int64_t n_tokens() const override { return n_tokens_; }
     int64_t device_bytes() const override;
     int64_t device_bytes_on(ggml_backend_t backend) const override;
@@ -93,8 +100,14 @@ public:
 
 private:
     size_t total_bytes() const;
+    static void check_sizes(int64_t n_layer, int64_t conv_elems, int64_t ssm_elems, int64_t carry_elems);
+    void make_carry(const LayerBackends & on, int64_t carry_elems, ggml_backend_t carry_backend);
+    int64_t lane_bytes_on(ggml_backend_t backend) const;   // of the arena lane's views (nullptr: on every backend)
 
-    BackendBuffers bufs_;
+    BackendBuffers bufs_;                   // every tensor, or (in an arena) the carry only
+    std::shared_ptr<PoolArena> arena_;
+    int64_t lane_ = -1;
+    ggml_context * view_ctx_ = nullptr;     // the lane views (in an arena)
     std::vector<ggml_backend_t> backend_of_;   // each tensor of tensors()'s
     std::vector<ggml_tensor *> conv_, ssm_;
     ggml_tensor * carry_ = nullptr;

@@ -114,6 +114,12 @@ struct GraphCtx {
         int64_t n_kv = 0;
         std::vector<LaneRun> runs;
     } arena;
+    // A batched decode whose sessions all keep their linear-attention state in one arena too (lane_recurrent then
+    // stays empty): one conv and one delta rule per run of lanes that follow one another, the lanes as sequences.
+    struct RecurrentBatch {
+        const PoolArena * arena = nullptr;
+        std::vector<LaneRun> runs;
+    } recurrent_arena;
 
     // Where layer il keeps its K/V (or, without K/V of its own, reads its source layer's): the pool (global
     // layers) or the ring (sliding-window layers). Only pooled layers are paged and scored, so only they keep

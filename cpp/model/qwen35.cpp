@@ -16,6 +16,7 @@
 // block like the trunk's (its FFN the family's: dense or experts), loaded only for a session that drafts with it.
 #include "model/graph.h"
 #include "model/gguf_meta.h"
+#include "kv/pool_arena.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -183,45 +184,56 @@ struct DeltaInputs {
     ggml_tensor * beta;    // [1, Hv, n, 1]: write strength
 };
 
-// The causal conv and the gated delta rule for tokens [t0, t0 + n) of the step, all of one sequence, over layer l of
-// that sequence's state `rs`, which they read and overwrite in place: the output [Dv, Hv, n, 1].
-ggml_tensor * delta_rule(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, const RecurrentState & rs,
-                         int64_t l, const DeltaInputs & in, int64_t t0, int64_t n) {
+// The causal conv and the gated delta rule for tokens [t0, t0 + n_t * n_s) of the step: n_s sequences of n_t tokens
+// each, whose states conv_state [K - 1, channels, n_s] and state [Dv, Dv, Hv, n_s] they read and overwrite in place
+// (one session's own, or a run of an arena's lanes). The output: [Dv, Hv, n_t * n_s, 1].
+ggml_tensor * delta_rule(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * conv_state,
+                         ggml_tensor * state, const DeltaInputs & in, int64_t t0, int64_t n_t, int64_t n_s) {
     ggml_context * ctx = g.ctx;
     const int64_t S = hp.ssm_d_state, Hk = hp.ssm_n_group, Hv = hp.ssm_dt_rank, Dv = hp.ssm_head_v();
     const int64_t channels = hp.ssm_conv_channels(), key_dim = S * Hk, K = hp.ssm_d_conv;
-    ggml_tensor * conv_state = ggml_reshape_2d(ctx, rs.conv(l), K - 1, channels);
-    ggml_tensor * state = ggml_reshape_4d(ctx, rs.ssm(l), Dv, Dv, Hv, 1);
-    ggml_tensor * qkv = ggml_view_2d(ctx, in.qkv, channels, n, in.qkv->nb[1], t0 * in.qkv->nb[1]);
-    auto tokens = [&](ggml_tensor * x) {   // [1, Hv, n, 1] of the step's [1, Hv, n_tokens, 1]
-        return ggml_view_4d(ctx, x, 1, Hv, n, 1, x->nb[1], x->nb[2], n * x->nb[2], t0 * x->nb[2]);
+    ggml_tensor * qkv = ggml_view_3d(ctx, in.qkv, channels, n_t, n_s, in.qkv->nb[1], n_t * in.qkv->nb[1],
+                                     t0 * in.qkv->nb[1]);
+    auto tokens = [&](ggml_tensor * x) {   // [1, Hv, n_t, n_s] of the step's [1, Hv, n_tokens, 1]
+        return ggml_view_4d(ctx, x, 1, Hv, n_t, n_s, x->nb[1], x->nb[2], n_t * x->nb[2], t0 * x->nb[2]);
     };
 
     // The causal conv sees the kept inputs, then the step's; its last K - 1 inputs are kept for the next step.
-    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);   // [K - 1 + n, channels]
-    ggml_tensor * keep = ggml_view_2d(ctx, conv_in, K - 1, channels, conv_in->nb[1], n * ggml_element_size(conv_in));
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_permute(ctx, qkv, 1, 0, 2, 3), 0);   // [K - 1 + n_t, channels, n_s]
+    ggml_tensor * keep = ggml_view_3d(ctx, conv_in, K - 1, channels, n_s, conv_in->nb[1], conv_in->nb[2],
+                                      n_t * ggml_element_size(conv_in));
     ggml_build_forward_expand(g.gf, ggml_cpy(ctx, keep, conv_state));
-    ggml_tensor * conv = ggml_silu(ctx, ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, K - 1 + n, channels, 1), w.ssm_conv1d));
+    ggml_tensor * conv = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, w.ssm_conv1d));   // [channels, n_t, n_s]
 
-    const size_t f = ggml_element_size(conv);   // conv: [channels, n, 1]; q, k, v are its channel ranges
-    ggml_tensor * q = ggml_view_4d(ctx, conv, S, Hk, n, 1, S * f, conv->nb[1], conv->nb[1] * n, 0);
-    ggml_tensor * k = ggml_view_4d(ctx, conv, S, Hk, n, 1, S * f, conv->nb[1], conv->nb[1] * n, key_dim * f);
-    ggml_tensor * v = ggml_view_4d(ctx, conv, Dv, Hv, n, 1, Dv * f, conv->nb[1], conv->nb[1] * n, 2 * key_dim * f);
+    const size_t f = ggml_element_size(conv);   // q, k, v are the conv's channel ranges
+    ggml_tensor * q = ggml_view_4d(ctx, conv, S, Hk, n_t, n_s, S * f, conv->nb[1], conv->nb[2], 0);
+    ggml_tensor * k = ggml_view_4d(ctx, conv, S, Hk, n_t, n_s, S * f, conv->nb[1], conv->nb[2], key_dim * f);
+    ggml_tensor * v = ggml_view_4d(ctx, conv, Dv, Hv, n_t, n_s, Dv * f, conv->nb[1], conv->nb[2], 2 * key_dim * f);
     q = l2_norm(ctx, q, hp.rms_eps);
     k = l2_norm(ctx, k, hp.rms_eps);
 
-    // Output [Dv, Hv, n] followed by the final state; the state goes back where it came from.
+    // Output [Dv, Hv, n_t, n_s] followed by the final states; the states go back where they came from.
     ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, tokens(in.decay), tokens(in.beta), state, 1);
     const size_t rf = ggml_element_size(res);
+    const int64_t n = n_t * n_s;
     ggml_tensor * out = ggml_view_4d(ctx, res, Dv, Hv, n, 1, Dv * rf, Dv * Hv * rf, Dv * Hv * n * rf, 0);
-    ggml_tensor * next = ggml_view_4d(ctx, res, Dv, Dv, Hv, 1, Dv * rf, Dv * Dv * rf, Dv * Dv * Hv * rf, Dv * Hv * n * rf);
+    ggml_tensor * next = ggml_view_4d(ctx, res, Dv, Dv, Hv, n_s, Dv * rf, Dv * Dv * rf, Dv * Dv * Hv * rf, Dv * Hv * n * rf);
     ggml_build_forward_expand(g.gf, ggml_cpy(ctx, next, state));
     return out;
 }
 
-// The projections read the weights once for the step's tokens; a batched decode (g.lane_recurrent: one token per
-// session) then runs each token's conv and delta rule over its own session's state, exactly the ops that session's
-// own one-token step runs, and the outputs go through the gate and ssm_out together again.
+// Layer l's state in `rs` (one session's), shaped for delta_rule.
+ggml_tensor * conv_state_of(ggml_context * ctx, const ModelHparams & hp, const RecurrentState & rs, int64_t l) {
+    return ggml_reshape_3d(ctx, rs.conv(l), hp.ssm_d_conv - 1, hp.ssm_conv_channels(), 1);
+}
+ggml_tensor * ssm_state_of(ggml_context * ctx, const ModelHparams & hp, const RecurrentState & rs, int64_t l) {
+    return ggml_reshape_4d(ctx, rs.ssm(l), hp.ssm_head_v(), hp.ssm_head_v(), hp.ssm_dt_rank, 1);
+}
+
+// The projections read the weights once for the step's tokens, whichever sequences they belong to; the conv and the
+// delta rule then run over one session's state (a step of one session), over each run of an arena's lanes (a batched
+// decode: g.recurrent_arena), or token by token over each session's own state (g.lane_recurrent); the outputs go
+// through the gate and ssm_out together again.
 ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
@@ -237,13 +249,25 @@ ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tenso
     in.decay = ggml_reshape_4d(ctx, ggml_mul(ctx, decay, w.ssm_a), 1, Hv, n, 1);
 
     ggml_tensor * out = nullptr;   // [Dv, Hv, n, 1]
-    if (g.lane_recurrent.empty()) {
-        out = delta_rule(g, hp, w, *g.recurrent, l, in, 0, n);
-    } else {
-        for (int64_t t = 0; t < n; ++t) {
-            ggml_tensor * o = delta_rule(g, hp, w, *g.lane_recurrent[(size_t) t], l, in, t, 1);
-            out = out ? ggml_concat(ctx, out, o, 2) : o;
+    auto append = [&](ggml_tensor * o) { out = out ? ggml_concat(ctx, out, o, 2) : o; };
+    if (const PoolArena * arena = g.recurrent_arena.arena) {
+        const int64_t K = hp.ssm_d_conv, channels = hp.ssm_conv_channels();
+        for (const GraphCtx::LaneRun & r : g.recurrent_arena.runs) {
+            ggml_tensor * cs = arena->conv(l), * ss = arena->ssm(l);   // [elems, n_lanes]
+            ggml_tensor * conv_state = ggml_view_3d(ctx, cs, K - 1, channels, r.n, (K - 1) * cs->nb[0], cs->nb[1],
+                                                    r.lane * cs->nb[1]);
+            ggml_tensor * state = ggml_view_4d(ctx, ss, Dv, Dv, Hv, r.n, Dv * ss->nb[0], Dv * Dv * ss->nb[0], ss->nb[1],
+                                               r.lane * ss->nb[1]);
+            append(delta_rule(g, hp, w, conv_state, state, in, r.token, 1, r.n));
         }
+    } else if (!g.lane_recurrent.empty()) {
+        for (int64_t t = 0; t < n; ++t) {
+            const RecurrentState & rs = *g.lane_recurrent[(size_t) t];
+            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs, l), ssm_state_of(ctx, hp, rs, l), in, t, 1, 1));
+        }
+    } else {
+        const RecurrentState & rs = *g.recurrent;
+        append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs, l), ssm_state_of(ctx, hp, rs, l), in, 0, n, 1));
     }
     ggml_tensor * gated = ggml_mul(ctx, rms_norm(g, out, w.ssm_norm, hp.rms_eps),
                                    ggml_silu(ctx, ggml_reshape_4d(ctx, z, Dv, Hv, n, 1)));

@@ -28,6 +28,22 @@ int64_t widest(const std::vector<Session::PlacedStep> & placed) {
     return n_kv;
 }
 
+// Runs of one session per lane whose lanes follow one another (the sessions come sorted by lane): session
+// i's token is run r's token i - r.token.
+template <typename LaneOf>
+std::vector<GraphCtx::LaneRun> lane_runs(const std::vector<Session *> & sessions, LaneOf lane_of) {
+    std::vector<GraphCtx::LaneRun> runs;
+    for (int64_t i = 0; i < (int64_t) sessions.size(); ++i) {
+        const int64_t lane = lane_of(*sessions[i]);
+        if (!runs.empty() && runs.back().lane + runs.back().n == lane) {
+            runs.back().n++;
+        } else {
+            runs.push_back({i, lane, 1});
+        }
+    }
+    return runs;
+}
+
 }  // namespace
 
 size_t BatchDecoder::graph_nodes(const Session & s) {
@@ -68,6 +84,15 @@ const PoolArena * BatchDecoder::shared_arena(const std::vector<Session *> & sess
     return arena;
 }
 
+const PoolArena * BatchDecoder::shared_recurrent_arena(const std::vector<Session *> & sessions) {
+    const RecurrentState * first = sessions.front()->recurrent();
+    const PoolArena * arena = first ? first->arena() : nullptr;
+    for (const Session * s : sessions) {
+        if (!arena || s->recurrent()->arena() != arena) return nullptr;
+    }
+    return arena;
+}
+
 int64_t BatchDecoder::compute_bytes() const {
     if (!sched_) return 0;
     return sched_device_bytes(*model_, sched_);
@@ -98,7 +123,11 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
-    for (int64_t i = 0; i < n && first.recurrent(); ++i) g.lane_recurrent.push_back(sessions[i]->recurrent());
+    if (const PoolArena * arena = shared_recurrent_arena(sessions)) {
+        g.recurrent_arena = {arena, lane_runs(sessions, [](const Session & s) { return s.recurrent()->lane(); })};
+    } else {
+        for (int64_t i = 0; i < n && first.recurrent(); ++i) g.lane_recurrent.push_back(sessions[i]->recurrent());
+    }
     for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
         const int64_t ni = (int64_t) rows[i].size();
@@ -110,14 +139,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
         b.arena = arena;
         b.n_kv = widest(placed);
         b.in = kv_step_inputs_new(g.ctx, arena->layout(), n, b.n_kv, false);
-        for (int64_t i = 0; i < n; ++i) {   // runs of lanes that follow one another (the sessions come sorted by lane)
-            const int64_t lane = sessions[i]->kv().lane();
-            if (!b.runs.empty() && b.runs.back().lane + b.runs.back().n == lane) {
-                b.runs.back().n++;
-            } else {
-                b.runs.push_back({i, lane, 1});
-            }
-        }
+        b.runs = lane_runs(sessions, [](const Session & s) { return s.kv().lane(); });
     } else {
         for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
             const PooledKV & kv = sessions[i]->kv();

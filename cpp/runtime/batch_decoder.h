@@ -10,8 +10,10 @@
 // keeps every session's query per pooled layer, and each such session ends holding its own (Session::queries)
 // and the summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
 // ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's
-// linear-attention layers project every session's token at once, then run each token's conv and delta rule over
-// its own session's RecurrentState (GraphCtx::lane_recurrent), the ops of that session's one-token step.
+// linear-attention layers project every session's token at once; sessions whose states are lanes of one arena
+// (kv/pool_arena.h) then run one conv and one delta rule per run of lanes (GraphCtx::recurrent_arena), others each
+// token's own over its session's RecurrentState (GraphCtx::lane_recurrent). Either computes each session's
+// token as its own one-token step does.
 //
 // On an error no session changes: every check, placement and the graph's allocation come before the compute, and
 // the sessions are put back to the tokens they held. One limit: a linear-attention state is written in place, so a
@@ -55,6 +57,11 @@ public:
     // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
     // when the sessions do not share an arena.
     int64_t attention_calls() const { return graph_.arena.arena ? (int64_t) graph_.arena.runs.size() : (int64_t) graph_.lanes.size(); }
+    // Conv + delta-rule calls per linear-attention layer in the last step's graph: one per run of consecutive arena
+    // lanes, one per session otherwise, none without such layers.
+    int64_t delta_rule_calls() const {
+        return graph_.recurrent_arena.arena ? (int64_t) graph_.recurrent_arena.runs.size() : (int64_t) graph_.lane_recurrent.size();
+    }
 
 private:
     // Graph nodes of a batched step: a session's graph, plus per session and layer its own attention (token
@@ -66,6 +73,9 @@ private:
     static const PoolArena * shared_arena(const std::vector<Session *> & sessions,
                                           const std::vector<std::vector<int32_t>> & rows,
                                           const std::vector<Session::PlacedStep> & placed);
+    // The arena every session's linear-attention state is a lane of (one conv and delta rule per run of lanes);
+    // else nullptr (each session's token runs its own: GraphCtx::lane_recurrent).
+    static const PoolArena * shared_recurrent_arena(const std::vector<Session *> & sessions);
     // Why session i (n_rows tokens) cannot take part in this step beside `first`: std::invalid_argument.
     void check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const;
     // step() and step_rows(): the checks, the sessions' locks, the lane order and the outputs back in the

@@ -116,8 +116,7 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
         (hp.is_pooled(il) ? pooled_on : hp.is_swa(il) ? ring_on : recurrent_on).push_back(model_->layer_backend(il));
     }
     if (cfg_.mtp) pooled_on.push_back(model_->backend());
-    kv_ = arena ? std::make_unique<PooledKV>(pooled_on, layout, std::move(arena))
-                : std::make_unique<PooledKV>(pooled_on, layout);
+    kv_ = arena ? std::make_unique<PooledKV>(pooled_on, layout, arena) : std::make_unique<PooledKV>(pooled_on, layout);
     if (hp.n_swa_layers() > 0) {
         KvLayout rl = layout;
         rl.n_layer = hp.n_swa_layers();
@@ -127,8 +126,12 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
         ring_ = std::make_unique<SlidingWindowKV>(ring_on, rl, hp.n_swa, kv_pad_);
     }
     if (hp.n_recurrent_layers() > 0) {
-        recurrent_ = std::make_unique<RecurrentState>(recurrent_on, hp.n_recurrent_layers(), hp.ssm_conv_state(),
-                                                      hp.ssm_recurrent_state(), cfg_.mtp ? hp.n_embd : 0, model_->backend());
+        const int64_t carry = cfg_.mtp ? hp.n_embd : 0;
+        recurrent_ = arena ? std::make_unique<RecurrentState>(recurrent_on, hp.n_recurrent_layers(), hp.ssm_conv_state(),
+                                                              hp.ssm_recurrent_state(), carry, model_->backend(),
+                                                              std::move(arena), kv_->lane())
+                           : std::make_unique<RecurrentState>(recurrent_on, hp.n_recurrent_layers(), hp.ssm_conv_state(),
+                                                              hp.ssm_recurrent_state(), carry, model_->backend());
     }
     if (ring_) memories_.push_back(ring_.get());
     if (recurrent_) memories_.push_back(recurrent_.get());
