@@ -40,13 +40,13 @@ def twins(model, pools, lengths, attention="auto", arena=None, **kw):
 NEAR_TIE = 2e-3
 
 
-def step_both(alone, batched, decoder, tokens, n_steps):
-    """n_steps greedy steps: `alone` one session at a time, `batched` through the decoder; the tokens must agree
-    (but at near-ties, where both then take `alone`'s). Returns the last tokens."""
+def step_both(alone, batched, decoder, tokens, n_steps, **kw):
+    """n_steps greedy steps: `alone` one session at a time, `batched` through the decoder (kw: step_greedy's); the
+    tokens must agree (but at near-ties, where both then take `alone`'s). Returns the last tokens."""
     tok_a = tokens
     for _ in range(n_steps):
         rows = [s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok_a)]
-        tok_b = decoder.step_greedy(batched, tok_a)
+        tok_b = decoder.step_greedy(batched, tok_a, **kw)
         tok_a = [int(r.argmax()) for r in rows]
         for r, a, b in zip(rows, tok_a, tok_b):
             top2 = np.sort(r)[-2:]
@@ -181,6 +181,38 @@ def test_sessions_that_score_chunks_step_batched_as_alone(tiny_gguf, attention):
     for s, t in zip((alone[0], batched[0]), tok[:1] * 2):
         s.forward(np.array([t], np.int32), s.n_tokens)
     np.testing.assert_allclose(batched[0].queries(), alone[0].queries(), rtol=0, atol=2e-3)
+
+
+def test_a_batched_step_keeps_the_queries_it_is_asked_to(tiny_gguf):
+    """keep_queries: a scoring session the step keeps queries for holds that step's own; one it does not refuses to
+    score (rather than scoring an older step's queries) until a step keeps them again; a session that scores
+    nothing is unaffected. The steps themselves (tokens, pager, summaries) are the same either way."""
+    model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
+    ps = prompts(model.hparams.n_vocab, [400, 300, 200], seed=7)
+
+    def start():
+        sessions = [session(model, 448, track_summaries=t) for t in (True, True, False)]
+        return sessions, [s.forward_greedy(p, 0) for s, p in zip(sessions, ps)]
+
+    (alone, tok), (batched, _) = start(), start()
+    decoder = _core.BatchDecoder(model)
+    # across a chunk's edge: the summaries are sealed whatever is kept
+    tok = step_both(alone, batched, decoder, tok, 70, keep_queries=[True, False, False])
+    np.testing.assert_allclose(batched[0].queries(), alone[0].queries(), rtol=0, atol=2e-3)
+    np.testing.assert_allclose(batched[1].mean_keys(), alone[1].mean_keys(), rtol=0, atol=2e-3)
+    for call in (batched[1].queries, lambda: batched[1].chunk_scores("quest")):
+        with pytest.raises(RuntimeError, match="did not keep"):
+            call()
+    assert batched[2].queries().size == 0
+    with pytest.raises(ValueError, match="one flag per session"):
+        decoder.step_greedy(batched, tok, keep_queries=[True])
+    decoder.step(batched, tok, keep_queries=[False, True, True])
+    for s, t in zip(alone, tok):
+        s.forward(np.array([t], np.int32), s.n_tokens)
+    np.testing.assert_allclose(batched[1].queries(), alone[1].queries(), rtol=0, atol=2e-3)
+    np.testing.assert_allclose(batched[1].chunk_scores("quest"), alone[1].chunk_scores("quest"), rtol=0, atol=2e-2,
+                               equal_nan=True)
+    assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
 
 
 @pytest.mark.parametrize("attention,arena", [("matmul", False), ("flash", False), ("flash", True)])

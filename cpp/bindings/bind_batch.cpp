@@ -9,6 +9,10 @@
 
 namespace kvf::bind {
 
+#define KEEP_QUERIES_DOC \
+    "keep_queries: one bool per session (None: all): which sessions that score chunks keep this step's queries " \
+    "(the others' queries() and chunk_scores() refuse until their next step)"
+
 py::array_t<float> make_logits(std::vector<float> && v, int64_t n_rows, int64_t n_vocab, bool all);
 
 void register_batch(py::module_ & m) {
@@ -32,23 +36,27 @@ void register_batch(py::module_ & m) {
                  if (why.empty()) return std::nullopt;
                  return why;
              }, py::arg("session"), "why the session cannot join a batched step (None when it can)")
-        .def("step_greedy", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens) {
+        .def("step_greedy", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                               const std::optional<std::vector<uint8_t>> & keep_queries) {
                  std::vector<int32_t> out;
-                 without_gil([&] { b.step(sessions, tokens, &out, nullptr); });
+                 without_gil([&] { b.step(sessions, tokens, &out, nullptr, keep_queries ? &*keep_queries : nullptr); });
                  return out;
-             }, py::arg("sessions"), py::arg("tokens"),
-             "feed tokens[i] to sessions[i] at its n_tokens; the greedy token after each (argmax on the backend)")
-        .def("step", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens) {
+             }, py::arg("sessions"), py::arg("tokens"), py::arg("keep_queries") = py::none(),
+             "feed tokens[i] to sessions[i] at its n_tokens; the greedy token after each (argmax on the backend). "
+             KEEP_QUERIES_DOC)
+        .def("step", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                        const std::optional<std::vector<uint8_t>> & keep_queries) {
                  std::vector<float> out;
-                 without_gil([&] { b.step(sessions, tokens, nullptr, &out); });
+                 without_gil([&] { b.step(sessions, tokens, nullptr, &out, keep_queries ? &*keep_queries : nullptr); });
                  const int64_t n = (int64_t) sessions.size(), n_vocab = (int64_t) (out.size() / (size_t) n);
                  return make_logits(std::move(out), n, n_vocab, true);
-             }, py::arg("sessions"), py::arg("tokens"),
-             "feed tokens[i] to sessions[i] at its n_tokens; logits [len(sessions), n_vocab]")
+             }, py::arg("sessions"), py::arg("tokens"), py::arg("keep_queries") = py::none(),
+             "feed tokens[i] to sessions[i] at its n_tokens; logits [len(sessions), n_vocab]. " KEEP_QUERIES_DOC)
         .def("step_rows", [](BatchDecoder & b, const std::vector<Session *> & sessions,
-                             const std::vector<std::vector<int32_t>> & rows) {
+                             const std::vector<std::vector<int32_t>> & rows,
+                             const std::optional<std::vector<uint8_t>> & keep_queries) {
                  std::vector<float> out;
-                 without_gil([&] { b.step_rows(sessions, rows, &out); });
+                 without_gil([&] { b.step_rows(sessions, rows, &out, keep_queries ? &*keep_queries : nullptr); });
                  const int64_t n_vocab = sessions.empty() ? 0 : sessions.front()->model().hparams().n_vocab;
                  py::list per_session;   // each session's rows, [len(rows[i]), n_vocab]
                  size_t from = 0;
@@ -59,9 +67,10 @@ void register_batch(py::module_ & m) {
                      per_session.append(std::move(a));
                  }
                  return per_session;
-             }, py::arg("sessions"), py::arg("rows"),
+             }, py::arg("sessions"), py::arg("rows"), py::arg("keep_queries") = py::none(),
              "feed rows[i] (one or more tokens: a verify step's pending token and drafts) to sessions[i] at its "
-             "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU)")
+             "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU). "
+             KEEP_QUERIES_DOC)
         .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
                                "attention calls per layer in the last step: one per run of consecutive arena lanes, "
                                "else one per session")

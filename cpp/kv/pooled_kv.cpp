@@ -280,6 +280,13 @@ void PooledKV::set_layer_async(int64_t block, int64_t il, const uint8_t * in, gg
     }, il);
 }
 
+void PooledKV::get_k_rows_async(int64_t block, int64_t il, uint8_t * out) const {
+    if (il < 0 || il >= layout_.n_layer) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
+    ggml_tensor * k = k_[il];
+    const size_t rows = (size_t) layout_.chunk_tokens;
+    ggml_backend_tensor_get_async(backends_[il], k, out, (size_t) block * rows * k->nb[1], rows * k->nb[1]);
+}
+
 uint8_t * PooledKV::image_layer(int64_t chunk, int64_t il) {
     if (il < 0 || il >= layout_.n_layer) throw std::out_of_range("PooledKV: layer " + std::to_string(il) + " outside the pool");
     return image_for(chunk) + il * layer_chunk_bytes();   // every layer's part of an image has the same size

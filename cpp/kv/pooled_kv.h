@@ -99,6 +99,8 @@ public:
     // of the layer's device, whose queue the copy joins (the exact prefill's copy stream).
     void get_layer_async(int64_t block, int64_t il, uint8_t * out, ggml_backend_t stream = nullptr) const;
     void set_layer_async(int64_t block, int64_t il, const uint8_t * in, ggml_backend_t stream = nullptr);
+    // Layer il's K rows of `block` (chunk_tokens rows of k(il)->nb[1] bytes) to host memory, queued the same way.
+    void get_k_rows_async(int64_t block, int64_t il, uint8_t * out) const;
     // Layer il inside the chunk's host image; the image is made (its bytes undefined) if it has none.
     uint8_t * image_layer(int64_t chunk, int64_t il);
 

@@ -166,29 +166,35 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
 }
 
 void BatchDecoder::step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
-                        std::vector<int32_t> * greedy, std::vector<float> * logits) {
+                        std::vector<int32_t> * greedy, std::vector<float> * logits,
+                        const std::vector<uint8_t> * keep_queries) {
     if (tokens.size() != sessions.size()) {
         throw std::invalid_argument("a batched step needs one token per session (" + std::to_string(tokens.size()) +
                                     " tokens for " + std::to_string(sessions.size()) + " sessions)");
     }
     std::vector<std::vector<int32_t>> rows;
     for (int32_t t : tokens) rows.push_back({t});
-    run(sessions, rows, greedy, logits);
+    run(sessions, rows, greedy, logits, keep_queries);
 }
 
 void BatchDecoder::step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                             std::vector<float> * logits) {
+                             std::vector<float> * logits, const std::vector<uint8_t> * keep_queries) {
     if (rows.size() != sessions.size()) {
         throw std::invalid_argument("a batched step needs the tokens of every session (" + std::to_string(rows.size()) +
                                     " lists for " + std::to_string(sessions.size()) + " sessions)");
     }
-    run(sessions, rows, nullptr, logits);
+    run(sessions, rows, nullptr, logits, keep_queries);
 }
 
 void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                       std::vector<int32_t> * greedy, std::vector<float> * logits) {
+                       std::vector<int32_t> * greedy, std::vector<float> * logits,
+                       const std::vector<uint8_t> * keep_queries) {
     const int64_t n = (int64_t) sessions.size();
     if (n == 0) throw std::invalid_argument("a batched step needs at least one session");
+    if (keep_queries && keep_queries->size() != sessions.size()) {
+        throw std::invalid_argument("keep_queries needs one flag per session (" + std::to_string(keep_queries->size()) +
+                                    " for " + std::to_string(n) + " sessions)");
+    }
     if (n > k_max_lanes) {
         throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_lanes) + " sessions, got " +
                                     std::to_string(n));
@@ -229,11 +235,13 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     });
     std::vector<Session *> in_order(n);
     std::vector<std::vector<int32_t>> rows_in_order(n);
+    std::vector<uint8_t> keep_in_order(n, 1);
     for (int64_t i = 0; i < n; ++i) {
         in_order[i] = sessions[order[i]];
         rows_in_order[i] = rows[order[i]];
+        if (keep_queries) keep_in_order[i] = (*keep_queries)[order[i]];
     }
-    auto [placed, queries] = step_in_order(in_order, rows_in_order, greedy, logits);
+    auto [placed, queries] = step_in_order(in_order, rows_in_order, greedy, logits, keep_in_order);
     // back to the caller's order (a server's slots come in lane order: nothing to move)
     if (!std::is_sorted(order.begin(), order.end())) {
         if (greedy) {
@@ -253,7 +261,8 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     for (int64_t i = 0; i < n; ++i) {   // each session's share of the step's time
-        in_order[i]->finish_step(placed[i], rows_in_order[i].data(), ms / (double) n, std::move(queries[i]));
+        in_order[i]->finish_step(placed[i], rows_in_order[i].data(), ms / (double) n, std::move(queries[i]),
+                                 keep_in_order[i] != 0);
     }
 }
 
@@ -277,17 +286,28 @@ void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t
 }
 
 std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *> & sessions,
-                                                     const std::vector<std::vector<int32_t>> & rows) const {
+                                                     const std::vector<std::vector<int32_t>> & rows,
+                                                     const std::vector<uint8_t> & keep) const {
     std::vector<StepQueries> out(sessions.size());
     if (graph_.queries.empty()) return out;
+    auto kept = [&](size_t i) { return sessions[i]->tracks_summaries() && keep[i]; };
+    // The rows [lo, hi) of the step that the keeping sessions' queries lie in: one read per layer, of those only.
+    int64_t lo = INT64_MAX, hi = 0;
+    for (size_t i = 0, first = 0; i < sessions.size(); first += rows[i].size(), ++i) {
+        if (!kept(i)) continue;
+        lo = std::min<int64_t>(lo, (int64_t) first);
+        hi = (int64_t) (first + rows[i].size());
+    }
+    if (hi == 0) return out;
     const ggml_tensor * t0 = graph_.queries[0];   // per pooled layer: [head_dim, n_head, every row of the step]
     const int64_t n_layer = (int64_t) graph_.queries.size(), row = t0->ne[0] * t0->ne[1], per_layer = ggml_nelements(t0);
     std::vector<float> all((size_t) (n_layer * per_layer));
-    for (int64_t il = 0; il < n_layer; ++il) {   // one read per layer, whatever the number of sessions
-        ggml_backend_tensor_get(graph_.queries[il], all.data() + il * per_layer, 0, ggml_nbytes(t0));
+    for (int64_t il = 0; il < n_layer; ++il) {
+        ggml_backend_tensor_get(graph_.queries[il], all.data() + il * per_layer + lo * row, (size_t) (lo * t0->nb[2]),
+                                (size_t) ((hi - lo) * t0->nb[2]));
     }
     for (size_t i = 0, first = 0; i < sessions.size(); first += rows[i].size(), ++i) {
-        if (!sessions[i]->tracks_summaries()) continue;
+        if (!kept(i)) continue;
         const int64_t n_keep = std::min<int64_t>((int64_t) rows[i].size(), k_capture_tokens);   // the last rows
         const int64_t from = (int64_t) (first + rows[i].size()) - n_keep;
         StepQueries & q = out[i];
@@ -305,7 +325,8 @@ std::vector<StepQueries> BatchDecoder::split_queries(const std::vector<Session *
 
 BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *> & sessions,
                                                      const std::vector<std::vector<int32_t>> & rows,
-                                                     std::vector<int32_t> * greedy, std::vector<float> * logits) {
+                                                     std::vector<int32_t> * greedy, std::vector<float> * logits,
+                                                     const std::vector<uint8_t> & keep) {
     const int64_t n = (int64_t) sessions.size();
     std::vector<Session::PlacedStep> placed;
     std::vector<int32_t> pos;   // every row's position
@@ -361,7 +382,7 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
             logits->resize((size_t) ggml_nelements(logits_));
             ggml_backend_tensor_get(logits_, logits->data(), 0, ggml_nbytes(logits_));
         }
-        std::vector<StepQueries> queries = split_queries(sessions, rows);
+        std::vector<StepQueries> queries = split_queries(sessions, rows, keep);
         check_rpc_connections(sched_);   // a lost RPC device reads as zeros
         return {std::move(placed), std::move(queries)};
     } catch (...) {   // forget the positions placed so far: no session changes on an error

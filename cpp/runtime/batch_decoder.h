@@ -43,8 +43,12 @@ public:
     std::string ineligible(const Session & s) const;
     // Feed tokens[i] to sessions[i] at its n_tokens(). greedy: each session's argmax after its token, else
     // logits [n, n_vocab] row-major (the other output is left empty). On an error no session changes.
+    // keep_queries (nullptr: every session's): which sessions that score chunks keep the step's queries (read back
+    // from the device each step: ~4 MB for 8 sessions of the 8B shape, a third of a step). A scheduler keeps those
+    // whose reselect falls due after this step; the others' queries() refuse until their next step.
     void step(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
-              std::vector<int32_t> * greedy, std::vector<float> * logits);
+              std::vector<int32_t> * greedy, std::vector<float> * logits,
+              const std::vector<uint8_t> * keep_queries = nullptr);
     // A step in which a session may take several tokens (a speculative verify step: the pending token and its
     // drafts): feed rows[i] to sessions[i] at its n_tokens(); `logits` gets every row's, [sum of the rows' sizes,
     // n_vocab], session after session in the caller's order. On the CPU every row is computed with the kernels of
@@ -52,7 +56,7 @@ public:
     // the ones that step writes. A session with a linear-attention state takes one token (its rejected drafts
     // need the state's stash, which is its own step's). On an error no session changes.
     void step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                   std::vector<float> * logits);
+                   std::vector<float> * logits, const std::vector<uint8_t> * keep_queries = nullptr);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
     // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
     // when the sessions do not share an arena.
@@ -81,7 +85,7 @@ private:
     // step() and step_rows(): the checks, the sessions' locks, the lane order and the outputs back in the
     // caller's order.
     void run(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-             std::vector<int32_t> * greedy, std::vector<float> * logits);
+             std::vector<int32_t> * greedy, std::vector<float> * logits, const std::vector<uint8_t> * keep_queries);
     // run() with the sessions sorted by lane: places, computes, reads the outputs in this order; returns each
     // session's placed step and the queries of the sessions that score chunks (empty for the others).
     struct StepResult {
@@ -89,11 +93,13 @@ private:
         std::vector<StepQueries> queries;
     };
     StepResult step_in_order(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
-                             std::vector<int32_t> * greedy, std::vector<float> * logits);
-    // The computed step's queries: per session that tracks summaries, its last rows' (up to k_capture_tokens),
-    // as its own step keeps them.
+                             std::vector<int32_t> * greedy, std::vector<float> * logits,
+                             const std::vector<uint8_t> & keep);
+    // The computed step's queries: per session that tracks summaries and keeps them (keep[i]), its last rows' (up
+    // to k_capture_tokens), as its own step keeps them; read for the layers' rows those sessions need only.
     std::vector<StepQueries> split_queries(const std::vector<Session *> & sessions,
-                                           const std::vector<std::vector<int32_t>> & rows) const;
+                                           const std::vector<std::vector<int32_t>> & rows,
+                                           const std::vector<uint8_t> & keep) const;
     void build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
                      const std::vector<Session::PlacedStep> & placed, bool greedy);
 

@@ -146,9 +146,11 @@ Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::s
 }
 
 size_t Session::graph_size() const {
-    // A step that attends one query at a time (GraphCtx::one_token_kernels on the flash path) adds about 8 nodes per
-    // query and layer.
-    const size_t per_layer = 64 + (model_->on_gpu() ? 0 : 8 * (size_t) k_one_token_kernels_max_tokens);
+    // ggml's scheduler hashes a graph's nodes and leafs (the weights, the state tensors) in a set of this size: a
+    // qwen35 linear-attention layer has ~55 nodes and ~15 leafs, and 64 a layer overflowed the Qwen3.5-27B shape's
+    // 64 layers once the recurrent state became arena lanes (a view node each). A step that attends one query at a
+    // time (GraphCtx::one_token_kernels on the flash path) adds about 8 nodes per query and layer.
+    const size_t per_layer = 128 + (model_->on_gpu() ? 0 : 8 * (size_t) k_one_token_kernels_max_tokens);
     return std::max<size_t>(4096, (size_t) model_->hparams().n_layer * per_layer);
 }
 
@@ -278,6 +280,7 @@ void Session::compute(const int32_t * tokens, const PlacedStep & step, bool all_
     }
     set_inputs(tokens, n, step.plan, n_outputs, order, step.ring_plan, ring_order);
     if (held_queries_.n_layer > 0) held_queries_ = StepQueries{};   // queries() reads this step's from now on
+    queries_dropped_ = false;
     if (cfg_.capture_attention) keep_capture_order(order);
     if (ggml_backend_sched_graph_compute(sched_, graph_.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
@@ -508,13 +511,15 @@ void Session::unplace_step(const PlacedStep & step) {
     if (step.has_recurrent) recurrent_->unplace(step.start);
 }
 
-void Session::finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries) {
+void Session::finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries,
+                          bool queries_kept) {
     const SessionLock held = lock(false);
     tokens_.insert(tokens_.end(), tokens, tokens + step.n);
     timings_.t_compute_ms += compute_ms;
     timings_.n_computes++;
     if (summaries_) {   // what its own step leaves a scorer: the step's queries, the chunks it completed
         held_queries_ = std::move(queries);
+        queries_dropped_ = !queries_kept;
         seal_chunks(step.start, step.n);
     }
 }
@@ -532,6 +537,10 @@ void Session::seal_chunks(int64_t start, int64_t n) {
 
 StepQueries Session::queries() const {
     const SessionLock held = lock();
+    if (queries_dropped_) {
+        throw std::runtime_error("no queries of the latest step: it was a batched step that did not keep this "
+                                 "session's (BatchDecoder's keep_queries)");
+    }
     if (held_queries_.n_layer > 0) return held_queries_;   // the latest step ran outside graph_
     StepQueries q;
     if (graph_.queries.empty() || shape_[0] < 0) return q;
@@ -601,6 +610,7 @@ void Session::reset() {
     for (ContextMemory * m : memories_) m->clear();
     tokens_.clear();
     held_queries_ = StepQueries{};
+    queries_dropped_ = false;
     if (summaries_) summaries_->clear();
 }
 

@@ -275,7 +275,10 @@ public:
     };
     void check_step(const int32_t * tokens, int64_t n) const;   // changes nothing
     PlacedStep place_step(int64_t n);
-    void finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries);
+    // queries_kept false: the batched step kept no queries for this session (BatchDecoder's keep_queries), and
+    // queries() / chunk_scores() refuse until its next step.
+    void finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries,
+                     bool queries_kept = true);
     void unplace_step(const PlacedStep & step);
     bool in_exact_run() const { return open_run_ != nullptr; }   // an ExactPrefillRun is open (every step is refused)
     bool tracks_summaries() const { return summaries_ != nullptr; }   // the qk / quest scorers' chunk summaries
@@ -382,6 +385,7 @@ private:
     // The latest step's queries when that step ran outside graph_: a layer-major prefill's last prompt tokens, or
     // this session's token of a batched step (BatchDecoder). Empty: queries() reads graph_'s.
     StepQueries held_queries_;
+    bool queries_dropped_ = false;   // the latest step was batched and kept none (queries() refuses)
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
     int64_t prefill_staging_bytes_ = 0;   // ... of which staging
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers

@@ -654,6 +654,7 @@ ExactPrefill Session::ExactPrefillPass::finish() {
 void Session::ExactPrefillPass::account() {
     s_.timings_.t_compute_ms += ms_since(t0_);
     s_.held_queries_ = std::move(queries_);
+    s_.queries_dropped_ = false;
     s_.prefill_coverage_ = std::move(coverage_);
     int64_t band_bytes = 0, staging_bytes = 0;
     for (const auto & b : bands_) band_bytes += b->device_bytes();

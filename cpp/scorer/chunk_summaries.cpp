@@ -12,14 +12,12 @@ void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
     // The pool may hold the MTP head's K/V after the trunk's layers (the last one): never summarised, as the scorers
     // score with the trunk's queries.
     if (L.n_layer < shape_.n_layer) throw std::logic_error("ChunkSummaries: shape does not match the pool");
-    std::vector<uint8_t> raw;
-    for (int64_t il = 0; il < shape_.n_layer; ++il) {
-        ggml_tensor * k = kv.k(il);
-        const size_t row_bytes = k->nb[1];
-        raw.resize(row_bytes * L.chunk_tokens);
-        ggml_backend_tensor_get(k, raw.data(), (size_t) block * L.chunk_tokens * row_bytes, raw.size());
-        seal_layer(chunk, il, L, raw.data());
-    }
+    const size_t layer_bytes = kv.k(0)->nb[1] * (size_t) L.chunk_tokens;   // every pooled layer's K rows: one width
+    const size_t need = layer_bytes * (size_t) shape_.n_layer;
+    if (!staging_ || staging_->size() < need) staging_ = std::make_unique<HostMemory>(need, kv.pinned_host());
+    for (int64_t il = 0; il < shape_.n_layer; ++il) kv.get_k_rows_async(block, il, staging_->data() + il * layer_bytes);
+    kv.synchronize();
+    for (int64_t il = 0; il < shape_.n_layer; ++il) seal_layer(chunk, il, L, staging_->data() + il * layer_bytes);
 }
 
 void ChunkSummaries::seal_layer(int64_t chunk, int64_t il, const KvLayout & L, const uint8_t * k_rows) {

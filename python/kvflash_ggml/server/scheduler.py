@@ -252,11 +252,15 @@ class Scheduler:
         try:
             if any(verifies):   # the drafters propose here; the rows: [n_i, n_vocab] per slot
                 rows = [s.records.verify_rows() if v else [t] for s, v, t in zip(batch, verifies, tokens)]
-                out = self.decoder.step_rows(sessions, rows)
             else:
                 rows = [[t] for t in tokens]
-                out = self.decoder.step_greedy(sessions, tokens) if greedy else \
-                    self.decoder.step(sessions, tokens)[:, None]   # one row a slot
+            # a slot's queries come back from the device only for the reselect that reads them
+            keep = [s.engine.reselects_after(len(r)) for s, r in zip(batch, rows)]
+            if any(verifies):
+                out = self.decoder.step_rows(sessions, rows, keep)
+            else:
+                out = self.decoder.step_greedy(sessions, tokens, keep) if greedy else \
+                    self.decoder.step(sessions, tokens, keep)[:, None]   # one row a slot
         except Exception:   # noqa: BLE001 - each slot then steps alone and meets its own error
             log.exception("a batched step of slots %s failed; stepping them one by one", [s.id for s in batch])
             return False
