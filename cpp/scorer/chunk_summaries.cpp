@@ -7,6 +7,13 @@
 
 namespace kvf {
 
+void ChunkRows::grow_to(int64_t n_rows) {
+    while ((int64_t) blocks_.size() * k_block < n_rows) {
+        blocks_.push_back(std::unique_ptr<float[]>(new float[(size_t) (k_block * width_)]));   // untouched pages
+    }
+    for (; n_rows_ < n_rows; ++n_rows_) std::fill_n(at(n_rows_), width_, 0.0f);
+}
+
 void ChunkSummaries::seal(int64_t chunk, int64_t block, const PooledKV & kv) {
     const KvLayout & L = kv.layout();
     // The pool may hold the MTP head's K/V after the trunk's layers (the last one): never summarised, as the scorers
@@ -27,9 +34,7 @@ void ChunkSummaries::seal_layer(int64_t chunk, int64_t il, const KvLayout & L, c
     }
     if (chunk >= n_chunks()) {
         has_.resize(chunk + 1, 0);
-        mean_.resize((chunk + 1) * s.per_chunk());
-        min_.resize((chunk + 1) * s.per_chunk());
-        max_.resize((chunk + 1) * s.per_chunk());
+        for (ChunkRows * rows : {&mean_, &min_, &max_}) rows->grow_to(chunk + 1);
     }
     const int64_t n_rows = L.chunk_tokens, width = L.n_embd_k;
     std::vector<float> rows((size_t) (n_rows * width));
@@ -39,8 +44,8 @@ void ChunkSummaries::seal_layer(int64_t chunk, int64_t il, const KvLayout & L, c
         ggml_get_type_traits(L.type_k)->to_float(k_rows, rows.data(), n_rows * width);   // contiguous rows: one call
     }
     for (int64_t h = 0; h < s.n_head_kv; ++h) {
-        const size_t off = (size_t) (((chunk * s.n_layer + il) * s.n_head_kv + h) * s.head_dim);
-        float * mean = &mean_[off], * mn = &min_[off], * mx = &max_[off];
+        const size_t off = (size_t) ((il * s.n_head_kv + h) * s.head_dim);
+        float * mean = mean_.at(chunk) + off, * mn = min_.at(chunk) + off, * mx = max_.at(chunk) + off;
         std::fill_n(mean, s.head_dim, 0.0f);
         std::fill_n(mn, s.head_dim, std::numeric_limits<float>::infinity());
         std::fill_n(mx, s.head_dim, -std::numeric_limits<float>::infinity());
@@ -77,6 +82,12 @@ static void z_normalise_layers(std::vector<std::vector<double>> & per_layer, con
     }
 }
 
+std::vector<float> ChunkSummaries::mean_keys() const {
+    std::vector<float> out((size_t) (n_chunks() * shape_.per_chunk()));
+    for (int64_t c = 0; c < n_chunks(); ++c) std::copy_n(mean_.at(c), shape_.per_chunk(), out.begin() + c * shape_.per_chunk());
+    return out;
+}
+
 void ChunkSummaries::forget_from(int64_t chunk) {
     if (chunk < n_chunks()) std::fill(has_.begin() + chunk, has_.end(), 0);
 }
@@ -109,13 +120,15 @@ std::vector<float> ChunkSummaries::scores(const std::string & kind, const StepQu
             for (int64_t t = 0; t < q.n_tokens; ++t) {
                 float best = -std::numeric_limits<float>::infinity();
                 for (int64_t h = 0; h < q.n_head; ++h) {
-                    const size_t off = (size_t) (((c * s.n_layer + il) * s.n_head_kv + h / group) * s.head_dim);
+                    const size_t off = (size_t) ((il * s.n_head_kv + h / group) * s.head_dim);
                     const float * qv = qn.data() + ((il * q.n_tokens + t) * q.n_head + h) * s.head_dim;
                     float acc = 0.0f;
                     if (quest) {
-                        for (int64_t i = 0; i < s.head_dim; ++i) acc += std::max(qv[i] * min_[off + i], qv[i] * max_[off + i]);
+                        const float * mn = min_.at(c) + off, * mx = max_.at(c) + off;
+                        for (int64_t i = 0; i < s.head_dim; ++i) acc += std::max(qv[i] * mn[i], qv[i] * mx[i]);
                     } else {
-                        for (int64_t i = 0; i < s.head_dim; ++i) acc += qv[i] * mean_[off + i];
+                        const float * mean = mean_.at(c) + off;
+                        for (int64_t i = 0; i < s.head_dim; ++i) acc += qv[i] * mean[i];
                     }
                     best = std::max(best, acc);
                 }

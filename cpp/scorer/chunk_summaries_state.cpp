@@ -13,10 +13,11 @@ namespace kvf {
 
 void ChunkSummaries::save_state(ByteWriter & w, int64_t n_chunks) const {
     const int64_t n = std::min(n_chunks, this->n_chunks());
-    const size_t n_values = (size_t) (n * shape_.per_chunk());
     for (int64_t v : {shape_.n_layer, shape_.n_head_kv, shape_.head_dim, n}) w.put<int64_t>(v);
     w.raw(has_.data(), (size_t) n);
-    for (const std::vector<float> * a : {&mean_, &min_, &max_}) w.raw(a->data(), n_values * sizeof(float));
+    for (const ChunkRows * a : {&mean_, &min_, &max_}) {
+        for (int64_t c = 0; c < n; ++c) w.raw(a->at(c), (size_t) shape_.per_chunk() * sizeof(float));
+    }
 }
 
 ChunkSummaries ChunkSummaries::state_from(ByteReader & r, uint32_t version, int64_t n_sealed) const {
@@ -46,10 +47,11 @@ ChunkSummaries ChunkSummaries::state_from(ByteReader & r, uint32_t version, int6
                    " chunks are whole");
         }
     }
-    const size_t n_values = (size_t) (n * shape_.per_chunk());
-    for (std::vector<float> * a : {&out.mean_, &out.min_, &out.max_}) {
-        a->resize(n_values);   // copied bytewise: the values need not be aligned in the file
-        if (n_values) std::memcpy(a->data(), r.take(n_values * sizeof(float), "summary values"), n_values * sizeof(float));
+    const size_t row_bytes = (size_t) shape_.per_chunk() * sizeof(float);
+    for (ChunkRows * a : {&out.mean_, &out.min_, &out.max_}) {
+        a->grow_to(n);
+        // copied bytewise: the values need not be aligned in the file
+        for (int64_t c = 0; c < n; ++c) std::memcpy(a->at(c), r.take(row_bytes, "summary values"), row_bytes);
     }
     return out;
 }
