@@ -37,10 +37,10 @@ RecurrentState::RecurrentState(const LayerBackends & backends, int64_t n_layer, 
     if (!arena_ || lane < 0 || lane >= arena_->n_lanes()) throw std::invalid_argument("RecurrentState: no arena lane given");
     const LayerBackends on = per_layer(backends, n_layer);
     arena_->reserve_recurrent(on, n_layer, conv_elems, ssm_elems);
-    view_ctx_ = ggml_init({ggml_tensor_overhead() * (size_t) (2 * n_layer), nullptr, true});
+    view_ctx_.reset(ggml_init({ggml_tensor_overhead() * (size_t) (2 * n_layer), nullptr, true}));
     for (int64_t l = 0; l < n_layer; ++l) {
-        conv_.push_back(arena_->lane_conv(view_ctx_, l, lane));
-        ssm_.push_back(arena_->lane_ssm(view_ctx_, l, lane));
+        conv_.push_back(arena_->lane_conv(view_ctx_.get(), l, lane));
+        ssm_.push_back(arena_->lane_ssm(view_ctx_.get(), l, lane));
         backend_of_.insert(backend_of_.end(), 2, on[(size_t) l]);
     }
     make_carry(on, carry_elems, carry_backend);
@@ -62,15 +62,13 @@ void RecurrentState::make_carry(const LayerBackends & on, int64_t carry_elems, g
     backend_of_.push_back(carry_backend);
 }
 
-RecurrentState::~RecurrentState() {
-    if (view_ctx_) ggml_free(view_ctx_);
-}
+RecurrentState::~RecurrentState() = default;
 
 int64_t RecurrentState::lane_bytes_on(ggml_backend_t backend) const {
     if (!arena_) return 0;
     int64_t n = 0;
-    for (size_t i = 0; i < 2 * conv_.size(); ++i) {
-        if (!backend || backend_of_[i] == backend) n += (int64_t) ggml_nbytes(i % 2 ? ssm_[i / 2] : conv_[i / 2]);
+    for (size_t l = 0; l < conv_.size(); ++l) {
+        if (!backend || backend_of_[2 * l] == backend) n += (int64_t) (ggml_nbytes(conv_[l]) + ggml_nbytes(ssm_[l]));
     }
     return n;
 }

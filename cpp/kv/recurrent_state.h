@@ -107,7 +107,7 @@ private:
     BackendBuffers bufs_;                   // every tensor, or (in an arena) the carry only
     std::shared_ptr<PoolArena> arena_;
     int64_t lane_ = -1;
-    ggml_context * view_ctx_ = nullptr;     // the lane views (in an arena)
+    std::unique_ptr<ggml_context, decltype(&ggml_free)> view_ctx_{nullptr, ggml_free};   // the lane views (in an arena)
     std::vector<ggml_backend_t> backend_of_;   // each tensor of tensors()'s
     std::vector<ggml_tensor *> conv_, ssm_;
     ggml_tensor * carry_ = nullptr;

@@ -338,8 +338,7 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
         // The graph's shape: an arena step's attends the lanes' largest n_kv, the other's each session's own.
         std::vector<int64_t> shape = {greedy != nullptr, shared_arena(sessions, rows, placed) != nullptr};
         for (int64_t i = 0; i < n; ++i) {
-            shape.insert(shape.end(), {(int64_t) (intptr_t) &sessions[i]->kv(), placed[i].order.gathered,
-                                       (int64_t) (intptr_t) sessions[i]->recurrent(), (int64_t) rows[i].size()});
+            shape.insert(shape.end(), {(int64_t) sessions[i]->serial(), placed[i].order.gathered, (int64_t) rows[i].size()});
         }
         if (shape[1]) {
             shape.push_back(widest(placed));

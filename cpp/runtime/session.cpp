@@ -4,6 +4,7 @@
 #include "model/rpc.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <stdexcept>
@@ -58,10 +59,15 @@ void check_capture_path(const std::string & attention, ggml_type type_v) {
     }
 }
 
+uint64_t next_serial() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+}
+
 }  // namespace
 
 Session::Session(std::shared_ptr<Model> model, const SessionConfig & cfg, std::shared_ptr<PoolArena> arena)
-    : model_(std::move(model)), cfg_(cfg) {
+    : model_(std::move(model)), cfg_(cfg), serial_(next_serial()) {
     const ModelHparams & hp = model_->hparams();
     if (cfg_.max_tokens <= 0) throw std::invalid_argument("max_tokens must be positive");
     // Positions are int32 in the graph; the pool size below multiplies the chunk geometry.

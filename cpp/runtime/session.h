@@ -282,6 +282,9 @@ public:
     void unplace_step(const PlacedStep & step);
     bool in_exact_run() const { return open_run_ != nullptr; }   // an ExactPrefillRun is open (every step is refused)
     bool tracks_summaries() const { return summaries_ != nullptr; }   // the qk / quest scorers' chunk summaries
+    // Unique among the process's sessions, unlike an address that a later session may take: what a batched step's
+    // graph is keyed by (a graph built for a session that is gone must not step another).
+    uint64_t serial() const { return serial_; }
     // A graph of this session's model beside its own: its node budget, backends (inputs pinned on a GPU) and context.
     size_t graph_size() const;
     ggml_backend_sched_t new_sched(size_t n_nodes = 0) const;   // for graphs of up to n_nodes (0: graph_size())
@@ -353,6 +356,7 @@ private:
 
     std::shared_ptr<Model> model_;
     SessionConfig cfg_;
+    const uint64_t serial_;
     bool full_cache_ = false;
     bool flash_attn_ = false;
     bool ordered_ = false;  // cfg_.ordered_attention resolved
