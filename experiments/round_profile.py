@@ -1,6 +1,7 @@
 """Where a scheduler round's host time goes (the Python around the batched step): 8 slots of a tiny random model
 (tiny-llama: its step costs little) decode together, the scheduler's thread under cProfile over both sends (the
-prompts, then 300 tokens each); prints the functions by their own time. Issue 38's throughput bars: on the H200 the 8B round spent ~3 ms outside the C++ step (R107).
+prompts, then 300 tokens each); prints the functions by their own time. Issue 38's throughput bars: on the H200
+the 8B round spent ~3 ms outside the C++ step (R107).
 
     OMP_WAIT_POLICY=passive python experiments/round_profile.py [lru|quest]
 """
