@@ -20,6 +20,11 @@ std::string describe(const KvLayout & L) {
            std::to_string(L.n_embd_v) + (L.v_trans ? " transposed" : "");
 }
 
+// Columns [lane, lane + n) of a per-lane tensor [elems, n_lanes].
+ggml_tensor * lane_columns(ggml_context * ctx, ggml_tensor * t, int64_t lane, int64_t n) {
+    return ggml_view_2d(ctx, t, t->ne[0], n, t->nb[1], (size_t) lane * t->nb[1]);
+}
+
 ggml_tensor * bind(ggml_tensor * view) {
     if (ggml_backend_view_init(view) != GGML_STATUS_SUCCESS) throw std::runtime_error("PoolArena: could not bind a lane view");
     return view;
@@ -117,15 +122,16 @@ void PoolArena::reserve_recurrent(const LayerBackends & backends, int64_t n_laye
     recurrent_backends_ = on;
 }
 
-ggml_tensor * PoolArena::lane_conv(ggml_context * ctx, int64_t l, int64_t lane) const {
-    ggml_tensor * t = conv_[l];
-    return bind(ggml_view_1d(ctx, t, t->ne[0], (size_t) lane * t->nb[1]));
+ggml_tensor * PoolArena::conv_lanes(ggml_context * ctx, int64_t l, int64_t lane, int64_t n) const {
+    return lane_columns(ctx, conv_[l], lane, n);
 }
 
-ggml_tensor * PoolArena::lane_ssm(ggml_context * ctx, int64_t l, int64_t lane) const {
-    ggml_tensor * t = ssm_[l];
-    return bind(ggml_view_1d(ctx, t, t->ne[0], (size_t) lane * t->nb[1]));
+ggml_tensor * PoolArena::ssm_lanes(ggml_context * ctx, int64_t l, int64_t lane, int64_t n) const {
+    return lane_columns(ctx, ssm_[l], lane, n);
 }
+
+ggml_tensor * PoolArena::lane_conv(ggml_context * ctx, int64_t l, int64_t lane) const { return bind(conv_lanes(ctx, l, lane, 1)); }
+ggml_tensor * PoolArena::lane_ssm(ggml_context * ctx, int64_t l, int64_t lane) const { return bind(ssm_lanes(ctx, l, lane, 1)); }
 
 ggml_tensor * PoolArena::lane_k(ggml_context * ctx, int64_t il, int64_t lane) const {
     ggml_tensor * k = k_[il];

@@ -54,9 +54,11 @@ public:
     // Room for each lane's linear-attention state: n_layer layers, layer l on backends[l] (allocated on the first
     // call; later calls must bring the same sizes and backends: std::invalid_argument otherwise).
     void reserve_recurrent(const LayerBackends & backends, int64_t n_layer, int64_t conv_elems, int64_t ssm_elems);
-    ggml_tensor * conv(int64_t l) const { return conv_[l]; }   // F32 [conv_elems, n_lanes]
-    ggml_tensor * ssm(int64_t l) const { return ssm_[l]; }     // F32 [ssm_elems, n_lanes]
-    // Lane `lane` of layer l's conv or recurrent state, F32 [conv_elems] / [ssm_elems], made in ctx and bound.
+    // Lanes [lane, lane + n) of layer l's conv or recurrent state, F32 [conv_elems, n] / [ssm_elems, n], a view made
+    // in ctx (a graph's: its scheduler binds it).
+    ggml_tensor * conv_lanes(ggml_context * ctx, int64_t l, int64_t lane, int64_t n) const;
+    ggml_tensor * ssm_lanes(ggml_context * ctx, int64_t l, int64_t lane, int64_t n) const;
+    // One lane of them, [conv_elems, 1] / [ssm_elems, 1], bound to the arena's memory (a session's own view).
     ggml_tensor * lane_conv(ggml_context * ctx, int64_t l, int64_t lane) const;
     ggml_tensor * lane_ssm(ggml_context * ctx, int64_t l, int64_t lane) const;
 

@@ -50,7 +50,7 @@ public:
     RecurrentState(const RecurrentState &) = delete;
     RecurrentState & operator=(const RecurrentState &) = delete;
 
-    ggml_tensor * conv(int64_t l) const { return conv_[(size_t) l]; }   // F32 [conv_elems], layer l of its kind
+    ggml_tensor * conv(int64_t l) const { return conv_[(size_t) l]; }   // F32 [conv_elems] ([conv_elems, 1] in an arena)
     ggml_tensor * ssm(int64_t l) const { return ssm_[(size_t) l]; }     // F32 [ssm_elems]
     ggml_tensor * mtp_carry() const { return carry_; }                  // F32 [carry_elems] (nullptr: none)
     int64_t n_layer() const { return (int64_t) conv_.size(); }

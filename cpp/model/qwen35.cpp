@@ -222,12 +222,12 @@ ggml_tensor * delta_rule(GraphCtx & g, const ModelHparams & hp, const LayerWeigh
     return out;
 }
 
-// Layer l's state in `rs` (one session's), shaped for delta_rule.
-ggml_tensor * conv_state_of(ggml_context * ctx, const ModelHparams & hp, const RecurrentState & rs, int64_t l) {
-    return ggml_reshape_3d(ctx, rs.conv(l), hp.ssm_d_conv - 1, hp.ssm_conv_channels(), 1);
+// A layer's conv or recurrent state of n_s sequences ([elems] or [elems, n_s], contiguous), shaped for delta_rule.
+ggml_tensor * conv_state_of(ggml_context * ctx, const ModelHparams & hp, ggml_tensor * t) {
+    return ggml_reshape_3d(ctx, t, hp.ssm_d_conv - 1, hp.ssm_conv_channels(), ggml_nelements(t) / hp.ssm_conv_state());
 }
-ggml_tensor * ssm_state_of(ggml_context * ctx, const ModelHparams & hp, const RecurrentState & rs, int64_t l) {
-    return ggml_reshape_4d(ctx, rs.ssm(l), hp.ssm_head_v(), hp.ssm_head_v(), hp.ssm_dt_rank, 1);
+ggml_tensor * ssm_state_of(ggml_context * ctx, const ModelHparams & hp, ggml_tensor * t) {
+    return ggml_reshape_4d(ctx, t, hp.ssm_head_v(), hp.ssm_head_v(), hp.ssm_dt_rank, ggml_nelements(t) / hp.ssm_recurrent_state());
 }
 
 // The projections read the weights once for the step's tokens, whichever sequences they belong to; the conv and the
@@ -251,23 +251,18 @@ ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tenso
     ggml_tensor * out = nullptr;   // [Dv, Hv, n, 1]
     auto append = [&](ggml_tensor * o) { out = out ? ggml_concat(ctx, out, o, 2) : o; };
     if (const PoolArena * arena = g.recurrent_arena.arena) {
-        const int64_t K = hp.ssm_d_conv, channels = hp.ssm_conv_channels();
         for (const GraphCtx::LaneRun & r : g.recurrent_arena.runs) {
-            ggml_tensor * cs = arena->conv(l), * ss = arena->ssm(l);   // [elems, n_lanes]
-            ggml_tensor * conv_state = ggml_view_3d(ctx, cs, K - 1, channels, r.n, (K - 1) * cs->nb[0], cs->nb[1],
-                                                    r.lane * cs->nb[1]);
-            ggml_tensor * state = ggml_view_4d(ctx, ss, Dv, Dv, Hv, r.n, Dv * ss->nb[0], Dv * Dv * ss->nb[0], ss->nb[1],
-                                               r.lane * ss->nb[1]);
-            append(delta_rule(g, hp, w, conv_state, state, in, r.token, 1, r.n));
+            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, arena->conv_lanes(ctx, l, r.lane, r.n)),
+                              ssm_state_of(ctx, hp, arena->ssm_lanes(ctx, l, r.lane, r.n)), in, r.token, 1, r.n));
         }
     } else if (!g.lane_recurrent.empty()) {
         for (int64_t t = 0; t < n; ++t) {
             const RecurrentState & rs = *g.lane_recurrent[(size_t) t];
-            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs, l), ssm_state_of(ctx, hp, rs, l), in, t, 1, 1));
+            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs.conv(l)), ssm_state_of(ctx, hp, rs.ssm(l)), in, t, 1, 1));
         }
     } else {
         const RecurrentState & rs = *g.recurrent;
-        append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs, l), ssm_state_of(ctx, hp, rs, l), in, 0, n, 1));
+        append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs.conv(l)), ssm_state_of(ctx, hp, rs.ssm(l)), in, 0, n, 1));
     }
     ggml_tensor * gated = ggml_mul(ctx, rms_norm(g, out, w.ssm_norm, hp.rms_eps),
                                    ggml_silu(ctx, ggml_reshape_4d(ctx, z, Dv, Hv, n, 1)));

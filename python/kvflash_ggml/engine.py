@@ -354,12 +354,14 @@ class Engine:
     def reselects_after(self, n_fed: int = 1) -> bool:
         """Whether feeding n_fed more tokens makes a reselect fall due (it reads the queries of that step: a batched
         step keeps them for this session only then, BatchDecoder's keep_queries)."""
-        n = self.session.n_tokens + n_fed
-        return self.policy.reselects and self._since_reselect + n_fed >= self.residency.reselect_every(n)
+        return self.policy.reselects and self._reselect_due(self._since_reselect + n_fed, self.session.n_tokens + n_fed)
+
+    def _reselect_due(self, since: int, n_tokens: int) -> bool:
+        return since >= self.residency.reselect_every(n_tokens)
 
     def _after_decode(self, n_fed: int = 1) -> None:
         self._since_reselect += n_fed
-        if self._since_reselect >= self.residency.reselect_every(self.session.n_tokens):
+        if self._reselect_due(self._since_reselect, self.session.n_tokens):
             self.reselect()
 
     # -- reselect --------------------------------------------------------------------------------
