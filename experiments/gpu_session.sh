@@ -11,7 +11,8 @@
 #     prefill      kvflash bench prefill on the 8B shape: full / exact / pooled vs llama-bench -p N, with the
 #                  device memory each held (PREFILL_LENGTHS, PREFILL_REPS, POOL)
 #     sparse       issue 37 item 2: kvflash bench prefill, exact and sparse beside llama-bench -p N (SPARSE_LENGTHS,
-#                  default 32768,262144; POOL)
+#                  default 32768,262144; POOL; SPARSE_MODES, SPARSE_ARGS: more flags, e.g. "--kv-type q8_0
+#                  --no-llama-bench"; SPARSE_TAG: a suffix for its JSON)
 #     sparse-1m    the sparse prefill of 1,048,576 tokens alone (llama.cpp's f16 K/V would be 128 GiB), SPARSE_1M_KV
 #                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
 #                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
@@ -29,7 +30,10 @@
 #                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder
 #     serve-profile  experiments/serve_batching.py --profile on the GPU: where the server's decode time goes (the core's
 #                  calls vs the rest, the sessions' timers) for PROFILE_CONFIGS (default lru,quest), SERVE_STREAMS
-#                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096)
+#                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096);
+#                  PROFILE_ARGS: more flags (e.g. "--cprofile 40", "--switch-interval 0.0002")
+#     batched-profile  experiments/profile_batched.py: SERVE_STREAMS slots (default 8) of MODEL, PROFILE_CONTEXT tokens each
+#                  (default 8192), pool SERVE_POOL (default 4096), stepped by BatchDecoder: the step's ms, its kernels
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
@@ -173,8 +177,8 @@ for phase in "$@"; do
     sparse)
         need_model
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${SPARSE_LENGTHS:-32768,262144}" \
-            --modes exact,sparse --kvflash "$POOL" --reps "${PREFILL_REPS:-1}" --json "$OUT/prefill-sparse.json" \
-            2>&1 | tee -a "$OUT/sparse.log" ;;
+            --modes "${SPARSE_MODES:-exact,sparse}" --kvflash "$POOL" --reps "${PREFILL_REPS:-1}" ${SPARSE_ARGS:-} \
+            --json "$OUT/prefill-sparse${SPARSE_TAG:-}.json" 2>&1 | tee -a "$OUT/sparse.log" ;;
     sparse-1m)
         need_model
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths 1048576 --modes sparse --kvflash "$POOL" \
@@ -198,7 +202,11 @@ for phase in "$@"; do
         need_model
         python3 experiments/serve_batching.py --model "$MODEL" --backend cuda --batched-only --profile \
             --slots "${SERVE_STREAMS:-8}" --prompt "${SERVE_CONTEXTS:-32768}" --gen "${SERVE_GEN:-512}" \
-            --pool "${SERVE_POOL:-4096}" --configs "${PROFILE_CONFIGS:-lru,quest}" 2>&1 | tee -a "$OUT/serve-profile.log" ;;
+            --pool "${SERVE_POOL:-4096}" --configs "${PROFILE_CONFIGS:-lru,quest}" ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/serve-profile.log" ;;
+    batched-profile)
+        need_model
+        python3 experiments/profile_batched.py --model "$MODEL" --slots "${SERVE_STREAMS:-8}" \
+            --context "${PROFILE_CONTEXT:-8192}" --pool "${SERVE_POOL:-4096}" 2>&1 | tee -a "$OUT/batched-profile${SERVE_TAG:-}.log" ;;
     spec)
         need_model
         [ -f /tmp/l1b.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/l1b.gguf --shape llama3.2-1b --type q4_0 2>&1 | tee -a "$OUT/session.log"

@@ -11,7 +11,10 @@ tokens of the two runs compared.
 
 --profile: where the second send's time goes, per configuration: wall time inside the core calls the rounds make
 (BatchDecoder steps, a session's own steps, scoring, reselects, queries) and the sessions' own timers (compute,
-paging, scoring), summed over the slots. --backend cuda: on the GPU (--model a GGUF path).
+paging, scoring), summed over the slots. --cprofile N: the scheduler thread's rounds under cProfile in the second send,
+the N functions with the most own time. --switch-interval S: sys.setswitchinterval(S) first (how long a thread that
+wants the GIL waits before the holder is asked to drop it: 5 ms by default). --backend cuda: on the GPU (--model a
+GGUF path).
 
 A prompt past the pool comes back as an exact prefill of its last token (one round a layer: 30 for SmolLM2), so the
 slots start decoding that many rounds apart; a speculating slot generates its tokens in few rounds, hence the
@@ -22,6 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
+import pstats
+import sys
 import time
 
 from kvflash_ggml import _core, resolve_model_path
@@ -101,10 +107,27 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
             sched.submit(r)
         return await asyncio.gather(*(drain(i, r) for i, r in enumerate(reqs)))
 
+    prof = cProfile.Profile() if args.cprofile else None
+    if prof:   # the scheduler thread's rounds only (a profiler is per thread), from the second send on
+        round_once = sched._round
+
+        def profiled_round():
+            if not profiling:
+                return round_once()
+            prof.enable()
+            try:
+                return round_once()
+            finally:
+                prof.disable()
+        sched._round = profiled_round
+    profiling = False
+
     async def main():
+        nonlocal profiling
         await send(1)   # each slot computes its prompt once (as bench serve fills its slots) ...
         for s in stamps:
             s.clear()
+        profiling = True
         if not args.profile:
             return await send(args.gen)   # ... and holds it when the same prompt comes back: every slot decodes at once
         calls, before = CallTimes(), session_timers(engines)
@@ -125,6 +148,8 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
         records = asyncio.run(main())
     finally:
         sched.stop()
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     t0 = max(s[0] for s in stamps)     # every slot decodes from here ...
     t1 = min(s[-2] for s in stamps)    # ... to here (the last stamp is the closing record)
     if t1 <= t0:
@@ -146,7 +171,11 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--profile", action="store_true", help="where the second send's time goes (see above)")
     ap.add_argument("--batched-only", action="store_true", help="skip the slot-by-slot runs")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="the scheduler's rounds under cProfile (above)")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S", help="sys.setswitchinterval(S) first")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     path = resolve_model_path(args.model)
     model = _core.Model(path, backend=args.backend, n_threads=args.threads)
     tok = Tokenizer(path)

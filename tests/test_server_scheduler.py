@@ -17,15 +17,6 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 
-class Logged(Request):
-    """A request that notes, in one list shared by all, when the scheduler hands it each record."""
-    events: list
-
-    def deliver(self, item):
-        self.events.append((self.name, time.perf_counter(), item))
-        super().deliver(item)
-
-
 @pytest.fixture
 def make_scheduler(smollm2, smollm2_path, tmp_path):
     made = []
@@ -63,18 +54,20 @@ def prompt(tok, text, n):
 @pytest.mark.parametrize("prefill", ["exact", "pooled"])
 def test_a_long_prompt_does_not_stall_a_decoding_slot(make_scheduler, prefill):
     sched, tok = make_scheduler(prefill=prefill)
-    events: list = []
+    events: list = []   # (request, when its record reached the event loop)
+
+    async def timed_drain(name, request):
+        while (item := await request.out.get()) is not None:
+            events.append((name, time.perf_counter(), item))
 
     async def main():
         loop = asyncio.get_running_loop()
-        a = Logged(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=300, temperature=0), loop)
-        a.name, a.events = "a", events
+        a = Request(tok.encode("1, 2, 3, 4, 5, 6,"), SamplingParams(max_tokens=300, temperature=0), loop)
         sched.submit(a)
         await a.out.get()     # a decodes
-        b = Logged(prompt(tok, "The river runs to the sea. ", 2000), SamplingParams(max_tokens=1, temperature=0), loop)
-        b.name, b.events = "b", events
+        b = Request(prompt(tok, "The river runs to the sea. ", 2000), SamplingParams(max_tokens=1, temperature=0), loop)
         sched.submit(b)
-        await asyncio.gather(drain(a), drain(b))
+        await asyncio.gather(timed_drain("a", a), timed_drain("b", b))
         return b
 
     b = run(main())

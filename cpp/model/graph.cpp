@@ -355,10 +355,12 @@ std::vector<QueryBlock> query_blocks(const KvStepInputs & in, int64_t n, int64_t
 
 // Blocks' outputs [w, n_b] stacked along rows into [w, sum of n_b]. A chain of concats copies the rows stacked so far
 // again at every block (k(k+1)/2 - 1 blocks' worth for k equal ones: 1.2 s of a 256K exact prefill's 94 at 8 blocks
-// a step, H100, R95). From four F32 blocks on, the first is padded to the whole (one pass) and each other one set
-// into it in place (one copy each).
+// a step, H100, R95), and each concat holds two blocks' outputs at once: over a quantized pool ggml-cuda's flash
+// attention allocates an F16 copy of the keys and values it reads inside its output (fattn-common.cuh: 4 KB a key
+// on the 8B shape, 4 GiB for a dense block at 1M). So F32 blocks are stacked in place: the first padded to the whole
+// (one pass), each other one set into it (one copy each), each freed as soon as it is set.
 ggml_tensor * stack_rows(ggml_context * ctx, const std::vector<ggml_tensor *> & parts) {
-    const bool settable = parts.size() >= 4 && std::all_of(parts.begin(), parts.end(), [](const ggml_tensor * t) {
+    const bool settable = parts.size() >= 2 && std::all_of(parts.begin(), parts.end(), [](const ggml_tensor * t) {
         return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
     });
     if (!settable) {

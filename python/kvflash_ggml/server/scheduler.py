@@ -20,7 +20,7 @@ sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
 sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on the event loop
-that submitted it. A cancelled request (the client went away) ends at its slot's next step, prompt steps
+that submitted it, a round's all at once (Outbox). A cancelled request (the client went away) ends at its slot's next step, prompt steps
 included (the prompt is dropped: the session rolls back).
 """
 from __future__ import annotations
@@ -85,8 +85,33 @@ class Request:
     t_start: Optional[float] = None      # taken by a slot
     t_first: Optional[float] = None      # first token out (prompt done)
 
-    def deliver(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+class Outbox:
+    """What the scheduler thread hands the requests (records, errors, the closing None), sent to their event loops
+    when flushed: one call_soon_threadsafe per loop however many items, so a round of S streams wakes the loop
+    once, not S times (each wake is a write to the loop's self-pipe and a thread that wants the GIL back from
+    the scheduler)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Request, Any]] = []
+
+    def put(self, request: Request, item: Any) -> None:
+        self._items.append((request, item))
+
+    def flush(self) -> None:
+        if not self._items:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, Any]]] = {}
+        for request, item in self._items:
+            by_loop.setdefault(request.loop, []).append((request, item))
+        self._items = []
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
+
+
+def _put_each(items: list[tuple[Request, Any]]) -> None:   # on the requests' event loop, in the order handed
+    for request, item in items:
+        request.out.put_nowait(item)
 
 
 class Slot:
@@ -135,6 +160,7 @@ class Scheduler:
         self.max_queue = max_queue
         self._pending: collections.deque[Request] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._outbox = Outbox()
         self._wake = threading.Condition()
         self._stopping = False
         self.on_finish: Callable[[Slot, Request, Optional[GenerationRecord], Optional[BaseException]], None] = \
@@ -199,7 +225,9 @@ class Scheduler:
                         future.set_exception(e)
             self._admit()
             self._round()
+            self._outbox.flush()
         self._shutdown()
+        self._outbox.flush()
 
     def _round(self) -> None:
         """Every decoding slot takes one step, the decode and verify steps that can share one batched forward
@@ -220,6 +248,7 @@ class Scheduler:
         if decoding or batch:
             took = time.perf_counter() - t0
             self.decode_round_s = took if self.decode_round_s is None else 0.8 * self.decode_round_s + 0.2 * took
+        self._outbox.flush()   # the decode steps' records go out before the prompt's step
         prompts = [s for s in self.slots if s.busy and not s.decoding]
         if prompts:
             self._step(min(prompts, key=lambda s: s.request.t_start))
@@ -326,7 +355,7 @@ class Scheduler:
             return
         if request.t_first is None:
             request.t_first = time.perf_counter()
-        request.deliver(record)
+        self._outbox.put(request, record)
         if record.finish_reason is not None:
             self._finish(slot, record, None)
 
@@ -343,8 +372,8 @@ class Scheduler:
         except Exception:   # noqa: BLE001
             log.exception("slot %d: reading its state failed", slot.id)
         if error is not None and not isinstance(error, RequestCancelled):
-            request.deliver(error)
-        request.deliver(None)
+            self._outbox.put(request, error)
+        self._outbox.put(request, None)
         self.on_finish(slot, request, record, error)
 
     def _shutdown(self) -> None:
@@ -357,5 +386,5 @@ class Scheduler:
             except Exception:   # noqa: BLE001 - shutting down: log and go on with the next slot
                 log.exception("slot %d: storing its prefix at shutdown failed", slot.id)
         for r in self._pending:
-            r.deliver(None)
+            self._outbox.put(r, None)
         self._pending.clear()
