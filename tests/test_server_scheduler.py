@@ -3,13 +3,14 @@ other slots' decoding (its steps and theirs one after another in the rounds), ca
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import pytest
 
 from kvflash_ggml import _core
 from kvflash_ggml.options import PoolConfig, ResidencyConfig, SamplingParams, SpeculativeConfig
-from kvflash_ggml.server.scheduler import QueueFull, Request, Scheduler, slot_engines
+from kvflash_ggml.server.scheduler import Outbox, QueueFull, Request, Scheduler, slot_engines
 from kvflash_ggml.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,36 @@ async def drain(request) -> list:
     while (item := await request.out.get()) is not None:
         out.append(item)
     return out
+
+
+def test_a_flush_wakes_each_event_loop_once_with_its_requests_items_in_order():
+    # However many streams got a record in a round, the round wakes each event loop once (a self-pipe write and a
+    # thread that wants the GIL back each time).
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    calls: collections.Counter = collections.Counter()
+    for i, loop in enumerate(loops):
+        def counted(*a, _orig=loop.call_soon_threadsafe, _i=i):
+            calls[_i] += 1
+            return _orig(*a)
+        loop.call_soon_threadsafe = counted
+    try:
+        requests = [Request([1], GREEDY, loops[i % 2]) for i in range(6)]
+        box = Outbox()
+        for k in range(3):
+            for r in requests:
+                box.put(r, k)
+        box.put(requests[0], None)
+        box.flush()
+        assert calls == {0: 1, 1: 1}
+        for loop in loops:
+            loop.run_until_complete(asyncio.sleep(0))   # the loop runs what was handed to it
+        for i, r in enumerate(requests):
+            assert [r.out.get_nowait() for _ in range(r.out.qsize())] == [0, 1, 2] + ([None] if i == 0 else [])
+        box.flush()   # nothing held: no wake
+        assert calls == {0: 1, 1: 1}
+    finally:
+        for loop in loops:
+            loop.close()
 
 
 def prompt(tok, text, n):
