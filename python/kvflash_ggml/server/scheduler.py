@@ -20,8 +20,8 @@ sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
 sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on the event loop
-that submitted it, a round's all at once (Outbox). A cancelled request (the client went away) ends at its slot's next step, prompt steps
-included (the prompt is dropped: the session rolls back).
+that submitted it, a round's all at once (Outbox). A cancelled request (the client went away) ends at its slot's
+next step, prompt steps included (the prompt is dropped: the session rolls back).
 """
 from __future__ import annotations
 
