@@ -77,6 +77,46 @@ def test_a_flush_wakes_each_event_loop_once_with_its_requests_items_in_order():
             loop.close()
 
 
+def test_a_rounds_records_go_out_right_before_the_next_step(make_scheduler):
+    # The loop's work on them (a server's SSE chunks) then runs while the step holds no GIL: between rounds they
+    # wait, and none is left when a batched step starts.
+    sched, tok = make_scheduler()
+    left_at_step, left_after_round = [], []
+
+    class Watched:
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def __getattr__(self, name):
+            return getattr(self.decoder, name)
+
+        def step_greedy(self, *a):
+            left_at_step.append(len(sched._outbox._items))
+            return self.decoder.step_greedy(*a)
+
+    sched.decoder = Watched(sched.decoder)
+    round_once = sched._round
+
+    def watched_round():
+        round_once()
+        if sum(s.busy and s.decoding for s in sched.slots) == 2:
+            left_after_round.append(len(sched._outbox._items))
+    sched._round = watched_round
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reqs = [Request(tok.encode(t), SamplingParams(max_tokens=12, temperature=0), loop)
+                for t in ("Count: 1, 2, 3,", "Letters: a, b, c,")]
+        for r in reqs:
+            sched.submit(r)
+        return await asyncio.gather(*(drain(r) for r in reqs))
+
+    outs = run(main())
+    assert [len(o) for o in outs] == [13, 13], [len(o) for o in outs]   # 12 tokens, then the closing record
+    assert len(left_at_step) >= 5 and set(left_at_step) == {0}, left_at_step
+    assert left_after_round and max(left_after_round) == 2, left_after_round   # a record per slot, not yet sent
+
+
 def prompt(tok, text, n):
     ids = tok.encode(text * 400)
     return ids[:n]

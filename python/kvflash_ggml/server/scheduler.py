@@ -90,7 +90,7 @@ class Outbox:
     """What the scheduler thread hands the requests (records, errors, the closing None), sent to their event loops
     when flushed: one call_soon_threadsafe per loop however many items, so a round of S streams wakes the loop
     once, not S times (each wake is a write to the loop's self-pipe and a thread that wants the GIL back from
-    the scheduler)."""
+    the scheduler). The scheduler flushes right before its next step (Scheduler._send_records)."""
 
     def __init__(self) -> None:
         self._items: list[tuple[Request, Any]] = []
@@ -212,11 +212,14 @@ class Scheduler:
         while True:
             with self._wake:
                 while not (self._stopping or self._pending or self._commands or any(s.busy for s in self.slots)):
+                    self._outbox.flush()   # no step comes: what the last one made goes now
                     self._wake.wait()
                 if self._stopping:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            if commands or self._pending:   # a command, or a slot taken over, may write a snapshot first
+                self._outbox.flush()
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -225,7 +228,6 @@ class Scheduler:
                         future.set_exception(e)
             self._admit()
             self._round()
-            self._outbox.flush()
         self._shutdown()
         self._outbox.flush()
 
@@ -248,7 +250,6 @@ class Scheduler:
         if decoding or batch:
             took = time.perf_counter() - t0
             self.decode_round_s = took if self.decode_round_s is None else 0.8 * self.decode_round_s + 0.2 * took
-        self._outbox.flush()   # the decode steps' records go out before the prompt's step
         prompts = [s for s in self.slots if s.busy and not s.decoding]
         if prompts:
             self._step(min(prompts, key=lambda s: s.request.t_start))
@@ -285,6 +286,7 @@ class Scheduler:
                 rows = [[t] for t in tokens]
             # a slot's queries come back from the device only for the reselect that reads them
             keep = [s.engine.reselects_after(len(r)) for s, r in zip(batch, rows)]
+            self._send_records()
             if any(verifies):
                 out = self.decoder.step_rows(sessions, rows, keep)
             else:
@@ -340,7 +342,16 @@ class Scheduler:
         if slot.request.cancelled or self._stopping:
             self._finish(slot, None, RequestCancelled())
             return
+        self._send_records()
         self._deliver(slot, (lambda: next(slot.records)) if slot.decoding else slot.records.step_prompt)
+
+    def _send_records(self) -> None:
+        """Flush the outbox: called right before a step, whose core call releases the GIL for its whole length, so
+        the event loops' work on the records (a server's SSE chunks) runs beside the step. Flushed at a round's
+        end instead, the first short call that releases the GIL (Session.n_tokens) hands it to the woken loop and
+        the scheduler waits out the loop's work before its next step (2-core VM, 8 slots of a tiny model, 100 us of
+        a consumer's Python per record: 1.1 ms a round against 0.93, experiments/round_overlap.py)."""
+        self._outbox.flush()
 
     def _deliver(self, slot: Slot, step: Callable[[], Optional[GenerationRecord]]) -> None:
         """Run one step of the slot's generation and hand its record (if it made one) to the request."""
