@@ -1,7 +1,7 @@
 """What a scheduler round costs when the event loop has work per record (a server's SSE chunk: WORK us of Python
 each), 8 slots of a tiny random model (tiny-llama) decoding together, the scheduler in-process (no HTTP): wall time
 of the rounds that batched 6 or more tokens, min and median over 5 sends of 300 tokens. The scheduler wakes the loop
-with a round's records right before its next step (Scheduler._send_records), so the loop's work runs while the
+with a round's records right before its next step (server/scheduler.py, Outbox), so the loop's work runs while the
 step holds no GIL; A/B against another checkout by running both.
 
     OMP_WAIT_POLICY=passive python experiments/round_overlap.py 100

@@ -108,6 +108,7 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
         return await asyncio.gather(*(drain(i, r) for i, r in enumerate(reqs)))
 
     prof = cProfile.Profile() if args.cprofile else None
+    profiling = False   # set from the second send on
     if prof:   # the scheduler thread's rounds only (a profiler is per thread), from the second send on
         round_once = sched._round
 
@@ -120,7 +121,6 @@ def run(model, tok, args, policy, speculative, batch: bool) -> tuple[float, list
             finally:
                 prof.disable()
         sched._round = profiled_round
-    profiling = False
 
     async def main():
         nonlocal profiling

@@ -20,8 +20,8 @@ sliding-window layers attend each slot's own ring, a hybrid's
 linear-attention layers step each slot's own recurrent state in the same forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
 sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on the event loop
-that submitted it, a round's all at once (Outbox). A cancelled request (the client went away) ends at its slot's
-next step, prompt steps included (the prompt is dropped: the session rolls back).
+that submitted it, all at once right before the scheduler's next step (Outbox). A cancelled request (the client
+went away) ends at its slot's next step, prompt steps included (the prompt is dropped: the session rolls back).
 """
 from __future__ import annotations
 
@@ -90,7 +90,11 @@ class Outbox:
     """What the scheduler thread hands the requests (records, errors, the closing None), sent to their event loops
     when flushed: one call_soon_threadsafe per loop however many items, so a round of S streams wakes the loop
     once, not S times (each wake is a write to the loop's self-pipe and a thread that wants the GIL back from
-    the scheduler). The scheduler flushes right before its next step (Scheduler._send_records)."""
+    the scheduler). The scheduler flushes right before its next step, whose core call releases the GIL for its
+    whole length, so the loops' work on the records (a server's SSE chunks) runs beside the step. Flushed at a
+    round's end instead, the first short call that releases the GIL (Session.n_tokens) hands it to the woken loop
+    and the scheduler waits out the loop's work before stepping (2-core VM, 8 slots of a tiny model, 100 us of a
+    consumer's Python per record: 1.1 ms a round against 0.93, experiments/round_overlap.py)."""
 
     def __init__(self) -> None:
         self._items: list[tuple[Request, Any]] = []
@@ -286,7 +290,7 @@ class Scheduler:
                 rows = [[t] for t in tokens]
             # a slot's queries come back from the device only for the reselect that reads them
             keep = [s.engine.reselects_after(len(r)) for s, r in zip(batch, rows)]
-            self._send_records()
+            self._outbox.flush()
             if any(verifies):
                 out = self.decoder.step_rows(sessions, rows, keep)
             else:
@@ -342,16 +346,9 @@ class Scheduler:
         if slot.request.cancelled or self._stopping:
             self._finish(slot, None, RequestCancelled())
             return
-        self._send_records()
+        if not (slot.decoding and slot.records.has_queued):   # a kept token to give computes nothing
+            self._outbox.flush()
         self._deliver(slot, (lambda: next(slot.records)) if slot.decoding else slot.records.step_prompt)
-
-    def _send_records(self) -> None:
-        """Flush the outbox: called right before a step, whose core call releases the GIL for its whole length, so
-        the event loops' work on the records (a server's SSE chunks) runs beside the step. Flushed at a round's
-        end instead, the first short call that releases the GIL (Session.n_tokens) hands it to the woken loop and
-        the scheduler waits out the loop's work before its next step (2-core VM, 8 slots of a tiny model, 100 us of
-        a consumer's Python per record: 1.1 ms a round against 0.93, experiments/round_overlap.py)."""
-        self._outbox.flush()
 
     def _deliver(self, slot: Slot, step: Callable[[], Optional[GenerationRecord]]) -> None:
         """Run one step of the slot's generation and hand its record (if it made one) to the request."""
