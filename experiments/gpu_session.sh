@@ -32,8 +32,9 @@
 #                  calls vs the rest, the sessions' timers) for PROFILE_CONFIGS (default lru,quest), SERVE_STREAMS
 #                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096);
 #                  PROFILE_ARGS: more flags (e.g. "--cprofile 40", "--switch-interval 0.0002")
-#     batched-profile  experiments/profile_batched.py: SERVE_STREAMS slots (default 8) of MODEL, PROFILE_CONTEXT tokens each
-#                  (default 8192), pool SERVE_POOL (default 4096), stepped by BatchDecoder: the step's ms, its kernels
+#     batched-profile  experiments/profile_batched.py: SERVE_STREAMS slots (default 8; a list: steps of the first N)
+#                  of MODEL, PROFILE_CONTEXT tokens each (default 8192), pool SERVE_POOL (default 4096), stepped by
+#                  BatchDecoder: the step's ms, its kernels; BATCHED_ARGS: more flags (e.g. "--steps 32")
 #     spec         kvflash bench spec on the 8B shape: plain vs speculative decode with the model itself as the draft
 #                  and a random Llama 3.2 1B shape (acceptance ~0: a miss's cost), then the same shape written as an
 #                  echo model (random_gguf --echo) drafting itself (acceptance 1: the machinery's upper bound);
@@ -206,7 +207,7 @@ for phase in "$@"; do
     batched-profile)
         need_model
         python3 experiments/profile_batched.py --model "$MODEL" --slots "${SERVE_STREAMS:-8}" \
-            --context "${PROFILE_CONTEXT:-8192}" --pool "${SERVE_POOL:-4096}" 2>&1 | tee -a "$OUT/batched-profile${SERVE_TAG:-}.log" ;;
+            --context "${PROFILE_CONTEXT:-8192}" --pool "${SERVE_POOL:-4096}" ${BATCHED_ARGS:-} 2>&1 | tee -a "$OUT/batched-profile${SERVE_TAG:-}.log" ;;
     spec)
         need_model
         [ -f /tmp/l1b.gguf ] || python3 -m kvflash_ggml.testing.random_gguf /tmp/l1b.gguf --shape llama3.2-1b --type q4_0 2>&1 | tee -a "$OUT/session.log"

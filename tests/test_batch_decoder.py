@@ -74,6 +74,7 @@ def test_batched_steps_equal_steps_alone(tiny_gguf, attention):
     # f16 weights: a 4-column matmul sums in another order than a 1-column one (SmolLM2's Q4_1: equal bytes)
     np.testing.assert_allclose(logits_b, logits_a, rtol=0, atol=2e-3)
     assert decoder.compute_bytes > 0
+    assert decoder.graph_splits == 1 and decoder.graph_nodes > 20 * model.hparams.n_layer   # one backend runs it all
 
 
 @pytest.mark.parametrize("attention,kv_type", [("matmul", "f16"), ("flash", "f16"), ("flash", "q8_0")])

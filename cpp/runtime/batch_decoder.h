@@ -58,6 +58,9 @@ public:
     void step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
                    std::vector<float> * logits, const std::vector<uint8_t> * keep_queries = nullptr);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
+    // The last step graph's nodes, and its splits in ggml's scheduler (a run of nodes on one backend each).
+    int64_t step_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
+    int64_t graph_splits() const { return sched_ ? ggml_backend_sched_get_n_splits(sched_) : 0; }
     // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
     // when the sessions do not share an arena.
     int64_t attention_calls() const { return graph_.arena.arena ? (int64_t) graph_.arena.runs.size() : (int64_t) graph_.lanes.size(); }
