@@ -39,8 +39,7 @@ def main() -> None:
     n_slots = max(slot_counts)
     model = _core.Model(args.model, backend=args.backend)
     tok = Tokenizer(args.model)
-    runs = len(slot_counts)
-    pool = PoolConfig(n_ctx=args.context + (2 * runs + 1) * args.steps + 256, pool_tokens=args.pool)
+    pool = PoolConfig(n_ctx=args.context + (2 * len(slot_counts) + 1) * args.steps + 256, pool_tokens=args.pool)
     engines = slot_engines(n_slots, model, tok, pool, ResidencyConfig(policy="lru", prefill="pooled"),
                            store_each_turn=False)
     rng = np.random.default_rng(0)

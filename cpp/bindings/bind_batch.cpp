@@ -79,7 +79,7 @@ void register_batch(py::module_ & m) {
                                "consecutive arena lanes, else one per session (0: no such layers)")
         .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
                                "device bytes of the batched step graphs' compute buffer")
-        .def_property_readonly("graph_nodes", &BatchDecoder::step_nodes, "the last step graph's nodes")
+        .def_property_readonly("graph_nodes", &BatchDecoder::graph_nodes, "the last step graph's nodes")
         .def_property_readonly("graph_splits", &BatchDecoder::graph_splits,
                                "the last step graph's splits in ggml's scheduler (one per run of nodes on one backend)");
 }

@@ -494,17 +494,11 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
 // token's own mask row. Same arguments and result as attend.
 ggml_tensor * attend_lanes(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
     ggml_context * ctx = g.ctx;
-    GraphCtx::ArenaBatch & b = g.arena;
+    const GraphCtx::ArenaBatch & b = g.arena;
     const PoolArena & arena = *b.arena;
     const int64_t head_dim_k = q->ne[0], head_dim_v = v ? v->ne[0] : head_dim_k, n_head = q->ne[1];
     if (k) ggml_build_forward_expand(g.gf, cpy_k_lanes(ctx, arena, b.in, kl, k));
     if (v) ggml_build_forward_expand(g.gf, cpy_v_lanes(ctx, arena, b.in, kl, v));
-    if (b.run_masks.empty()) {
-        for (const GraphCtx::LaneRun & r : b.runs) {
-            b.run_masks.push_back(ggml_view_4d(ctx, b.in.mask, b.n_kv, 1, 1, r.n, b.in.mask->nb[1], b.in.mask->nb[1],
-                                               b.in.mask->nb[1], r.token * b.in.mask->nb[1]));
-        }
-    }
     ggml_tensor * out = nullptr;
     for (size_t i = 0; i < b.runs.size(); ++i) {
         const GraphCtx::LaneRun & r = b.runs[i];

@@ -113,7 +113,7 @@ struct GraphCtx {
         KvStepInputs in;   // slots: arena rows; mask [n_kv, n_tokens]: row t is token t's own pool's
         int64_t n_kv = 0;
         std::vector<LaneRun> runs;
-        // Each run's rows of the mask, [n_kv, 1, 1, run's n], made by the first layer and viewed by every other: ggml's
+        // Each run's rows of the mask, [n_kv, 1, 1, run's n], viewed once with the runs and read by every layer: ggml's
         // scheduler uploads each view of a host input as its own input, and a view per layer made 32 uploads of
         // the same rows a step on the 8B shape (R110: 36 copies and 104 stream syncs between two steps).
         std::vector<ggml_tensor *> run_masks;

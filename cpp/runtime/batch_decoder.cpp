@@ -46,7 +46,7 @@ std::vector<GraphCtx::LaneRun> lane_runs(const std::vector<Session *> & sessions
 
 }  // namespace
 
-size_t BatchDecoder::graph_nodes(const Session & s) {
+size_t BatchDecoder::node_budget(const Session & s) {
     // A lane's own nodes in a layer: about 24 for its attention (full-attention layers) or for its conv and delta
     // rule (linear-attention layers, qwen35.cpp: delta_rule); 32 leaves room.
     const int64_t per_layer = k_max_lanes * 32 + (s.model().on_gpu() ? 0 : k_max_step_rows * 8);
@@ -102,7 +102,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
                                const std::vector<Session::PlacedStep> & placed,
                                bool greedy) {
     const Session & first = *sessions.front();
-    const size_t n_nodes = graph_nodes(first);
+    const size_t n_nodes = node_budget(first);
     if (!sched_) sched_ = first.new_sched(n_nodes);
     if (graph_ctx_) ggml_free(graph_ctx_);
     graph_ctx_ = first.new_graph_ctx(n_nodes);
@@ -140,6 +140,10 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
         b.n_kv = widest(placed);
         b.in = kv_step_inputs_new(g.ctx, arena->layout(), n, b.n_kv, false);
         b.runs = lane_runs(sessions, [](const Session & s) { return s.kv().lane(); });
+        const size_t row = b.in.mask->nb[1];
+        for (const GraphCtx::LaneRun & r : b.runs) {
+            b.run_masks.push_back(ggml_view_4d(g.ctx, b.in.mask, b.n_kv, 1, 1, r.n, row, row, row, r.token * row));
+        }
     } else {
         for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
             const PooledKV & kv = sessions[i]->kv();

@@ -59,7 +59,7 @@ public:
                    std::vector<float> * logits, const std::vector<uint8_t> * keep_queries = nullptr);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
     // The last step graph's nodes, and its splits in ggml's scheduler (a run of nodes on one backend each).
-    int64_t step_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
+    int64_t graph_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
     int64_t graph_splits() const { return sched_ ? ggml_backend_sched_get_n_splits(sched_) : 0; }
     // Attention calls per layer in the last step's graph: its runs of consecutive arena lanes, or one per session
     // when the sessions do not share an arena.
@@ -74,7 +74,7 @@ private:
     // Graph nodes of a batched step: a session's graph, plus per session and layer its own attention (token
     // views, K/V writes, pool views, permutes, attention, concat), and on the CPU per row of a verify step its
     // one-token attention.
-    static size_t graph_nodes(const Session & s);
+    static size_t node_budget(const Session & s);
     // The arena every session's pool is a lane of, when the step can attend them all at once; else nullptr
     // (each session then attends its own pool: GraphCtx::lanes).
     static const PoolArena * shared_arena(const std::vector<Session *> & sessions,
