@@ -71,6 +71,32 @@ def test_a_block_that_chooses_every_far_chunk_attends_what_the_exact_prefill_doe
     assert exact.prefill_coverage() == []
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma4"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_the_dense_last_step_over_a_quantized_pool_attends_query_pairs_as_whole_blocks_do(tiny, arch, kv_type):
+    # Over a quantized pool a dense block whose F16 copy of its keys would pass attention_block_bytes attends its
+    # queries a pair at a time (ggml-cuda's vector kernel then reads the quantized keys as they are: graph.cpp,
+    # pair_queries). A budget of 16 KB sends the prompt's dense last step (255 queries: an odd first one alone, then
+    # pairs) down that path; the default budget attends whole blocks. Same attention up to summation order.
+    model = tiny(arch)
+    tokens = prompt(model, 767, seed=6)
+    runs = {}
+    for budget in (0, 1 << 14):
+        sess = session(model, kv_type)
+        logits, attention = sess.prefill_exact(tokens, 0, n_batch=256, sparse_top_chunks=3, sparse_local_chunks=1,
+                                               attention_block_bytes=budget)
+        runs[budget] = (sess, logits, attention)
+    (whole, logits_whole, attention_whole), (paired, logits, attention) = runs[0], runs[1 << 14]
+    assert whole.timings.n_prefill_paired_blocks == 0
+    assert paired.timings.n_prefill_paired_blocks >= model.hparams.n_pooled_layers
+    np.testing.assert_allclose(logits, logits_whole, atol=1e-3)
+    np.testing.assert_allclose(attention, attention_whole, atol=3e-2)
+    if kv_type == "q8_0":
+        for c in range(len(tokens) // C):
+            np.testing.assert_allclose(chunk_values(paired, c, kv_type), chunk_values(whole, c, kv_type),
+                                       atol=3e-2, rtol=2e-2, err_msg=f"chunk {c}")
+
+
 def test_the_reported_share_is_one_where_the_choice_is_every_key(tiny):
     # The prompt's last step attends every key; its last block still makes the choice a sparse block ending there
     # would make. From 300 to 512 in one step, that block's far chunks are 1-3 and top 3 takes them all: the chosen

@@ -102,7 +102,8 @@ void bind_config_and_timings(py::module_ & m) {
         .def_readonly("n_graph_builds", &SessionTimings::n_graph_builds)
         .def_readonly("t_prefill_graph_ms", &SessionTimings::t_prefill_graph_ms)
         .def_readonly("t_prefill_io_ms", &SessionTimings::t_prefill_io_ms)
-        .def_readonly("n_prefill_graph_changes", &SessionTimings::n_prefill_graph_changes);
+        .def_readonly("n_prefill_graph_changes", &SessionTimings::n_prefill_graph_changes)
+        .def_readonly("n_prefill_paired_blocks", &SessionTimings::n_prefill_paired_blocks);
 }
 
 

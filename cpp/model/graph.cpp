@@ -379,6 +379,38 @@ ggml_tensor * stack_rows(ggml_context * ctx, const std::vector<ggml_tensor *> & 
     return out;
 }
 
+// Over a quantized pool ggml-cuda's flash attention for more than 2 queries (its tile and tensor-core kernels) reads
+// F16 only: it converts every key and value the call reads into a copy inside its output (fattn-common.cuh), 4 KB a
+// key on the 8B shape, 4 GiB for a block over 1M keys. Its vector kernel reads q8_0 / q4_0 as they are, for at most 2
+// queries a call. So a block whose copy would pass the attention budget attends its queries a pair per call: no copy,
+// each pair reading the keys once. Worth it where a layer attends so once, O(length) reads: a sparse prefill's dense
+// last step (attend; ggml's views cannot broadcast one K over lanes along ne3, as attend_lanes' arena lanes do).
+bool pair_queries(const GraphCtx & g, const PooledKV & kv, int64_t kl, int64_t n_kv) {
+    if (!g.flash_attn || !g.sparse.dense) return false;
+    if (!ggml_is_quantized(kv.k(kl)->type) && !ggml_is_quantized(kv.v(kl)->type)) return false;
+    // the vector kernel wants whole 256-key tiles (FATTN_KQ_STRIDE; a flash attention session pads its keys so)
+    const int64_t f16_copy = n_kv * (kv.layout().n_embd_k + kv.layout().n_embd_v) * (int64_t) sizeof(ggml_fp16_t);
+    return n_kv % 256 == 0 && f16_copy > g.attention_block_bytes;
+}
+
+// qb [head_dim_k, n, n_head], kp / vp [head_dim, n_kv, n_head_kv], mask F16 [>= n_kv, n] contiguous: flash attention
+// [head_dim_v * n_head, n], a call per pair of queries (an odd first one alone): pair_queries says why.
+ggml_tensor * flash_attn_pairs(ggml_context * ctx, ggml_tensor * qb, ggml_tensor * kp, ggml_tensor * vp,
+                               ggml_tensor * mask, float kq_scale) {
+    const int64_t n = qb->ne[1];
+    std::vector<ggml_tensor *> parts;
+    for (int64_t row0 = 0; row0 < n;) {
+        const int64_t nr = row0 == 0 && n % 2 ? 1 : 2;
+        ggml_tensor * q = ggml_view_3d(ctx, qb, qb->ne[0], nr, qb->ne[2], qb->nb[1], qb->nb[2], row0 * qb->nb[1]);
+        ggml_tensor * m = ggml_view_2d(ctx, mask, mask->ne[0], nr, mask->nb[1], row0 * mask->nb[1]);
+        ggml_tensor * o = ggml_flash_attn_ext(ctx, q, kp, vp, m, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, nr]
+        ggml_prec_set_acc(o, GGML_PREC_F32);
+        parts.push_back(ggml_reshape_2d(ctx, o, vp->ne[0] * qb->ne[2], nr));
+        row0 += nr;
+    }
+    return stack_rows(ctx, parts);
+}
+
 // Writes k and v of the step's tokens into layer kl of `kv` and attends its first n_kv slots under `in`:
 // q, k, v [head_dim, n_heads, n]; returns [head_dim_v * n_head, n]. k and v nullptr: the layer writes
 // nothing and attends what an earlier layer of the graph wrote into kl (gemma4's shared K/V, whose V heads
@@ -470,9 +502,14 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
         ggml_tensor * o;
         if (g.flash_attn) {
             if (capture_here) capture_flash(g, qb, kp, mr.mask, kq_scale, keys_per_capture_block());
-            o = ggml_flash_attn_ext(ctx, qb, kp, kv_views.v, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
-            ggml_prec_set_acc(o, GGML_PREC_F32);
-            o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, b.n);
+            if (index && pair_queries(g, kv, kl, mr.n_kv)) {
+                o = flash_attn_pairs(ctx, qb, kp, kv_views.v, mr.mask, kq_scale);
+                g.n_paired_blocks++;
+            } else {
+                o = ggml_flash_attn_ext(ctx, qb, kp, kv_views.v, mr.mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, b.n]
+                ggml_prec_set_acc(o, GGML_PREC_F32);
+                o = ggml_reshape_2d(ctx, o, head_dim_v * n_head, b.n);
+            }
         } else {
             const auto product = [&](ggml_tensor * a, ggml_tensor * b) {
                 return f16_products ? f16_mul_mat(ctx, a, b) : ggml_mul_mat(ctx, a, b);

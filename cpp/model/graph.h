@@ -86,6 +86,7 @@ struct GraphCtx {
     // A sparse prefill's captured queries: per layer whose last block chose its keys, the share of their exact
     // attention those keys hold, F32 [1, n_attn_tokens, n_head] (outputs; none where the block saw every key).
     std::vector<ggml_tensor *> coverage;
+    int64_t n_paired_blocks = 0;   // blocks of queries attended a pair at a time (graph.cpp: pair_queries says why)
     // A batched step of several sessions (runtime/batch_decoder.h): lane i is session i's tokens [t0, t0 + n) of
     // the step (one for a decode step, several for a verify step), which attend only that session's pool, under
     // its own inputs. Empty: the graph runs one sequence (kv, in.kv).

@@ -11,7 +11,9 @@
 //     query (its queries and the query heads of the group averaged: MInference's block-sparse pooling, MoBA's
 //     mean-pooled keys), chosen on the device (ggml_top_k) so that a step waits for nothing.
 // A block with fewer far chunks than top_chunks attends every earlier key, as the exact prefill does, and so does
-// the prompt's last step (SparseStep::dense). A block's
+// the prompt's last step (SparseStep::dense): over a quantized pool a pair of its queries per attention call, which
+// ggml-cuda's vector kernel reads without the F16 copy of every key its other kernels make (graph.cpp: pair_queries:
+// 4 GiB a call at 1M on the 8B shape). A block's
 // queries choose together, so a position's K/V may depend on later queries of its own block (block_rows - 1 at most),
 // as in MInference's block-sparse prefill; never on a later block's.
 // The chosen chunks' keys are gathered per head (ggml_get_rows over the staging pool viewed as [head_dim,

@@ -119,6 +119,9 @@ struct SessionTimings {
     // layer-major prefill: steps (each layer's last aside) whose graph has other nodes than the layer's first step's;
     // ggml's allocator re-reserves for each, which waits for the device (should stay 0)
     int64_t n_prefill_graph_changes = 0;
+    // layer-major prefill: blocks of queries attended a pair at a time, so that ggml-cuda reads a quantized pool's
+    // keys without an F16 copy of them (a sparse prefill's dense last step; model/graph.cpp: pair_queries)
+    int64_t n_prefill_paired_blocks = 0;
 };
 
 // Held by one thread: the session's mutex and, unless taken for bookkeeping only, its model's.

@@ -176,6 +176,7 @@ private:
     void plan_steps();
     KvKeyOrder staging_order(int64_t filled) const;
     StepGraph build_graph(size_t k, int64_t n_kv, bool measure);
+    size_t graph_nodes(int64_t dense_tokens) const;
     void stage_layer(int il);
     void reserve_layer(int il, size_t k_end);
     void run_step(size_t k);
@@ -257,7 +258,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
         bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_));
     }
     if (sparse_.on()) make_sparse_index();
-    sched_.reset(s_.new_sched());
+    sched_.reset(s_.new_sched(graph_nodes(n_batch_)));
     out_.logits.resize((size_t) hp_.n_vocab);
     out_.attention.assign((size_t) end_, 0.0f);
     t0_ = std::chrono::steady_clock::now();
@@ -337,17 +338,24 @@ KvKeyOrder Session::ExactPrefillPass::staging_order(int64_t filled) const {
     return o;
 }
 
+// A step graph's node budget; dense_tokens: its queries that may attend a pair per call (a sparse prefill's dense
+// last step, graph.cpp: pair_queries), ~3 nodes each.
+size_t Session::ExactPrefillPass::graph_nodes(int64_t dense_tokens) const {
+    return s_.graph_size() + (sparse_.on() ? 4 * (size_t) dense_tokens : 0);
+}
+
 // measure: only its shapes count (ggml_backend_sched_reserve); nothing of it is queued.
 Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size_t k, int64_t n_kv, bool measure) {
     const int il = steps_[k].layer;
     const int64_t p0 = steps_[k].p0, mt = steps_[k].n;
     const bool last_layer = il == n_stack_ - 1, final_step = p0 + mt == end_;
     const LayerKind lk = kind(il);
+    const size_t n_nodes = graph_nodes(final_step ? mt : 0);
     StepGraph sg;
-    sg.ctx.reset(s_.new_graph_ctx());
+    sg.ctx.reset(s_.new_graph_ctx(n_nodes));
     GraphCtx & g = sg.g;
     g.ctx = sg.ctx.get();
-    g.gf = ggml_new_graph_custom(g.ctx, s_.graph_size(), false);
+    g.gf = ggml_new_graph_custom(g.ctx, n_nodes, false);
     g.kv = &stage_of(il);
     g.one_layer_kv = true;
     g.recurrent = s_.recurrent_.get();   // a recurrent layer carries its state from step to step
@@ -461,6 +469,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     const auto t_graph = std::chrono::steady_clock::now();
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
+    s_.timings_.n_prefill_paired_blocks += g.n_paired_blocks;
     if (!final_step) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
         const std::pair<int, int> shape = graph_shape(g.gf);
         if (k == 0 || steps_[k - 1].layer != il) layer_shape_ = shape;

@@ -98,7 +98,9 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
            "prefill_ms": {"graphs": timings.t_prefill_graph_ms, "io": timings.t_prefill_io_ms,
                           "compute": timings.t_compute_ms, "paging": timings.t_paging_ms},
            # steps whose graph made ggml reserve again (each a wait for the device): should stay 0
-           "prefill_graph_changes": timings.n_prefill_graph_changes}
+           "prefill_graph_changes": timings.n_prefill_graph_changes,
+           # blocks of queries attended a pair per call (a sparse dense last step over a quantized pool: no F16 copy)
+           "prefill_paired_blocks": timings.n_prefill_paired_blocks}
     if free_before is not None:
         out["device_bytes_taken"] = taken   # by the session (pool, buffers, workspace): weights were loaded before
     engine.close()
