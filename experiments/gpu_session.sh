@@ -27,7 +27,8 @@
 #     serve        kvflash bench serve on the 8B shape: aggregate decode tok/s of 1, 4, 8 streams (SERVE_STREAMS) at
 #                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto), beside the llama-server the build
 #                  phase installed (LLAMA_SERVER: another binary, or none: ours only); SERVE_FLAGS: more flags for
-#                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder
+#                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder; SERVE_GEN: tokens a
+#                  stream (default 512; the 27B shape's continuations start seconds apart: 2048 for a longer window)
 #     serve-profile  experiments/serve_batching.py --profile on the GPU: where the server's decode time goes (the core's
 #                  calls vs the rest, the sessions' timers) for PROFILE_CONFIGS (default lru,quest), SERVE_STREAMS
 #                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096);

@@ -176,3 +176,17 @@ def test_serve_interference_measures_the_gaps_that_overlap_the_long_prompt():
     assert r["gaps_during"] == 1 and abs(r["itl_p99_during_ms"] - 500.0) < 1e-6
     assert abs(r["itl_median_ms"] - 10.0) < 1e-6 and abs(r["p99_over_median"] - 50.0) < 1e-6
     assert stall([other], t_from=1.0, t_to=2.0)["p99_over_median"] is None   # no gap overlaps: no ratio
+
+
+def test_serve_throughput_counts_the_window_where_every_stream_decodes_and_says_when_it_is_short(capsys):
+    from kvflash_ggml.bench.serve import aggregate_decode
+    def stream(t0, first, n, dt=0.01):
+        return {"t0": t0, "stamps": [first + i * dt for i in range(n)], "tokens": n}
+    # together from 0.0 to 0.99: the window (0.1, 0.99] holds the tokens both stamped after the later first token
+    r = aggregate_decode([stream(0.0, 0.0, 100), stream(0.0, 0.1, 100)])
+    assert abs(r["window_s"] - 0.89) < 1e-9 and r["tokens_in_window"] == 89 + 89
+    assert abs(r["tok_s"] - 178 / 0.89) < 1e-6 and r["generated"] == 200
+    assert "short sample" not in capsys.readouterr().out
+    # the second starts as the first is nearly done: 18 of the 200 tokens in the window, and the bench says so
+    r = aggregate_decode([stream(0.0, 0.0, 100), stream(0.0, 0.9, 100)])
+    assert r["tokens_in_window"] == 9 + 9 and "short sample; raise --gen" in capsys.readouterr().out
