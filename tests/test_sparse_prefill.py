@@ -77,8 +77,9 @@ def test_the_dense_last_step_over_a_quantized_pool_attends_query_pairs_as_whole_
     # Over a quantized pool a dense block whose F16 copy of its keys would pass attention_block_bytes attends its
     # queries a pair at a time (ggml-cuda's vector kernel then reads the quantized keys as they are: graph.cpp,
     # pair_queries). A budget of 16 KB sends the prompt's dense last step (255 queries: an odd first one alone, then
-    # pairs) down that path; the default budget attends whole blocks. Same attention up to summation order.
-    model = tiny(arch)
+    # pairs) down that path; the default budget attends whole blocks. Same attention up to summation order. Heads of
+    # 64 (the kernel's narrowest: tiny-gemma4's global heads are, the other tiny shapes' 32 are widened).
+    model = tiny(arch) if arch == "gemma4" else tiny(arch, head_dim=64)
     tokens = prompt(model, 767, seed=6)
     runs = {}
     for budget in (0, 1 << 14):
@@ -95,6 +96,16 @@ def test_the_dense_last_step_over_a_quantized_pool_attends_query_pairs_as_whole_
         for c in range(len(tokens) // C):
             np.testing.assert_allclose(chunk_values(paired, c, kv_type), chunk_values(whole, c, kv_type),
                                        atol=3e-2, rtol=2e-2, err_msg=f"chunk {c}")
+
+
+def test_heads_the_vector_kernel_lacks_and_f16_pools_attend_whole_blocks(tiny):
+    # ggml-cuda's vector kernel has heads of 64, 128 and 256 only: pairs of queries with other heads would make it copy
+    # every key for every pair. An f16 pool is read as it is by every kernel: nothing to avoid.
+    tokens = prompt(tiny("llama"), 767, seed=6)
+    for model, kv_type in ((tiny("llama"), "q8_0"), (tiny("llama", head_dim=64), "f16")):   # heads of 32; f16
+        sess = session(model, kv_type)
+        sess.prefill_exact(tokens, 0, n_batch=256, sparse_top_chunks=3, sparse_local_chunks=1, attention_block_bytes=1 << 14)
+        assert sess.timings.n_prefill_paired_blocks == 0
 
 
 def test_the_reported_share_is_one_where_the_choice_is_every_key(tiny):

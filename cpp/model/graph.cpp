@@ -385,12 +385,15 @@ ggml_tensor * stack_rows(ggml_context * ctx, const std::vector<ggml_tensor *> & 
 // queries a call. So a block whose copy would pass the attention budget attends its queries a pair per call: no copy,
 // each pair reading the keys once. Worth it where a layer attends so once, O(length) reads: a sparse prefill's dense
 // last step (attend; ggml's views cannot broadcast one K over lanes along ne3, as attend_lanes' arena lanes do).
-bool pair_queries(const GraphCtx & g, const PooledKV & kv, int64_t kl, int64_t n_kv) {
+bool pair_queries(const GraphCtx & g, const PooledKV & kv, int64_t kl, int64_t n_kv, int64_t head_dim_k,
+                  int64_t head_dim_v) {
     if (!g.flash_attn || !g.sparse.dense) return false;
     if (!ggml_is_quantized(kv.k(kl)->type) && !ggml_is_quantized(kv.v(kl)->type)) return false;
-    // the vector kernel wants whole 256-key tiles (FATTN_KQ_STRIDE; a flash attention session pads its keys so)
+    // The vector kernel's heads (64, 128, 256; K as wide as V) and whole 256-key tiles (FATTN_KQ_STRIDE; a flash
+    // attention session pads its keys so). Elsewhere ggml-cuda would copy every key for every pair: worse than a block.
+    if (head_dim_k != head_dim_v || head_dim_k > 256 || head_dim_k % 64 != 0 || n_kv % 256 != 0) return false;
     const int64_t f16_copy = n_kv * (kv.layout().n_embd_k + kv.layout().n_embd_v) * (int64_t) sizeof(ggml_fp16_t);
-    return n_kv % 256 == 0 && f16_copy > g.attention_block_bytes;
+    return f16_copy > g.attention_block_bytes;
 }
 
 // qb [head_dim_k, n, n_head], kp / vp [head_dim, n_kv, n_head_kv], mask F16 [>= n_kv, n] contiguous: flash attention
@@ -502,7 +505,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
         ggml_tensor * o;
         if (g.flash_attn) {
             if (capture_here) capture_flash(g, qb, kp, mr.mask, kq_scale, keys_per_capture_block());
-            if (index && pair_queries(g, kv, kl, mr.n_kv)) {
+            if (index && pair_queries(g, kv, kl, mr.n_kv, head_dim_k, head_dim_v)) {
                 o = flash_attn_pairs(ctx, qb, kp, kv_views.v, mr.mask, kq_scale);
                 g.n_paired_blocks++;
             } else {
