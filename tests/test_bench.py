@@ -183,10 +183,12 @@ def test_serve_throughput_counts_the_window_where_every_stream_decodes_and_says_
     def stream(t0, first, n, dt=0.01):
         return {"t0": t0, "stamps": [first + i * dt for i in range(n)], "tokens": n}
     # together from 0.0 to 0.99: the window (0.1, 0.99] holds the tokens both stamped after the later first token
-    r = aggregate_decode([stream(0.0, 0.0, 100), stream(0.0, 0.1, 100)])
+    r = aggregate_decode("kvflash", [stream(0.0, 0.0, 100), stream(0.0, 0.1, 100)])
     assert abs(r["window_s"] - 0.89) < 1e-9 and r["tokens_in_window"] == 89 + 89
     assert abs(r["tok_s"] - 178 / 0.89) < 1e-6 and r["generated"] == 200
     assert "short sample" not in capsys.readouterr().out
     # the second starts as the first is nearly done: 18 of the 200 tokens in the window, and the bench says so
-    r = aggregate_decode([stream(0.0, 0.0, 100), stream(0.0, 0.9, 100)])
-    assert r["tokens_in_window"] == 9 + 9 and "short sample; raise --gen" in capsys.readouterr().out
+    r = aggregate_decode("llama-server", [stream(0.0, 0.0, 100), stream(0.0, 0.9, 100)])
+    out = capsys.readouterr().out
+    assert r["tokens_in_window"] == 9 + 9 and "short sample; raise --gen" in out
+    assert out.lstrip().startswith("llama-server: only 18 of the 200")   # names the server the row belongs to

@@ -271,6 +271,27 @@ def test_exact_prefill_equals_the_full_cache(model_path, variant, attention):
         assert (s.kv.read_block(block) if block >= 0 else s.kv.host_image(c)) == full.kv.read_block(c), f"chunk {c}"
 
 
+@pytest.mark.parametrize("variant", HYBRID)
+def test_an_exact_prompts_last_token_sees_every_position_and_a_resend_gives_the_same(model_path, variant):
+    # The state is kept before a prompt's last token (the next turn or a resend restarts there), yet that token
+    # must attend every position as the rest of the exact prefill does: a resend, rewound to the checkpoint, runs it
+    # again exactly, and the same request must give the same logits both times.
+    from kvflash_ggml import Model
+
+    kw = dict(model_path=model_path(variant), n_ctx=MAX_TOKENS, backend="cpu", n_threads=1, attention="matmul")
+    prompt = tokens(900).tolist()
+    with Model(pool_tokens=POOL, prefill="exact", **kw) as llm, Model(pool_tokens=None, **kw) as full:
+        reference = full.engine.prefill(prompt)
+        first = llm.engine.prefill(prompt)
+        assert llm.engine.session.pager.stats().page_outs > 0 and llm.stats()["host_checkpoint_bytes"] > 0
+        again = llm.engine.prefill(prompt)
+        assert llm.engine.n_reused == len(prompt) - 1
+    # steps of other sizes: reassociation only (the last token run over the pool alone: 0.03-0.06 here)
+    diff, again_diff = np.abs(first - reference).max(), np.abs(again - first).max()
+    assert diff <= TOL_SAME_KERNELS, f"max |logit diff| to the full cache {diff:.3g}"
+    assert again_diff <= TOL_SAME_KERNELS, f"max |logit diff| of the resend to the first {again_diff:.3g}"
+
+
 def test_a_failed_exact_prefill_leaves_the_state_as_it_was(model_path):
     model = model_of(model_path("qwen35-f32"))
     s = session(model, POOL, n_batch=128)

@@ -157,6 +157,26 @@ def test_layer_major_and_stepwise_prefills_write_the_heads_kv_as_a_full_cache(pa
                                atol=TOL_SAME_KERNELS if attention == "matmul" else 2e-3)
 
 
+def test_a_layer_major_prefill_keeps_the_state_before_its_last_token(path):
+    # checkpoint_before_last: the pass keeps the linear-attention state and the head's carry as they stood before the
+    # prompt's last token (a host copy, as checkpoint() there would), while that token still runs inside the pass;
+    # going back there gives what a full cache holds after every token but the last (in the same steps).
+    model = head_model(path("qwen35-f32"))
+    prompt = tokens(700)
+    before_last = session(model, 0, n_batch=128)
+    before_last.forward(prompt[:200], 0)
+    before_last.forward(prompt[200:699], 200)
+    runs = {}
+    for keep in (False, True):
+        s = runs[keep] = session(model, POOL, n_batch=128)
+        s.forward(prompt[:200], 0)
+        s.prefill_exact(prompt[200:], 200, n_batch=128, checkpoint_before_last=keep)
+    assert runs[False].rewind_point(699) < 699 and runs[True].rewind_point(699) == 699
+    assert runs[True].memory()["recurrent_checkpoint_bytes"] > 0
+    runs[True].truncate(699)
+    assert runs[True].n_tokens == 699 and runs[True].recurrent_state() == before_last.recurrent_state()
+
+
 def test_a_snapshot_carries_the_heads_kv_and_carry(path):
     model = head_model(path("qwen35-f32"))
     s = session(model, POOL, n_batch=100)

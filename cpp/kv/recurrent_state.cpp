@@ -163,9 +163,34 @@ void RecurrentState::clear() {
     stash_n_ = -1;
 }
 
-void RecurrentState::checkpoint() {
-    while (!checkpoints_.empty() && checkpoints_.back().n_tokens >= n_tokens_) checkpoints_.pop_back();
-    checkpoints_.push_back(copy());
+void RecurrentState::checkpoint() { add_checkpoint(copy()); }
+
+RecurrentState::Copy RecurrentState::blank(int64_t n) const {
+    Copy c;
+    c.n_tokens = n;
+    c.bytes.resize(total_bytes());
+    return c;
+}
+
+void RecurrentState::copy_part_into(int64_t l, Copy & c) const {
+    if (l < 0 || l > n_layer() || (l == n_layer() && !carry_) || c.bytes.size() != total_bytes()) {
+        throw std::logic_error("recurrent state: no part " + std::to_string(l) + " to copy");
+    }
+    uint8_t * p = c.bytes.data() + (size_t) l * (size_t) (conv_elems_ + ssm_elems_) * sizeof(float);
+    for (const ggml_tensor * t : l == n_layer() ? std::vector<const ggml_tensor *>{carry_}
+                                                : std::vector<const ggml_tensor *>{conv_[(size_t) l], ssm_[(size_t) l]}) {
+        ggml_backend_tensor_get(t, p, 0, ggml_nbytes(t));
+        p += ggml_nbytes(t);
+    }
+}
+
+void RecurrentState::add_checkpoint(Copy c) {
+    if (c.n_tokens > n_tokens_ || c.bytes.size() != total_bytes()) {
+        throw std::logic_error("recurrent state: a checkpoint at " + std::to_string(c.n_tokens) + " of " +
+                               std::to_string(n_tokens_) + " consumed, or of another size");
+    }
+    while (!checkpoints_.empty() && checkpoints_.back().n_tokens >= c.n_tokens) checkpoints_.pop_back();
+    checkpoints_.push_back(std::move(c));
     if (checkpoints_.size() > k_max_checkpoints) checkpoints_.erase(checkpoints_.begin());
 }
 

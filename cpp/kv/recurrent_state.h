@@ -85,6 +85,12 @@ public:
         std::vector<uint8_t> bytes;
     };
     Copy copy() const;
+    // A checkpoint made part by part while a layer-major prefill runs each layer past position n: blank(n) is sized
+    // as copy() is; copy_part_into puts layer l's conv and recurrent state (l = n_layer(): the carry) where copy()
+    // puts them; add_checkpoint keeps it as checkpoint() keeps a copy (c.n_tokens <= n_tokens(), the same tokens).
+    Copy blank(int64_t n) const;
+    void copy_part_into(int64_t l, Copy & c) const;
+    void add_checkpoint(Copy c);
     void restore(const Copy & c);   // another session's state (a snapshot): drops the checkpoints
     void rewind_to(const Copy & c);  // this state as copy() took it earlier: keeps the checkpoints up to it
     // A copy() (host memory, the state's size: ~150 MiB on Qwen3.5-27B's shape) and rewind_to it.

@@ -75,6 +75,20 @@ struct AttentionCapture {
 };
 
 // What Session::prefill_exact returns.
+// How a layer-major prefill runs (Session::prefill_exact, begin_prefill_exact).
+struct ExactPrefillOptions {
+    int64_t n_batch = 0;                 // tokens per step (0: the session's)
+    // What each attention call's mask (and, without flash attention, its attention matrix) may hold; a step attends
+    // its queries in blocks that fit (0: k_attention_block_bytes).
+    int64_t attention_block_bytes = 0;
+    SparseParams sparse;                 // a sparse prefill's choice of keys (model/sparse_attention.h; top_chunks 0: exact)
+    // Keep the linear-attention state (and the MTP carry) as it stands before the prompt's last token as a
+    // checkpoint (what checkpoint() there keeps: the next turn or a resend restarts there), while that token still
+    // runs inside the pass and attends every position. The layers that carry state take their last token as a step
+    // of its own; the others' steps do not change.
+    bool checkpoint_before_last = false;
+};
+
 struct ExactPrefill {
     std::vector<float> logits;      // [n_vocab] after the last token
     // Per position held: the attention the last (up to k_capture_tokens) prompt tokens pay it, max over
@@ -174,12 +188,9 @@ public:
     // pool's window wide, which exactness does not need). between() runs after each layer and after each
     // step that ran to its end (the caller's interrupt point); if anything throws, the session forgets the new positions and holds its first
     // `start` tokens again.
-    // attention_block_bytes: what each attention call's mask (and, without flash attention, its attention
-    // matrix) may hold; a step attends its queries in blocks that fit (0: k_attention_block_bytes).
-    // sparse: a sparse prefill's choice of keys (model/sparse_attention.h; its default, top_chunks 0: exact).
-    ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch = 0,
-                               const std::function<void()> & between = {}, int64_t attention_block_bytes = 0,
-                               const SparseParams & sparse = {});
+    // The options: ExactPrefillOptions (above the class).
+    ExactPrefill prefill_exact(const int32_t * tokens, int64_t n, int64_t start, const ExactPrefillOptions & options = {},
+                               const std::function<void()> & between = {});
     // The same prefill as a resumable state, for a caller that interleaves other work between its steps (a server's
     // rounds; prefill_exact is one advanced to its end under the session's lock): begin_prefill_exact checks the
     // arguments and makes the workspace, changing nothing; between: prefill_exact's callback; advance(k) runs up
@@ -204,8 +215,8 @@ public:
 
     private:
         friend class Session;
-        ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                        int64_t attention_block_bytes, std::function<void()> between, const SparseParams & sparse);
+        ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, const ExactPrefillOptions & options,
+                        std::function<void()> between);
         Session & s_;
         std::vector<int32_t> tokens_;
         std::function<void()> between_;   // prefill_exact's; none for a caller whose loop is the interrupt point
@@ -213,9 +224,8 @@ public:
         bool done_ = false;
     };
     std::unique_ptr<ExactPrefillRun> begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
-                                                         int64_t n_batch = 0, int64_t attention_block_bytes = 0,
-                                                         std::function<void()> between = {},
-                                                         const SparseParams & sparse = {});
+                                                         ExactPrefillOptions options = {},
+                                                         std::function<void()> between = {});
     void reselect(const std::vector<float> & scores);// resident set := protected + top-scored chunks
     // Pin the chunks of positions [lo, hi) (paged in now if evicted; chunks not yet written are protected
     // once written) until unpin_all(). Throws if the pins would leave no block evictable.

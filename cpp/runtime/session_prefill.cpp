@@ -141,8 +141,8 @@ void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
 // memories, as the session's methods do.
 class Session::ExactPrefillPass {
 public:
-    ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                     const std::function<void()> & between, int64_t attention_block_bytes, const SparseParams & sparse);
+    ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start, const ExactPrefillOptions & o,
+                     const std::function<void()> & between);
     // Up to max_steps more steps (0: the rest), staging and writing back layers as their steps begin and end; true
     // once every step ran. On any exception the session is rolled back first.
     bool advance(int64_t max_steps);
@@ -174,6 +174,8 @@ private:
     void make_stages();
     void make_sparse_index();
     void plan_steps();
+    bool keeps_state(int il) const;
+    void keep_checkpoint_part(int il);
     KvKeyOrder staging_order(int64_t filled) const;
     StepGraph build_graph(size_t k, int64_t n_kv, bool measure);
     size_t graph_nodes(int64_t dense_tokens) const;
@@ -192,6 +194,8 @@ private:
     const ModelHparams & hp_;
     const int32_t * tokens_;
     const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
+    const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
+    RecurrentState::Copy checkpoint_;   // filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
     const ggml_backend_t backend_;
     const int n_stack_;   // the layers run, the MTP head's last: layer n_layer, pooled, attending nothing
@@ -231,12 +235,12 @@ private:
 };
 
 Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start,
-                                            int64_t n_batch, const std::function<void()> & between,
-                                            int64_t attention_block_bytes, const SparseParams & sparse)
+                                            const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
-      C_(s.cfg_.chunk_tokens), n_batch_(n_batch), attention_block_bytes_(attention_block_bytes), between_(between),
+      C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), attention_block_bytes_(o.attention_block_bytes),
+      checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
-      sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()), sparse_(sparse) {
+      sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()), sparse_(o.sparse) {
     check_shared_kv(hp_);
     spc_.pool_tokens = std::max(round_up(round_up(end_, s_.kv_pad_), C_), spc_.min_pool_tokens());
     spc_.max_tokens = spc_.pool_tokens;
@@ -325,8 +329,24 @@ void Session::ExactPrefillPass::plan_steps() {
             continue;
         }
         const int64_t layer_step = kind(il).swa ? ring_step : n_batch_;
-        for (int64_t p0 = start_; p0 < end_; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, end_ - p0)});
+        const int64_t cut = keeps_state(il) ? checkpoint_at_ : end_;   // the state before the last token is kept
+        for (int64_t p0 = start_; p0 < cut; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, cut - p0)});
+        for (int64_t p0 = cut; p0 < end_; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, end_ - p0)});
     }
+    if (checkpoint_at_ >= 0) checkpoint_ = s_.recurrent_->blank(checkpoint_at_);
+}
+
+// Whether layer il carries state from position to position that checkpoint_before_last keeps: a linear-attention
+// layer's, or the MTP head's carry.
+bool Session::ExactPrefillPass::keeps_state(int il) const {
+    if (checkpoint_at_ < 0) return false;
+    return kind(il).recurrent || (kind(il).mtp && s_.recurrent_->mtp_carry() != nullptr);
+}
+
+// After the step that ends at checkpoint_at_ (nothing later queued yet): the layer's part of the checkpoint.
+void Session::ExactPrefillPass::keep_checkpoint_part(int il) {
+    ggml_backend_sched_synchronize(sched_.get());
+    s_.recurrent_->copy_part_into(kind(il).mtp ? s_.recurrent_->n_layer() : kind(il).pl, checkpoint_);
 }
 
 // The staging pool's keys once positions [0, filled) are in: slot j holds position j, so the step attends the first
@@ -470,7 +490,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
     s_.timings_.n_prefill_paired_blocks += g.n_paired_blocks;
-    if (!final_step) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
+    if (!final_step && p0 + mt != checkpoint_at_) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
         const std::pair<int, int> shape = graph_shape(g.gf);
         if (k == 0 || steps_[k - 1].layer != il) layer_shape_ = shape;
         s_.timings_.n_prefill_graph_changes += shape != layer_shape_;
@@ -507,6 +527,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     if (final_step && lk.pooled && !lk.mtp) capture(g, lk);
     s_.timings_.t_prefill_io_ms += ms_since(t_io);
     if (final_step) check_rpc_connections(sched_.get());   // per layer: a lost RPC device reads as zeros
+    if (p0 + mt == checkpoint_at_ && keeps_state(il)) keep_checkpoint_part(il);
     queued_ctx_ = std::move(sg.ctx);
     // A step that ran to its end is an interrupt point too (every CPU step does), so that Ctrl-C does not wait
     // for a whole layer of a long prompt; a device's queued steps wait for the layer's end.
@@ -662,6 +683,7 @@ ExactPrefill Session::ExactPrefillPass::finish() {
 
 void Session::ExactPrefillPass::account() {
     s_.timings_.t_compute_ms += ms_since(t0_);
+    if (checkpoint_at_ >= 0) s_.recurrent_->add_checkpoint(std::move(checkpoint_));
     s_.held_queries_ = std::move(queries_);
     s_.queries_dropped_ = false;
     s_.prefill_coverage_ = std::move(coverage_);
@@ -677,21 +699,18 @@ void Session::ExactPrefillPass::account() {
     s_.prefill_host_bytes_ = std::max(s_.prefill_host_bytes_, (int64_t) (hidden_->host().size() + bounce_buf_->size()));
 }
 
-ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                    const std::function<void()> & between, int64_t attention_block_bytes,
-                                    const SparseParams & sparse) {
+ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, const ExactPrefillOptions & options,
+                                    const std::function<void()> & between) {
     const SessionLock held = lock();   // the whole prefill: another thread's call waits instead of meeting the run
-    const std::unique_ptr<ExactPrefillRun> run = begin_prefill_exact(tokens, n, start, n_batch, attention_block_bytes, between,
-                                                                     sparse);
+    const std::unique_ptr<ExactPrefillRun> run = begin_prefill_exact(tokens, n, start, options, between);
     run->advance(0);
     return run->finish();
 }
 
-Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start, int64_t n_batch,
-                                          int64_t attention_block_bytes, std::function<void()> between,
-                                          const SparseParams & sparse)
+Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start,
+                                          const ExactPrefillOptions & options, std::function<void()> between)
     : s_(s), tokens_(tokens, tokens + n), between_(std::move(between)) {
-    pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, n_batch, between_, attention_block_bytes, sparse);
+    pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, options, between_);
     s_.open_run_ = this;
 }
 
@@ -759,19 +778,16 @@ int64_t Session::ExactPrefillRun::steps_run() const {
 }
 
 std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int32_t * tokens, int64_t n, int64_t start,
-                                                                       int64_t n_batch, int64_t attention_block_bytes,
-                                                                       std::function<void()> between,
-                                                                       const SparseParams & sparse) {
+                                                                       ExactPrefillOptions o, std::function<void()> between) {
     const SessionLock held = lock();
     check_tokens(tokens, n, start);
-    if (n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
-    if (n_batch == 0) n_batch = cfg_.n_batch;
-    if (attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
-    if (attention_block_bytes == 0) attention_block_bytes = k_attention_block_bytes;
-    sparse.check(cfg_.chunk_tokens);
-    if (sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
-    return std::unique_ptr<ExactPrefillRun>(
-        new ExactPrefillRun(*this, tokens, n, start, n_batch, attention_block_bytes, std::move(between), sparse));
+    if (o.n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
+    if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
+    if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
+    if (o.attention_block_bytes == 0) o.attention_block_bytes = k_attention_block_bytes;
+    o.sparse.check(cfg_.chunk_tokens);
+    if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
+    return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));
 }
 
 }  // namespace kvf

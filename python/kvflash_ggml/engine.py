@@ -221,7 +221,10 @@ class Engine:
             return (yield from self._compute_prompt(tokens, n_keep))
         # A linear-attention state cannot go back: keep it before the prompt's last token, which every later
         # prompt sharing this one (the next chat turn, a rerun) reruns for its logits anyway, so it restarts
-        # there instead of at 0. Costs one more one-token step per prompt and a host copy of the state.
+        # there instead of at 0. Costs one more one-token step per prompt and a host copy of the state. A
+        # layer-major prompt keeps it inside its pass, where the last token still attends every position.
+        if self._layer_major(tokens):
+            return (yield from self._exact_prefill(tokens, n_keep, checkpoint_before_last=True))
         yield from self._compute_prompt(tokens[:-1], n_keep)
         self.session.checkpoint()
         return (yield from self._forward_prompt(self.session, tokens[-1:], len(tokens) - 1))
@@ -246,7 +249,8 @@ class Engine:
         return self.residency.prefill != "pooled" and not self.session.full_cache and \
             len(tokens) > self.session.pager.config().pool_tokens
 
-    def _exact_prefill(self, tokens: list[int], n_keep: int) -> Generator[None, None, np.ndarray]:
+    def _exact_prefill(self, tokens: list[int], n_keep: int,
+                       checkpoint_before_last: bool = False) -> Generator[None, None, np.ndarray]:
         """Run tokens[n_keep:] layer-major: every position gets the K/V a full cache writes, and the pager ends
         as a pooled prefill leaves it. The post-prompt reselect then pages in what the prompt's last tokens
         attended to (prompt_scores="attention"), or what the policy scores. The logits already saw every
@@ -256,7 +260,8 @@ class Engine:
         with self.session.begin_prefill_exact(np.asarray(tokens[n_keep:], dtype=np.int32), n_keep,
                                               n_batch=self._exact_prefill_step(),
                                               sparse_top_chunks=self.residency.sparse_top_chunks if sparse else 0,
-                                              sparse_local_chunks=SPARSE_LOCAL_CHUNKS) as run:
+                                              sparse_local_chunks=SPARSE_LOCAL_CHUNKS,
+                                              checkpoint_before_last=checkpoint_before_last) as run:
             while True:
                 t0 = time.perf_counter()
                 done = run.advance(1)

@@ -93,20 +93,22 @@ def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict
     return results
 
 
-def aggregate_decode(results: list[dict]) -> dict:
-    """Tokens per second while every stream decodes: from the last stream's first token to the first end."""
+def aggregate_decode(name: str, results: list[dict]) -> dict:
+    """Tokens per second while every stream decodes: from the last stream's first token to the first end. A warning
+    names the server (`name`): the two servers' rows are printed one after the other."""
     firsts = [r["stamps"][0] for r in results if r["stamps"]]
     lasts = [r["stamps"][-1] for r in results if r["stamps"]]
     t0, t1 = max(firsts), min(lasts)
     n = sum(sum(t0 < s <= t1 for s in r["stamps"]) for r in results)
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     if t1 <= t0:
-        print(f"  the streams never all decoded at once (the first ended {t0 - t1:.2f} s before the last began): "
-              "raise --gen", flush=True)
+        print(f"  {name}: the streams never all decoded at once (the first ended {t0 - t1:.2f} s before the last "
+              "began): raise --gen", flush=True)
     generated = sum(r["tokens"] for r in results)
     if t1 > t0 and n < generated / 4:   # the streams started far apart (their continuations ran one after another)
-        print(f"  only {n} of the {generated} tokens fell in the window where every stream decodes ({t1 - t0:.2f} s): "
-              "the rate is a short sample; raise --gen", flush=True)
+        print(f"  {name}: only {n} of the {generated} tokens fell in the window where every stream decodes "
+              f"({t1 - t0:.2f} s; the last first token came after {max(ttft):.1f} s): the rate is a short sample; "
+              "raise --gen", flush=True)
     return {"tok_s": n / (t1 - t0) if t1 > t0 else None, "window_s": t1 - t0, "tokens_in_window": n,
             "ttft_max_s": max(ttft), "generated": generated}
 
@@ -167,7 +169,8 @@ def throughput(args) -> dict:
                     t0 = time.perf_counter()
                     all_answered(name, concurrent(server.url, prompts, 1))
                     fill_s = time.perf_counter() - t0
-                    row[name] = {**aggregate_decode(all_answered(name, concurrent(server.url, prompts, args.gen))),
+                    answered = all_answered(name, concurrent(server.url, prompts, args.gen))
+                    row[name] = {**aggregate_decode(name, answered),
                                  "fill_s": fill_s, **(batched_counts(server.url) if name == "kvflash" else {})}
                 finally:
                     server.stop()
