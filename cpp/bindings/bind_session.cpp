@@ -22,7 +22,7 @@ py::array_t<float> float_array(const std::vector<float> & v) {
     return out;
 }
 
-// prefill_exact's sparse_* keywords (top 0: exact); checked again, with the pool's chunk size, by the session.
+// prefill_exact's keywords as the session takes them (sparse top 0: exact); checked by the session.
 ExactPrefillOptions prefill_options(int64_t n_batch, int64_t attention_block_bytes, int64_t top_chunks,
                                     int64_t local_chunks, bool checkpoint_before_last) {
     ExactPrefillOptions o;

@@ -176,12 +176,17 @@ void RecurrentState::copy_part_into(int64_t l, Copy & c) const {
     if (l < 0 || l > n_layer() || (l == n_layer() && !carry_) || c.bytes.size() != total_bytes()) {
         throw std::logic_error("recurrent state: no part " + std::to_string(l) + " to copy");
     }
-    uint8_t * p = c.bytes.data() + (size_t) l * (size_t) (conv_elems_ + ssm_elems_) * sizeof(float);
-    for (const ggml_tensor * t : l == n_layer() ? std::vector<const ggml_tensor *>{carry_}
-                                                : std::vector<const ggml_tensor *>{conv_[(size_t) l], ssm_[(size_t) l]}) {
+    uint8_t * p = c.bytes.data() + (size_t) l * (size_t) (conv_elems_ + ssm_elems_) * sizeof(float);   // copy()'s order
+    const auto get = [&p](const ggml_tensor * t) {
         ggml_backend_tensor_get(t, p, 0, ggml_nbytes(t));
         p += ggml_nbytes(t);
+    };
+    if (l == n_layer()) {
+        get(carry_);
+        return;
     }
+    get(conv_[(size_t) l]);
+    get(ssm_[(size_t) l]);
 }
 
 void RecurrentState::add_checkpoint(Copy c) {

@@ -74,7 +74,6 @@ struct AttentionCapture {
     std::vector<float> max_over_queries() const;   // [n_positions]
 };
 
-// What Session::prefill_exact returns.
 // How a layer-major prefill runs (Session::prefill_exact, begin_prefill_exact).
 struct ExactPrefillOptions {
     int64_t n_batch = 0;                 // tokens per step (0: the session's)
@@ -89,6 +88,7 @@ struct ExactPrefillOptions {
     bool checkpoint_before_last = false;
 };
 
+// What Session::prefill_exact returns.
 struct ExactPrefill {
     std::vector<float> logits;      // [n_vocab] after the last token
     // Per position held: the attention the last (up to k_capture_tokens) prompt tokens pay it, max over

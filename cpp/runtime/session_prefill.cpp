@@ -195,7 +195,7 @@ private:
     const int32_t * tokens_;
     const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
-    RecurrentState::Copy checkpoint_;   // filled layer by layer (keep_checkpoint_part)
+    RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
     const ggml_backend_t backend_;
     const int n_stack_;   // the layers run, the MTP head's last: layer n_layer, pooled, attending nothing
@@ -238,7 +238,8 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
                                             const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
       C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), attention_block_bytes_(o.attention_block_bytes),
-      checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1), between_(between),
+      checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
+      checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
       sl_(s.kv_->layout()), lcb_(s.kv_->layer_chunk_bytes()), sparse_(o.sparse) {
     check_shared_kv(hp_);
@@ -329,11 +330,13 @@ void Session::ExactPrefillPass::plan_steps() {
             continue;
         }
         const int64_t layer_step = kind(il).swa ? ring_step : n_batch_;
+        const auto add_steps = [&](int64_t from, int64_t to) {
+            for (int64_t p0 = from; p0 < to; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, to - p0)});
+        };
         const int64_t cut = keeps_state(il) ? checkpoint_at_ : end_;   // the state before the last token is kept
-        for (int64_t p0 = start_; p0 < cut; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, cut - p0)});
-        for (int64_t p0 = cut; p0 < end_; p0 += layer_step) steps_.push_back({il, p0, std::min(layer_step, end_ - p0)});
+        add_steps(start_, cut);
+        add_steps(cut, end_);
     }
-    if (checkpoint_at_ >= 0) checkpoint_ = s_.recurrent_->blank(checkpoint_at_);
 }
 
 // Whether layer il carries state from position to position that checkpoint_before_last keeps: a linear-attention
@@ -369,6 +372,7 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
     const int il = steps_[k].layer;
     const int64_t p0 = steps_[k].p0, mt = steps_[k].n;
     const bool last_layer = il == n_stack_ - 1, final_step = p0 + mt == end_;
+    const bool before_last = p0 + mt == checkpoint_at_ && keeps_state(il);   // its end is the checkpoint's
     const LayerKind lk = kind(il);
     const size_t n_nodes = graph_nodes(final_step ? mt : 0);
     StepGraph sg;
@@ -469,6 +473,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     const int il = steps_[k].layer;
     const int64_t p0 = steps_[k].p0, mt = steps_[k].n;
     const bool last_layer = il == n_stack_ - 1, final_step = p0 + mt == end_;
+    const bool before_last = p0 + mt == checkpoint_at_ && keeps_state(il);   // its end is the checkpoint's
     const LayerKind lk = kind(il);
     auto t_io = std::chrono::steady_clock::now();
     Plan plan;
@@ -490,7 +495,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
     s_.timings_.n_prefill_paired_blocks += g.n_paired_blocks;
-    if (!final_step && p0 + mt != checkpoint_at_) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
+    if (!final_step && !before_last) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
         const std::pair<int, int> shape = graph_shape(g.gf);
         if (k == 0 || steps_[k - 1].layer != il) layer_shape_ = shape;
         s_.timings_.n_prefill_graph_changes += shape != layer_shape_;
@@ -527,7 +532,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     if (final_step && lk.pooled && !lk.mtp) capture(g, lk);
     s_.timings_.t_prefill_io_ms += ms_since(t_io);
     if (final_step) check_rpc_connections(sched_.get());   // per layer: a lost RPC device reads as zeros
-    if (p0 + mt == checkpoint_at_ && keeps_state(il)) keep_checkpoint_part(il);
+    if (before_last) keep_checkpoint_part(il);
     queued_ctx_ = std::move(sg.ctx);
     // A step that ran to its end is an interrupt point too (every CPU step does), so that Ctrl-C does not wait
     // for a whole layer of a long prompt; a device's queued steps wait for the layer's end.
