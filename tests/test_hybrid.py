@@ -156,10 +156,13 @@ def test_checkpoints_are_the_points_to_go_back_to(model_path):
     cold.forward(np.concatenate([tokens(100), tokens(100, seed=2)]), 0)
     follow = tokens(30, seed=4)
     np.testing.assert_array_equal(s.forward(follow, 200, all_logits=True), cold.forward(follow, 200, all_logits=True))
-    # the newest two are kept: a third (at 230) drops the oldest (100)
-    assert s.rewind_point(150) == 100
+    # the newest three are kept (a prompt's end, the token before it, the turn before): a fourth (at 250) drops the
+    # oldest (100)
     s.checkpoint()
-    assert [s.rewind_point(n) for n in (150, 215, 230)] == [0, 200, 230]
+    assert [s.rewind_point(n) for n in (150, 215, 230)] == [100, 200, 230]
+    s.forward(tokens(20, seed=5), 230)
+    s.checkpoint()
+    assert [s.rewind_point(n) for n in (150, 215, 240, 250)] == [0, 200, 230, 250]
 
 
 def test_a_stash_on_the_device_is_a_point_to_go_back_to(model_path):
@@ -194,7 +197,7 @@ def test_the_next_turn_restarts_at_the_prompts_checkpoint(model_path):
     with Model(**kw) as llm, Model(**kw) as fresh:
         llm.create_completion(a.tolist(), max_tokens=8, temperature=0.0)
         out = llm.create_completion(b, max_tokens=12, temperature=0.0)
-        assert llm.stats()["prompt_tokens_reused"] == len(a) - 1
+        assert llm.stats()["prompt_tokens_reused"] == len(a)   # a layer-major prompt keeps its end too
         assert llm.stats()["host_checkpoint_bytes"] > 0
         cold = fresh.create_completion(b, max_tokens=12, temperature=0.0)
     assert out["choices"][0]["text"] == cold["choices"][0]["text"]
@@ -274,8 +277,9 @@ def test_exact_prefill_equals_the_full_cache(model_path, variant, attention):
 @pytest.mark.parametrize("variant", HYBRID)
 def test_an_exact_prompts_last_token_sees_every_position_and_a_resend_gives_the_same(model_path, variant):
     # The state is kept before a prompt's last token (the next turn or a resend restarts there), yet that token
-    # must attend every position as the rest of the exact prefill does: a resend, rewound to the checkpoint, runs it
-    # again exactly, and the same request must give the same logits both times.
+    # must attend every position as the rest of the exact prefill does: a rerun, rewound to the checkpoint, runs it
+    # again exactly, and the same request must give the same logits both times. (A resend of the prompt while it is
+    # held unchanged runs nothing: tests/test_resend.py. Here its end is dropped first.)
     from kvflash_ggml import Model
 
     kw = dict(model_path=model_path(variant), n_ctx=MAX_TOKENS, backend="cpu", n_threads=1, attention="matmul")
@@ -284,6 +288,7 @@ def test_an_exact_prompts_last_token_sees_every_position_and_a_resend_gives_the_
         reference = full.engine.prefill(prompt)
         first = llm.engine.prefill(prompt)
         assert llm.engine.session.pager.stats().page_outs > 0 and llm.stats()["host_checkpoint_bytes"] > 0
+        llm.engine.session.truncate(len(prompt) - 1)   # to the checkpoint inside the pass
         again = llm.engine.prefill(prompt)
         assert llm.engine.n_reused == len(prompt) - 1
     # steps of other sizes: reassociation only (the last token run over the pool alone: 0.03-0.06 here)

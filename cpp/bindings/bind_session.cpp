@@ -291,7 +291,12 @@ void register_session(py::module_ & m, py::module_ & testing) {
              "window ring or a linear-attention state cannot go back so far: then a checkpoint, or 0)")
         .def("checkpoint", &Session::checkpoint, released,
              "keep the linear-attention layers' state at n_tokens in host memory, so truncate() can come back "
-             "here (the newest 2 are kept); no-op for models without such layers")
+             "here (the newest 3 are kept); no-op for models without such layers")
+        .def("mark_unchanged", &Session::mark_unchanged, released,
+             "start counting the positions held now that stay unchanged (n_unchanged)")
+        .def_property_readonly("n_unchanged", py::cpp_function(&Session::n_unchanged, released),
+             "how many of the positions held at mark_unchanged() are still held as they were: every truncate below "
+             "them, reset() and a loaded state lower it")
         .def("stash", &Session::stash, released,
              "keep the linear-attention layers' state at n_tokens in a second device buffer (one, overwritten by the "
              "next stash), so truncate() can come back here; no-op for models without such layers")

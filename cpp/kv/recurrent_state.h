@@ -8,7 +8,8 @@
 // What the state cannot do is go back: it describes exactly the tokens it has consumed, all of them. So
 // forgetting positions is exact only to the end (nothing forgotten), to 0 (start over), or to a checkpoint:
 // a host copy of the whole state taken at some position (checkpoint(); the engine takes one before the
-// last token of every prompt, so the next turn or a rerun of the prompt restarts there). The newest
+// last token of every prompt, so the next turn or a rerun of the prompt restarts there, and one at the end of a
+// layer-major prompt, so a resend of it is answered from there). The newest
 // k_max_checkpoints are kept. Any other truncate is refused; callers go back to rewind_point(n), the
 // latest position <= n they can reach exactly, and recompute from there.
 //
@@ -70,7 +71,7 @@ public:
     void truncate(int64_t n) override;   // throws std::invalid_argument unless can_truncate(n)
     void clear() override;               // zero state, nothing consumed, no checkpoints
     // Keep a copy of the state at n_tokens() (host memory; the oldest goes beyond k_max_checkpoints).
-    static constexpr size_t k_max_checkpoints = 2;
+    static constexpr size_t k_max_checkpoints = 3;   // a prompt's end and the token before, the last turn's
     void checkpoint();
     // A copy of the state at n_tokens() on the device itself (a second buffer of the state's size, made on first
     // use): speculative decoding stashes before a verify step and goes back here when drafts are rejected. It

@@ -417,6 +417,16 @@ void Session::stash() {
     if (recurrent_) recurrent_->stash();
 }
 
+void Session::mark_unchanged() {
+    const SessionLock held = lock();
+    n_unchanged_ = n_tokens();
+}
+
+int64_t Session::n_unchanged() const {
+    const SessionLock held = lock(false);
+    return n_unchanged_;
+}
+
 void Session::truncate(int64_t n) {
     const SessionLock held = lock();
     if (n >= 0 && n <= pager_->n_tokens()) {
@@ -426,6 +436,7 @@ void Session::truncate(int64_t n) {
     }
     execute(pager_->plan_truncate(n));
     tokens_.resize((size_t) n);
+    n_unchanged_ = std::min(n_unchanged_, n);
     if (summaries_) summaries_->forget_from(n / cfg_.chunk_tokens);   // a chunk cut short is no longer sealed
 }
 
@@ -615,6 +626,7 @@ void Session::reset() {
     kv_->clear_host();
     for (ContextMemory * m : memories_) m->clear();
     tokens_.clear();
+    n_unchanged_ = 0;
     held_queries_ = StepQueries{};
     queries_dropped_ = false;
     if (summaries_) summaries_->clear();

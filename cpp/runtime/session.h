@@ -169,6 +169,11 @@ public:
     // The same on the device (RecurrentState::stash: one copy, overwritten by the next): speculative decoding
     // stashes before a verify step, to go back when drafts are rejected. A no-op without such layers.
     void stash();
+    // The positions unchanged since mark_unchanged(): how many of the first positions held then are still held as
+    // they were (every truncate below them, reset() and restore since lowers it; appending and paging do not). The
+    // engine keeps a prompt's logits while its positions stay so: a resend is answered without running again.
+    void mark_unchanged();
+    int64_t n_unchanged() const;
     // Whether truncate(n) is exact: always, unless sliding-window rings no longer hold the window before n,
     // or the model has linear-attention layers, whose state goes back only to 0 (or stays at the end).
     bool can_truncate(int64_t n) const;
@@ -399,6 +404,7 @@ private:
     std::vector<int64_t> attn_key_pos_;   // capture_attention: position of attended key j in the last step
     int64_t attn_n_tokens_ = -1;          // ... and n_tokens() after it (-1: nothing captured)
     std::vector<int32_t> tokens_;      // tokens_[p] is the token at position p, p < n_tokens()
+    int64_t n_unchanged_ = 0;          // n_unchanged(): <= n_tokens()
     // The latest step's queries when that step ran outside graph_: a layer-major prefill's last prompt tokens, or
     // this session's token of a batched step (BatchDecoder). Empty: queries() reads graph_'s.
     StepQueries held_queries_;

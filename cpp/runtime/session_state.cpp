@@ -61,6 +61,7 @@ void Session::restore_state(KvPager && pager, const std::vector<const uint8_t *>
     if (recurrent_) recurrent_->restore(*recurrent);
     pager_->replace_state(std::move(pager));
     tokens_ = std::move(tokens);
+    n_unchanged_ = 0;   // another state's positions, though their tokens may be the same
     if (summaries_ && summaries) {
         summaries_ = std::move(summaries);
     } else if (summaries_) {
