@@ -17,6 +17,8 @@
 #                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
 #                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
 #                  "--attention flash" (SmolLM2 is 98 MB: over one call's carry, send it in parts)
+#     resend       experiments/resend_latency.py on the 8B shape: a resend of a long prompt answered from the held
+#                  prompt vs its last token run again (RESEND_LENGTHS, default 32768,131072; POOL)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
 #     niah, ruler  kvflash bench niah / ruler on SmolLM2 at 8K (SMOL: its GGUF; NIAH_CASES, RULER_CASES,
 #                  NIAH_POLICIES, RULER_POLICIES, RULER_TASKS, NIAH_ARGS / RULER_ARGS (more flags, split
@@ -186,6 +188,10 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths 1048576 --modes sparse --kvflash "$POOL" \
             --kv-type "${SPARSE_1M_KV:-q8_0}" --reps 1 --no-llama-bench --json "$OUT/prefill-1m.json" \
             2>&1 | tee -a "$OUT/sparse.log" ;;
+    resend)
+        need_model
+        python3 experiments/resend_latency.py --model "$MODEL" --lengths "${RESEND_LENGTHS:-32768,131072}" \
+            --pool "$POOL" 2>&1 | tee -a "$OUT/resend.log" ;;
     order)
         need_model
         python3 experiments/profile_decode.py --model "$MODEL" --runs pooled:8192 --pool "$POOL" --compare-order 2>&1 | tee -a "$OUT/extra.log" ;;
