@@ -50,7 +50,8 @@
 #     mg-decode    kvflash bench decode of the split beside llama-bench with the same -dev / -sm layer / -ts
 #                  (MG_DEPTHS, default 0,4096,131072; MG_FULL_UP_TO, default 4096; MG_REPS, default 3; PREFILL)
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
-#     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH), GPU
+#     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
+#                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     budget       issue 37 item 4: the Qwen3.5-27B shape (random Q4_0, BUDGET_MODEL, default /tmp/q35-27b.gguf, written
 #                  if absent) within BUDGET (default 24G) of device memory: kvflash bench decode --kvflash auto
@@ -266,7 +267,7 @@ for phase in "$@"; do
         for len in ${PROFILE_LENGTHS:-32768}; do
             GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
                 --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${ATTN_BLOCK_MIB:-0}" \
-                --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
+                --blocks-per-call "${BLOCKS_PER_CALL:-1}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
             python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"
         done ;;

@@ -176,6 +176,37 @@ def test_exact_prefill_attends_a_step_in_blocks_of_queries(tiny, arch, overrides
         np.testing.assert_allclose(mine, theirs, atol=5e-3, err_msg=f"chunk {c}")
 
 
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen35", {}), ("gemma4", SHARED_KV)])
+def test_blocks_of_queries_sharing_a_flash_call_attend_as_they_do_apart(tiny, arch, overrides):
+    # blocks_per_call: a step's blocks of queries go into one flash attention call as its sequences (ne3), the latest
+    # first, each under its own mask, which is the latest block's view of the band's table moved on by a block's rows
+    # per sequence; K and V are one view for all (stride 0 along ne3). 1 byte of attention_block_bytes makes blocks of
+    # 32 queries, four to a step of 128; split at 603 (off a multiple of 8) the views start at another table row. Each
+    # query then attends the keys it did alone, those past its block masked: logits, the captured attention (its
+    # block is the last of a group) and every chunk's K/V as with a call per block.
+    model = tiny(arch, **overrides)
+    tokens, split = prompt(model, 1000, seed=5), 603
+    runs = []
+    for per_call in (1, 4):
+        sess = session(model, POOL, attention="flash")
+        sess.prefill_exact(tokens[:split], 0, attention_block_bytes=1, blocks_per_call=per_call)
+        logits, attention_to = sess.prefill_exact(tokens[split:], split, attention_block_bytes=1, blocks_per_call=per_call)
+        runs.append((sess, logits, attention_to))
+    (apart, logits_apart, attention_apart), (grouped, logits, attention_to) = runs
+    np.testing.assert_array_equal(logits, logits_apart)
+    np.testing.assert_array_equal(attention_to, attention_apart)
+    grouped.pager.check_invariants()
+    for c in range(len(tokens) // C):
+        assert chunk_bytes(grouped, c) == chunk_bytes(apart, c), f"chunk {c}"
+
+
+def test_blocks_per_call_must_be_positive(tiny):
+    sess = session(tiny("llama"), POOL, attention="flash")
+    with pytest.raises(ValueError, match="blocks_per_call"):
+        sess.prefill_exact(prompt(tiny("llama"), 500), 0, blocks_per_call=0)
+    assert sess.n_tokens == 0
+
+
 def test_the_captured_attention_over_key_blocks_of_whole_partial_maxima(tiny):
     # On the flash path the captured queries' attention over more keys than one block holds takes each block's
     # maximum per query and head first through 256-key partial maxima (when the block is a multiple of 256 keys):
@@ -195,17 +226,19 @@ def test_the_captured_attention_over_key_blocks_of_whole_partial_maxima(tiny):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35", "gemma3"])
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
-@pytest.mark.parametrize("blocks", ["one", "growing"])
+@pytest.mark.parametrize("blocks", ["one", "growing", "grouped"])
 def test_a_layers_steps_build_graphs_of_one_shape(tiny, arch, attention, blocks):
     # ggml's allocator keeps a reservation only for a graph with as many nodes and leafs; a step whose graph has
     # others is re-reserved, and on a GPU that waits for the device: a layer's steps then no longer queue behind each
     # other. Counted from a fresh session (a first step at position 0 made its mask from other tensors) with one
     # query block per step, and with a block budget under which the last steps' keys alone would need more query
-    # blocks than the first steps' (the blocks are sized by the whole staging pool instead).
+    # blocks than the first steps' (the blocks are sized by the whole staging pool instead), and with those blocks
+    # sharing flash attention calls (blocks_per_call; the mul_mat path takes a call per block).
     model = tiny(arch)
     sess = session(model, POOL, attention=attention)
     budget = 0 if blocks == "one" else 128 * 512 * (2 if attention == "flash" else 2 + 8 * model.hparams.n_head)
-    sess.prefill_exact(prompt(model, 1000, seed=3), 0, attention_block_bytes=budget)
+    sess.prefill_exact(prompt(model, 1000, seed=3), 0, attention_block_bytes=budget,
+                       blocks_per_call=4 if blocks == "grouped" else 1)
     assert sess.timings.n_computes > 2 * model.hparams.n_layer
     assert sess.timings.n_prefill_graph_changes == 0
 

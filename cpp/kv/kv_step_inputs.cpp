@@ -82,18 +82,21 @@ ggml_tensor * kv_mask_exact(ggml_context * ctx, const KvMaskRows & mr) {
     return ggml_cont(ctx, ggml_view_2d(ctx, mr.mask, mr.n_kv, mr.mask->ne[1], mr.mask->nb[1], 0));
 }
 
-CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad)
-    : n_slots_(n_slots), max_rows_(max_rows), kv_pad_(kv_pad) {
+CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad, int64_t max_group)
+    : n_slots_(n_slots), max_rows_(max_rows), kv_pad_(kv_pad), max_group_(std::max<int64_t>(max_group, 1)) {
+    if (max_group_ > 1 && max_rows % 8 != 0) throw std::logic_error("CausalBand: grouped blocks of rows not a multiple of 8");
     // The table's geometry (header): a row offset rho < 8 keeps each view's first column a multiple of 8 halves, as
-    // flash attention's 16-byte loads of a mask row want; the last view's keys reach past n_slots by kv_pad.
+    // flash attention's 16-byte loads of a mask row want; the last view's keys reach past n_slots by kv_pad (and a
+    // group's earliest block reads (max_group - 1) x max_rows columns past its latest block's).
     edge_ = round_up(std::max<int64_t>(n_slots, 1), 8);
-    width_ = round_up(edge_ + max_rows + kv_pad + 8, 8);
+    width_ = round_up(edge_ + max_group_ * max_rows + kv_pad + 8, 8);
     const int64_t rows = max_rows + 8;
-    ggml_init_params ip{4 * ggml_tensor_overhead(), nullptr, true};
+    ggml_init_params ip{5 * ggml_tensor_overhead(), nullptr, true};
     ctx_ = ggml_init(ip);
     table_ = ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, width_, rows);
     counts_i32_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I32, std::max<int64_t>(n_slots, 1));
     counts_i64_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I64, std::max<int64_t>(n_slots, 1));
+    if (max_group_ > 1) block_order_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I32, max_group_ * max_rows);
     buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend);
     if (!buf_) {
         ggml_free(ctx_);
@@ -105,6 +108,13 @@ CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows
     for (size_t i = 0; i < c32.size(); ++i) c32[i] = (int32_t) i, c64[i] = (int64_t) i;
     ggml_backend_tensor_set(counts_i32_, c32.data(), 0, ggml_nbytes(counts_i32_));
     ggml_backend_tensor_set(counts_i64_, c64.data(), 0, ggml_nbytes(counts_i64_));
+    if (block_order_) {   // entry s * max_rows + i: row i of block max_group - 1 - s
+        std::vector<int32_t> order((size_t) (max_group_ * max_rows));
+        for (int64_t j = 0; j < (int64_t) order.size(); ++j) {
+            order[(size_t) j] = (int32_t) ((max_group_ - 1 - j / max_rows) * max_rows + j % max_rows);
+        }
+        ggml_backend_tensor_set(block_order_, order.data(), 0, ggml_nbytes(block_order_));
+    }
     // Row r: 0 up to column edge + r, -inf after. Set a row at a time: the table is about one attention block.
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), masked = ggml_fp32_to_fp16(-INFINITY);
     std::vector<ggml_fp16_t> row((size_t) width_);
@@ -132,6 +142,34 @@ ggml_tensor * CausalBand::mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows,
     // A contiguous view, rows of the table's whole width: flash attention reads the first n_kv columns of each
     // row (ggml refuses a mask view with a row stride other than its width, though every kernel honours it).
     return ggml_view_2d(ctx, table_, width_, n_rows, table_->nb[1], (size_t) (rho * table_->nb[1] + col * table_->nb[0]));
+}
+
+ggml_tensor * CausalBand::group_mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows, int64_t first_pos,
+                                     int64_t n_blocks) const {
+    // Block b (0 = the earliest) starts at first_pos + b n_rows, so its view starts (b' - b) n_rows columns before
+    // that of an earlier block b' (mask()), on the same rows (n_rows keeps first_pos % 8): with the latest block as
+    // sequence 0, sequence s is the latest block's view moved s n_rows columns on.
+    const int64_t latest = first_pos + (n_blocks - 1) * n_rows;
+    const int64_t col = edge_ + latest % 8 - latest;
+    if (n_blocks < 1 || n_blocks > max_group_ || n_rows % 8 != 0 ||
+        col + (n_blocks - 1) * n_rows + n_kv > width_) {
+        throw std::logic_error("CausalBand: a group of query blocks outside the band");
+    }
+    return mask(ctx, n_kv, n_rows, latest);
+}
+
+void CausalBand::as_sequences(ggml_tensor * mask, int64_t n_rows, int64_t n_blocks) {
+    // Set after the view was made (ggml sizes a view as if it were contiguous: these sequences overlap).
+    mask->ne[3] = n_blocks;
+    mask->nb[3] = (size_t) n_rows * sizeof(ggml_fp16_t);
+}
+
+ggml_tensor * CausalBand::block_order(ggml_context * ctx, int64_t n_blocks) const {
+    if (!block_order_ || n_blocks < 1 || n_blocks > max_group_) throw std::logic_error("CausalBand: no such block order");
+    // Its last n_blocks blocks' entries are the order of n_blocks blocks (block max_group - 1 - s there is
+    // n_blocks - 1 - s counted from the first of them).
+    const int64_t n = n_blocks * max_rows_;
+    return ggml_view_1d(ctx, block_order_, n, (size_t) (block_order_->ne[0] - n) * sizeof(int32_t));
 }
 
 int64_t CausalBand::keys_seen(int64_t last_pos, int64_t n_kv) const {

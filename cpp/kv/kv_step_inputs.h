@@ -84,14 +84,28 @@ inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots
 // pass: on the GPU those waits left the device idle once per step.
 class CausalBand {
 public:
-    // max_rows: the most queries a block asks a mask for.
-    CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad);
+    // max_rows: the most queries a block asks a mask for; max_group: the most blocks of max_rows queries one attention
+    // call takes (group_mask).
+    CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad, int64_t max_group = 1);
     ~CausalBand();
     CausalBand(const CausalBand &) = delete;
     CausalBand & operator=(const CausalBand &) = delete;
     // The mask of n_rows queries from first_pos over their first n_kv keys: a view in ctx, F16 [width, n_rows] and
     // contiguous, whose columns past n_kv flash attention does not read (kv_mask_exact cuts them off for others).
     ggml_tensor * mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows, int64_t first_pos) const;
+    // n_blocks consecutive blocks of n_rows queries from first_pos (n_rows a multiple of 8, at most max_rows), attended
+    // by one flash attention call with the blocks along ne3, the latest first (block_order): a row r of the table serves
+    // every block, n_rows columns further on for each earlier one, so the call's mask costs one block's rows however
+    // many blocks it takes. Returns the latest block's mask over the n_kv keys it sees, as mask() makes it;
+    // as_sequences() then makes it every block's (after ggml_flash_attn_ext, which asserts a contiguous mask).
+    ggml_tensor * group_mask(ggml_context * ctx, int64_t n_kv, int64_t n_rows, int64_t first_pos, int64_t n_blocks) const;
+    static void as_sequences(ggml_tensor * mask, int64_t n_rows, int64_t n_blocks);
+    // I32 [n_blocks * max_rows], a view in ctx: the rows of n_blocks blocks of max_rows queries, the latest block first.
+    // get_rows with it puts a group's queries in its call's order, and the call's output back (the order is its own
+    // inverse).
+    ggml_tensor * block_order(ggml_context * ctx, int64_t n_blocks) const;
+    int64_t max_rows() const { return max_rows_; }
+    int64_t max_group() const { return max_group_; }
     // Keys that queries up to position last_pos can see, padded as the step's n_kv is, at most n_kv.
     int64_t keys_seen(int64_t last_pos, int64_t n_kv) const;
     int64_t n_slots() const { return n_slots_; }
@@ -101,13 +115,14 @@ public:
     int64_t device_bytes() const;
 
 private:
-    int64_t n_slots_, max_rows_, kv_pad_;
+    int64_t n_slots_, max_rows_, kv_pad_, max_group_;
     int64_t edge_ = 0, width_ = 0;   // the table's (above)
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     ggml_tensor * table_ = nullptr;        // F16 [width, max_rows + 8]
     ggml_tensor * counts_i32_ = nullptr;   // I32 [n_slots]: 0, 1, ...
     ggml_tensor * counts_i64_ = nullptr;   // I64 [n_slots]: 0, 1, ...
+    ggml_tensor * block_order_ = nullptr;  // I32 [max_group * max_rows] (max_group > 1)
 };
 
 // Uploads the step's pool inputs: the slot rows of `alloc` (its span_n tokens, at query positions pos;

@@ -414,6 +414,51 @@ ggml_tensor * flash_attn_pairs(ggml_context * ctx, ggml_tensor * qb, ggml_tensor
     return stack_rows(ctx, parts);
 }
 
+// t [a, b, c] as [a, b, c, n] whose every ne3 index holds the same bytes (stride 0, set after the view is made: ggml
+// sizes a view as if contiguous): one K or V for every sequence of a flash attention call.
+ggml_tensor * repeat_along_ne3(ggml_context * ctx, ggml_tensor * t, int64_t n) {
+    ggml_tensor * v = ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], 1, t->nb[1], t->nb[2], t->nb[2] * t->ne[2], 0);
+    v->ne[3] = n;
+    v->nb[3] = 0;
+    return v;
+}
+
+// How many of a band step's blocks of queries from blocks[i] on share one flash attention call (attend_block_group):
+// whole blocks of the band's rows, up to its group, over F16 K/V (ggml-cuda would convert quantized ones for every
+// sequence of the call); 1 where they do not.
+size_t blocks_in_group(const GraphCtx & g, const PooledKV & kv, const KvStepInputs & in, int64_t kl, const ggml_tensor * q,
+                       const std::vector<QueryBlock> & blocks, size_t i) {
+    if (!g.flash_attn || !in.band || in.band->max_group() < 2 || g.sparse.index || !ggml_is_contiguous(q) ||
+        kv.k(kl)->type != GGML_TYPE_F16 || kv.v(kl)->type != GGML_TYPE_F16 || blocks[i].n != in.band->max_rows()) {
+        return 1;
+    }
+    size_t n = 1;
+    while (i + n < blocks.size() && n < (size_t) in.band->max_group() && blocks[i + n].n == blocks[i].n) ++n;
+    return n;
+}
+
+// Blocks [row0 + b n_rows, row0 + (b + 1) n_rows) for b < n_blocks of a band step's queries q [head_dim_k, n_head, n]
+// in one flash attention call, the blocks along ne3 (the latest first, as CausalBand::group_mask's mask), over kp / vp
+// [head_dim, n_kv, n_head_kv] (the keys the latest block sees; an earlier block's mask hides the rest). ggml-cuda then
+// runs as many tiles as in one call of n_blocks x n_rows queries: at 256K on the H100 512-query calls took 67.7 s of
+// flash attention where 128-query ones took 70.1, and the mask of a 512-query call would need a 256 MiB table (R115).
+// Returns [head_dim_v * n_head, n_blocks * n_rows], in position order.
+ggml_tensor * attend_block_group(ggml_context * ctx, const CausalBand & band, ggml_tensor * q, ggml_tensor * kp,
+                                 ggml_tensor * vp, int64_t row0, int64_t n_rows, int64_t n_blocks, int64_t first_pos,
+                                 int64_t n_kv, float kq_scale) {
+    const int64_t head_dim = q->ne[0], n_head = q->ne[1], n = n_blocks * n_rows;
+    ggml_tensor * order = band.block_order(ctx, n_blocks);
+    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, head_dim * n_head, q->ne[2]);
+    q2 = ggml_get_rows(ctx, ggml_view_2d(ctx, q2, q2->ne[0], n, q2->nb[1], row0 * q2->nb[1]), order);
+    ggml_tensor * qg = ggml_permute(ctx, ggml_reshape_4d(ctx, q2, head_dim, n_head, n_rows, n_blocks), 0, 2, 1, 3);
+    ggml_tensor * mask = band.group_mask(ctx, n_kv, n_rows, first_pos, n_blocks);
+    ggml_tensor * o = ggml_flash_attn_ext(ctx, qg, repeat_along_ne3(ctx, kp, n_blocks), repeat_along_ne3(ctx, vp, n_blocks),
+                                          mask, kq_scale, 0.0f, 0.0f);   // [head_dim_v, n_head, n_rows, n_blocks]
+    CausalBand::as_sequences(mask, n_rows, n_blocks);
+    ggml_prec_set_acc(o, GGML_PREC_F32);
+    return ggml_get_rows(ctx, ggml_reshape_2d(ctx, o, vp->ne[0] * n_head, n), order);   // the order is its own inverse
+}
+
 // Writes k and v of the step's tokens into layer kl of `kv` and attends its first n_kv slots under `in`:
 // q, k, v [head_dim, n_heads, n]; returns [head_dim_v * n_head, n]. k and v nullptr: the layer writes
 // nothing and attends what an earlier layer of the graph wrote into kl (gemma4's shared K/V, whose V heads
@@ -483,8 +528,12 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
         }
     }
     std::vector<ggml_tensor *> outs;
-    for (const QueryBlock & b : query_blocks(in, n, bytes_per_key, g.attention_block_bytes, one_token && !f16_products,
-                                             sparse ? sparse->params().block_rows : 0)) {
+    const std::vector<QueryBlock> blocks = query_blocks(in, n, bytes_per_key, g.attention_block_bytes,
+                                                        one_token && !f16_products, sparse ? sparse->params().block_rows : 0);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+        const QueryBlock & b = blocks[i];
+        const size_t n_group = blocks_in_group(g, kv, in, kl, q, blocks, i);
+        const QueryBlock & latest = blocks[i + n_group - 1];   // b, unless blocks after it share its call
         ggml_tensor * qb = rows(b.row0, b.n);
         if (sparse) {
             const bool last = b.row0 + b.n == n;
@@ -497,15 +546,19 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
             }
         }
         const KvMaskRows mr = sparse ? sparse_dense_mask(ctx, *sparse, in.first_pos + b.row0, b.n, n_kv)
-                                     : kv_mask_rows(ctx, in, n_kv, b.row0, b.n);
-        const bool last = b.row0 + b.n == n, capture_here = capture_attn && last && !sparse;
+                                     : kv_mask_rows(ctx, in, n_kv, latest.row0, latest.n);
+        const bool last = latest.row0 + latest.n == n, capture_here = capture_attn && last && !sparse;
         if (capture_here && mr.n_kv != n_kv) throw std::logic_error("attend: the last query block sees fewer keys");
         const Views & kv_views = views_for(mr.n_kv);
         ggml_tensor * kp = kv_views.k;
         ggml_tensor * o;
         if (g.flash_attn) {
-            if (capture_here) capture_flash(g, qb, kp, mr.mask, kq_scale, keys_per_capture_block());
-            if (index && pair_queries(g, kv, kl, mr.n_kv, head_dim_k, head_dim_v)) {
+            if (capture_here) capture_flash(g, rows(latest.row0, latest.n), kp, mr.mask, kq_scale, keys_per_capture_block());
+            if (n_group > 1) {
+                o = attend_block_group(ctx, *in.band, q, kp, kv_views.v, b.row0, b.n, (int64_t) n_group,
+                                       in.first_pos + b.row0, mr.n_kv, kq_scale);
+                i += n_group - 1;
+            } else if (index && pair_queries(g, kv, kl, mr.n_kv, head_dim_k, head_dim_v)) {
                 o = flash_attn_pairs(ctx, qb, kp, kv_views.v, mr.mask, kq_scale);
                 g.n_paired_blocks++;
             } else {

@@ -193,7 +193,7 @@ private:
     const Model & m_;
     const ModelHparams & hp_;
     const int32_t * tokens_;
-    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
+    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_, blocks_per_call_;
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
     RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
@@ -238,6 +238,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
                                             const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
       C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), attention_block_bytes_(o.attention_block_bytes),
+      blocks_per_call_(s.flash_attn_ && !o.sparse.on() ? o.blocks_per_call : 1),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
       checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
@@ -259,9 +260,9 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     for (int il = 1; il < (int) hp_.n_layer; ++il) fewest_heads = std::min(fewest_heads, hp_.n_head_of(il));
     const int64_t block_rows = std::min({n_batch_, n_, attention_block_rows(spc_.pool_tokens, attention_bytes_per_key(
                                                            s_.flash_attn_, fewest_heads), attention_block_bytes_)});
-    for (int d = 0; d < m_.n_devices(); ++d) {
-        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_));
-    }
+    const int64_t group = block_rows % 8 ? 1 : std::clamp<int64_t>(n_batch_ / block_rows, 1, blocks_per_call_);
+    for (int d = 0; d < m_.n_devices(); ++d)
+        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_, group));
     if (sparse_.on()) make_sparse_index();
     sched_.reset(s_.new_sched(graph_nodes(n_batch_)));
     out_.logits.resize((size_t) hp_.n_vocab);
@@ -790,6 +791,7 @@ std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int
     if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
     if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (o.attention_block_bytes == 0) o.attention_block_bytes = k_attention_block_bytes;
+    if (o.blocks_per_call < 1) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 1");
     o.sparse.check(cfg_.chunk_tokens);
     if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));
