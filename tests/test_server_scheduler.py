@@ -211,6 +211,28 @@ def test_requests_go_to_the_slot_holding_their_prefix(make_scheduler):
         assert recs[-1].stats["prompt_tokens_reused"] >= 200 - 1
 
 
+def test_a_resent_prompt_is_answered_from_its_slot_without_running_again(make_scheduler):
+    # A client retrying (or a regenerate) sends the prompt its slot ran last: the slot answers from what that prompt
+    # computed (Engine._answer_again), and the answer is the first one's. 1500 tokens over a pool of 512: layer-major.
+    sched, tok = make_scheduler(n_slots=2)
+    p = prompt(tok, "The river runs to the sea. ", 1500)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        outs = []
+        for _ in range(2):
+            r = Request(p, SamplingParams(max_tokens=12, temperature=0), loop)
+            sched.submit(r)
+            outs.append((r, await drain(r)))
+        return outs
+
+    (a, first), (b, again) = run(main())
+    assert b.slot_id == a.slot_id
+    assert first[-1].stats["prompt_tokens_computed"] == 1500
+    assert again[-1].stats["prompt_tokens_computed"] == 0 and again[-1].stats["prompt_tokens_reused"] == 1500
+    assert [rec.token for rec in again] == [rec.token for rec in first]
+
+
 def test_a_taken_over_slot_stores_its_conversation(make_scheduler, tmp_path):
     sched, tok = make_scheduler(n_slots=1)
     a, b = prompt(tok, "Alpha beta gamma. ", 300), prompt(tok, "Delta epsilon zeta. ", 300)
