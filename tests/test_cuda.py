@@ -325,6 +325,29 @@ def test_exact_prefill_on_cuda_in_blocks_of_queries(model_path, attention):
     assert int(logits.argmax()) == int(logits_full.argmax())
 
 
+def test_exact_prefill_on_cuda_with_blocks_sharing_flash_calls(model_path):
+    """blocks_per_call: a step's blocks of 32 queries in flash attention calls of four, the blocks along ne3 (each
+    its own mask: one view of the band's table moved on per sequence; K/V one stride-0 view), against a call per block
+    on the same GPU: ggml-cuda scans each sequence's mask for the keys it may skip and tiles the call as one of 128
+    queries, so the sums may be taken in another order (TOL_QUANT on this Q4_0 model, as for blocks of queries), the
+    same greedy token; K/V bytes reported."""
+    gpu = _core.Model(model_path("llama-q4_0"), backend="cuda")
+    prompt = prompt_for(gpu.hparams.n_vocab, n=1500)
+    cfg = dict(max_tokens=2048, attention="flash", n_batch=256, pool_tokens=512)
+    apart = _core.Session(gpu, _core.SessionConfig(**cfg))
+    grouped = _core.Session(gpu, _core.SessionConfig(**cfg))
+    logits_apart, attention_apart = apart.prefill_exact(prompt, 0, attention_block_bytes=1)
+    logits, attention_to = grouped.prefill_exact(prompt, 0, attention_block_bytes=1, blocks_per_call=4)
+    diff = float(np.abs(logits - logits_apart).max())
+    chunk = lambda s, c, b: s.kv.read_block(b) if b >= 0 else s.kv.host_image(c)
+    same = sum(chunk(grouped, c, b) == chunk(apart, c, a) for c, (b, a) in
+               enumerate(zip(grouped.pager.chunk_blocks()[:1500 // 64], apart.pager.chunk_blocks()[:1500 // 64])))
+    report(f"CUDA-EXACT-GROUPED: max |logit diff| {diff:.2e}, attention {np.abs(attention_to - attention_apart).max():.2e}, "
+           f"chunks byte-equal {same}/{1500 // 64}")
+    assert diff <= TOL_QUANT and int(logits.argmax()) == int(logits_apart.argmax())
+    assert grouped.timings.n_prefill_graph_changes == 0
+
+
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 def test_sparse_prefill_on_cuda(model_path, kv_type):
     """Sparse prefill's ops on the GPU (mean keys through pool_2d, ggml_top_k, the per-head get_rows gather, the
