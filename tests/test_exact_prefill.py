@@ -183,7 +183,9 @@ def test_blocks_of_queries_sharing_a_flash_call_attend_as_they_do_apart(tiny, ar
     # per sequence; K and V are one view for all (stride 0 along ne3). 1 byte of attention_block_bytes makes blocks of
     # 32 queries, four to a step of 128; split at 603 (off a multiple of 8) the views start at another table row. Each
     # query then attends the keys it did alone, those past its block masked: logits, the captured attention (its
-    # block is the last of a group) and every chunk's K/V as with a call per block.
+    # block is the last of a group) and every chunk's K/V as with a call per block. (On tiny-gemma4 only the latest
+    # block's output reaches the logits: its one global layer with K/V feeds shared-K/V layers that run the last
+    # token alone; llama and qwen35 check the other blocks' masks.)
     model = tiny(arch, **overrides)
     tokens, split = prompt(model, 1000, seed=5), 603
     runs = []
