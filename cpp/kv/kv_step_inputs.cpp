@@ -83,8 +83,8 @@ ggml_tensor * kv_mask_exact(ggml_context * ctx, const KvMaskRows & mr) {
 }
 
 CausalBand::CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad, int64_t max_group)
-    : n_slots_(n_slots), max_rows_(max_rows), kv_pad_(kv_pad), max_group_(std::max<int64_t>(max_group, 1)) {
-    if (max_group_ > 1 && max_rows % 8 != 0) throw std::logic_error("CausalBand: grouped blocks of rows not a multiple of 8");
+    // Sequences of a group start a block's rows apart in a row of the table: on 16-byte columns only if that is 8 halves.
+    : n_slots_(n_slots), max_rows_(max_rows), kv_pad_(kv_pad), max_group_(max_rows % 8 ? 1 : std::max<int64_t>(max_group, 1)) {
     // The table's geometry (header): a row offset rho < 8 keeps each view's first column a multiple of 8 halves, as
     // flash attention's 16-byte loads of a mask row want; the last view's keys reach past n_slots by kv_pad (and a
     // group's earliest block reads (max_group - 1) x max_rows columns past its latest block's).

@@ -85,7 +85,7 @@ inline void kv_step_inputs_reads_only(KvStepInputs & in) { in.slots = in.v_slots
 class CausalBand {
 public:
     // max_rows: the most queries a block asks a mask for; max_group: the most blocks of max_rows queries one attention
-    // call takes (group_mask).
+    // call takes (group_mask; 1 unless max_rows is a multiple of 8).
     CausalBand(ggml_backend_t backend, int64_t n_slots, int64_t max_rows, int64_t kv_pad, int64_t max_group = 1);
     ~CausalBand();
     CausalBand(const CausalBand &) = delete;

@@ -193,7 +193,7 @@ private:
     const Model & m_;
     const ModelHparams & hp_;
     const int32_t * tokens_;
-    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_, blocks_per_call_;
+    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
     RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
@@ -238,7 +238,6 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
                                             const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
       C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), attention_block_bytes_(o.attention_block_bytes),
-      blocks_per_call_(s.flash_attn_ && !o.sparse.on() ? o.blocks_per_call : 1),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
       checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
@@ -260,9 +259,10 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     for (int il = 1; il < (int) hp_.n_layer; ++il) fewest_heads = std::min(fewest_heads, hp_.n_head_of(il));
     const int64_t block_rows = std::min({n_batch_, n_, attention_block_rows(spc_.pool_tokens, attention_bytes_per_key(
                                                            s_.flash_attn_, fewest_heads), attention_block_bytes_)});
-    const int64_t group = block_rows % 8 ? 1 : std::clamp<int64_t>(n_batch_ / block_rows, 1, blocks_per_call_);
-    for (int d = 0; d < m_.n_devices(); ++d)
+    const int64_t group = s_.flash_attn_ && !sparse_.on() ? std::clamp<int64_t>(n_batch_ / block_rows, 1, o.blocks_per_call) : 1;
+    for (int d = 0; d < m_.n_devices(); ++d) {
         bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_, group));
+    }
     if (sparse_.on()) make_sparse_index();
     sched_.reset(s_.new_sched(graph_nodes(n_batch_)));
     out_.logits.resize((size_t) hp_.n_vocab);
