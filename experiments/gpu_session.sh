@@ -53,6 +53,8 @@
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
 #                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
+#     prefill-memory  experiments/prefill_memory.py: the exact prefill's device memory (driver) after the Engine, after
+#                  the bench's warm-up prompt and at the prompt's peak, with and without that warm-up (MEMORY_LENGTHS)
 #     budget       issue 37 item 4: the Qwen3.5-27B shape (random Q4_0, BUDGET_MODEL, default /tmp/q35-27b.gguf, written
 #                  if absent) within BUDGET (default 24G) of device memory: kvflash bench decode --kvflash auto
 #                  --max-device-memory BUDGET at BUDGET_DEPTHS (default 65536,131072,262144; PREFILL default pooled),
@@ -267,9 +269,16 @@ for phase in "$@"; do
         for len in ${PROFILE_LENGTHS:-32768}; do
             GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
                 --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${ATTN_BLOCK_MIB:-0}" \
-                --blocks-per-call "${BLOCKS_PER_CALL:-1}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
+                --blocks-per-call "${BLOCKS_PER_CALL:-0}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
             python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"
+        done ;;
+    prefill-memory)
+        # the driver's view of the exact prefill's memory stage by stage, with and without the bench's warm-up prompt
+        need_model
+        for len in ${MEMORY_LENGTHS:-32768}; do
+            python3 experiments/prefill_memory.py --model "$MODEL" --length "$len" --pool "$POOL" 2>&1 | \
+                tee -a "$OUT/prefill-memory.log"
         done ;;
     niah)
         SMOL=${SMOL:-/tmp/smollm2.gguf}
