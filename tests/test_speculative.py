@@ -17,6 +17,7 @@ from kvflash_ggml import Model, _core
 from kvflash_ggml.options import SamplingParams, SpeculativeConfig
 from kvflash_ggml.sampling import Sampler
 from kvflash_ggml.speculative import PromptLookup, accept
+from kvflash_ggml.tokens import HeldHistory
 from kvflash_ggml.testing import random_gguf as rg
 from kvflash_ggml.bench.spec import copy_prompt
 
@@ -93,6 +94,43 @@ def test_prompt_lookup_follows_a_history_that_goes_back():
             lookup.follow(h)
         k = int(rng.integers(1, 6))
         assert lookup.propose(h, k, greedy) == PromptLookup(ngram=3).propose(h, k, greedy), step
+
+
+def test_held_history_reads_the_session_then_the_pending_token(tiny):
+    # A generation's history is the session's tokens and the one picked next: a view that copies only what is read.
+    s = _core.Session(_core.Model(tiny("llama"), backend="cpu", n_threads=1), _core.SessionConfig(max_tokens=512))
+    tokens = np.random.default_rng(1).integers(0, 500, 100).astype(np.int32)
+    s.forward(tokens, 0)
+    h, want = HeldHistory(s, 7), [*tokens.tolist(), 7]
+    assert len(h) == 101 and list(h) == want and h[-1] == 7 and h[0] == want[0] and h[99] == want[99]
+    for sl in (slice(None), slice(3, 40), slice(90, None), slice(-3, None), slice(100, None), slice(50, 50),
+               slice(60, 10), slice(-200, 5)):
+        assert h[sl] == want[sl], sl
+    np.testing.assert_array_equal(np.asarray(h, dtype=np.int64), want)
+    with pytest.raises(IndexError):
+        h[101]
+    with pytest.raises(IndexError, match="token_range"):
+        s.token_range(50, 101)
+
+
+def test_a_drafter_follows_the_prompt_and_every_token_picked(tiny):
+    # What the speculator is given before each verify step: the prompt, then every token the generation gave.
+    seen = []
+    motif = np.random.default_rng(3).integers(0, 1000, 37).tolist()
+    prompt = (motif * 12)[:400]
+    with Model(tiny("llama"), n_ctx=1024, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul",
+               speculative="prompt_lookup") as spec:
+        propose = spec.engine.speculator.propose
+
+        def spy(history, *args, **kw):
+            seen.append(list(history))
+            return propose(history, *args, **kw)
+        spec.engine.speculator.propose = spy
+        got = [r.token for r in spec.engine.generate(prompt, max_tokens=40, temperature=0.0) if r.token is not None]
+    assert len(seen) > 1
+    for history in seen:
+        n = len(history) - len(prompt)
+        assert history == prompt + got[:n] and 1 <= n <= len(got)
 
 
 @pytest.mark.parametrize("target,own", [("smollm2", "gemma3-270m"), ("gemma3-270m", "smollm2")])

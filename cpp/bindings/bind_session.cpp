@@ -242,7 +242,19 @@ void bind_session_residency(py::class_<Session> & session) {
                 return s.tokens();
             });
             return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
-        }, "The tokens whose K/V the session holds (a copy).");
+        }, "The tokens whose K/V the session holds (a copy).")
+        .def("token_range", [](const Session & s, int64_t start, int64_t stop) {
+            const std::vector<int32_t> t = without_gil([&] {
+                const SessionLock held = s.lock(/*device =*/ false);
+                const int64_t n = (int64_t) s.tokens().size();
+                if (start < 0 || start > stop || stop > n) {
+                    throw std::out_of_range("token_range: [" + std::to_string(start) + ", " + std::to_string(stop) +
+                                            ") is not within the " + std::to_string(n) + " tokens held");
+                }
+                return std::vector<int32_t>(s.tokens().begin() + start, s.tokens().begin() + stop);
+            });
+            return py::array_t<int32_t>((py::ssize_t) t.size(), t.data());
+        }, py::arg("start"), py::arg("stop"), "The held tokens [start, stop) (a copy of those alone).");
 }
 
 }  // namespace

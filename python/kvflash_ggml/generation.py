@@ -14,6 +14,7 @@ from .options import SamplingParams
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .speculative import accept
 from .tokenizer import TextStream
+from .tokens import HeldHistory
 
 
 class StreamSuperseded(RuntimeError):
@@ -57,7 +58,6 @@ class Generation:
         self.n_generated = 0               # token records given
         self._state = "prompt"             # prompt -> decoding -> (stopped) -> closed
         self._speculate = engine.speculator is not None
-        self._history = list(tokens)       # speculation: the prompt and every token picked (drafts follow it)
         # speculation: tokens verified, not yet given, with their logprobs (if asked)
         self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
         self._pending: Optional[tuple] = None   # verify_rows() given, its rows not yet back: (drafts, q, n0)
@@ -183,7 +183,8 @@ class Generation:
             room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1)
             if e.policy.reselects:
                 room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
-        drafts, q = e.speculator.propose(self._history, room, self.sampler)
+        # the prompt and every token picked: the session holds them but the last (drafts follow it)
+        drafts, q = e.speculator.propose(HeldHistory(s, self.token), room, self.sampler)
         self._pending = (list(drafts), q, s.n_tokens)
         return [self.token, *drafts]
 
@@ -238,7 +239,6 @@ class Generation:
 
     def _emit(self, token: int, logprobs: Optional[TokenLogprobs]) -> GenerationRecord:
         self.token = token
-        self._history.append(token)
         if self.engine.tokenizer.is_eog(token):
             return self._close("stop")
         text = self.stream.push(self.engine.tokenizer.piece(token))

@@ -2,6 +2,7 @@
 drafter share (no module of the package below this one)."""
 from __future__ import annotations
 
+import collections.abc
 import numbers
 from typing import Callable, Generator, Sequence, TypeVar, Union
 
@@ -69,6 +70,39 @@ def keep_prefix(session: _core.Session, n_keep: int) -> int:
     next): goes back only when it holds more, and then to where it can go back exactly (rewind); returns how
     many it holds. The engine's prompt, the draft model and the drafter's companion all hold tokens so."""
     return rewind(session, n_keep) if n_keep < session.n_tokens else n_keep
+
+
+class HeldHistory(collections.abc.Sequence):
+    """A generation's history as its session holds it: the held tokens, then `pending` (picked, fed by the next
+    step). The session owns the tokens; this view reads only the positions asked for (a slice is a list of those
+    alone), so a drafter that follows a long history pays for what is new, not for a copy of it all."""
+
+    def __init__(self, session: _core.Session, pending: int) -> None:
+        self.session, self.pending = session, int(pending)
+
+    def __len__(self) -> int:
+        return self.session.n_tokens + 1
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                raise ValueError("HeldHistory: slices have step 1")
+            if stop <= start:
+                return []
+            held = self.session.token_range(start, min(stop, n - 1)).tolist() if start < n - 1 else []
+            return held + [self.pending] if stop == n else held
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"HeldHistory index {i} out of range for {n} tokens")
+        return self.pending if j == n - 1 else int(self.session.token_range(j, j + 1)[0])
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self[:], dtype=dtype if dtype is not None else np.int32)
 
 
 def token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
