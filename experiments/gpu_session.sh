@@ -269,7 +269,7 @@ for phase in "$@"; do
         for len in ${PROFILE_LENGTHS:-32768}; do
             GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
                 --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${ATTN_BLOCK_MIB:-0}" \
-                --blocks-per-call "${BLOCKS_PER_CALL:-0}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
+                --blocks-per-call "${BLOCKS_PER_CALL:-1}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
             python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"
         done ;;
