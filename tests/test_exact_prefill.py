@@ -467,6 +467,24 @@ def test_memory_reports_the_prefill_workspace(tiny):
     assert one_layer_kv <= mem["prefill_peak_bytes"] < one_layer_kv + 8 * 2**20
 
 
+def test_a_layer_major_prompt_gives_the_step_buffer_back_while_it_runs(tiny):
+    # The step graphs' compute buffer is not held beside the prompt's workspace: it goes back to the device when a
+    # layer-major prompt begins and the next step allocates it again. A pool that holds the whole prompt: that
+    # step's logits are then the full cache's.
+    model = tiny("llama")
+    tokens = prompt(model, 701, seed=8)
+    sess = session(model, 1024, attention="matmul")
+    sess.forward(tokens[:300], 0)
+    assert sess.memory()["compute_bytes"] > 0
+    sess.prefill_exact(tokens[300:700], 300)
+    assert sess.memory()["compute_bytes"] == 0
+    logits = sess.forward(tokens[700:], 700)
+    assert sess.memory()["compute_bytes"] > 0
+    full = _core.Session(model, _core.SessionConfig(max_tokens=MAX_TOKENS, n_batch=128, attention="matmul"))
+    full.forward(tokens[:700], 0)
+    np.testing.assert_allclose(logits, full.forward(tokens[700:], 700), atol=1e-4)
+
+
 def test_shared_kv_layers_run_only_the_prompts_last_step_and_need_no_workspace(tiny):
     # Their outputs at earlier positions feed nothing (no K/V): 6 steps of 128 for each of layers 0-2, one for each of
     # 3-5, and the workspace is the staging pool's, as for any model.

@@ -208,6 +208,12 @@ Session::~Session() {
     if (graph_ctx_) ggml_free(graph_ctx_);
 }
 
+void Session::release_step_buffer() {
+    ggml_backend_sched_free(sched_);
+    sched_ = new_sched();
+    shape_[0] = -1;   // the graph's tensors lived in that buffer: the next step builds and allocates anew
+}
+
 void Session::execute(const Plan & plan) {
     const auto t0 = std::chrono::steady_clock::now();
     kv_->execute(plan);

@@ -112,9 +112,11 @@ struct SessionMemory {
     int64_t ring_bytes = 0;            // the sliding-window layers' rings (fixed size, never paged)
     int64_t recurrent_bytes = 0;       // the linear-attention layers' conv and recurrent state (fixed size)
     int64_t recurrent_checkpoint_bytes = 0;   // host copies of that state kept to go back to (checkpoint())
-    int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step so far)
+    int64_t compute_bytes = 0;         // the step graphs' compute buffer (as large as the largest step since the
+                                       // last layer-major prompt, which gives it back while it runs)
     int64_t prefill_peak_bytes = 0;    // layer-major prefill's transient workspace, largest so far: the
-                                       // one-layer staging K/V + its compute buffer (freed after each prompt)
+                                       // one-layer staging K/V + its compute buffer (freed after each prompt),
+                                       // with the MTP head's buffer that stays beside it
     int64_t prefill_staging_bytes = 0; // ... of which the staging K/V (one layer's of the prompt)
     int64_t prefill_host_bytes = 0;    // ... and its host buffers (hidden states, bounce), largest so far
     int64_t host_store_bytes = 0;      // the host store's capacity (held images and free slots: reserve_host)
@@ -349,6 +351,9 @@ public:
 
 private:
     void execute(const Plan & plan);   // PooledKV carries the plan out, then the pager applies it
+    // Gives the step graphs' compute buffer back to the device (the next step allocates it again): a layer-major
+    // prompt runs graphs of its own, so its workspace never sits beside that buffer.
+    void release_step_buffer();
     void check_tokens(const int32_t * tokens, int64_t n, int64_t start) const;   // forward's argument checks
     // ---- layer-major prefill (session_prefill.cpp) ----
     const ExactPrefillRun * open_run_ = nullptr;   // set while a run is open: every other call is refused

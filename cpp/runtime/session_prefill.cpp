@@ -260,9 +260,8 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     const int64_t block_rows = std::min({n_batch_, n_, attention_block_rows(spc_.pool_tokens, attention_bytes_per_key(
                                                            s_.flash_attn_, fewest_heads), attention_block_bytes_)});
     const int64_t group = s_.flash_attn_ && !sparse_.on() ? std::clamp<int64_t>(n_batch_ / block_rows, 1, o.blocks_per_call) : 1;
-    for (int d = 0; d < m_.n_devices(); ++d) {
-        bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens, block_rows, s_.kv_pad_, group));
-    }
+    for (int d = 0; d < m_.n_devices(); ++d) bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens,
+                                                                                           block_rows, s_.kv_pad_, group));
     if (sparse_.on()) make_sparse_index();
     sched_.reset(s_.new_sched(graph_nodes(n_batch_)));
     out_.logits.resize((size_t) hp_.n_vocab);
@@ -697,7 +696,7 @@ void Session::ExactPrefillPass::account() {
     for (const auto & b : bands_) band_bytes += b->device_bytes();
     for (const auto & ix : sparse_index_) band_bytes += ix ? ix->device_bytes() : 0;
     for (const auto & st : stages_) staging_bytes += st ? st->device_bytes() : 0;
-    const int64_t workspace = staging_bytes + band_bytes + hidden_->device_bytes() + peak_compute_;
+    const int64_t workspace = staging_bytes + band_bytes + hidden_->device_bytes() + peak_compute_ + s_.mtp_compute_bytes();
     if (workspace > s_.prefill_peak_bytes_) {
         s_.prefill_peak_bytes_ = workspace;
         s_.prefill_staging_bytes_ = staging_bytes;
@@ -716,6 +715,7 @@ ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t s
 Session::ExactPrefillRun::ExactPrefillRun(Session & s, const int32_t * tokens, int64_t n, int64_t start,
                                           const ExactPrefillOptions & options, std::function<void()> between)
     : s_(s), tokens_(tokens, tokens + n), between_(std::move(between)) {
+    s_.release_step_buffer();
     pass_ = std::make_unique<ExactPrefillPass>(s, tokens_.data(), n, start, options, between_);
     s_.open_run_ = this;
 }

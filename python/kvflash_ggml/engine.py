@@ -501,8 +501,9 @@ class Engine:
         the sliding-window layers' rings and the linear-attention layers' state (fixed, never paged), the step
         graphs' compute buffer, the largest exact-prefill workspace so far (freed after each prompt:
         one layer's staging K/V + its compute buffer), and a second model's session and weights: the drafter
-        policy's full-cache session (not bounded by the pool), or a speculative draft model's pooled one. device_peak_bytes: all of them at once (the prefill workspace lives beside the step graphs'
-        buffer)."""
+        policy's full-cache session (not bounded by the pool), or a speculative draft model's pooled one.
+        device_peak_bytes: all of them at once, but the step graphs' buffer and the prefill workspace, of which
+        the larger (a layer-major prompt gives the step buffer back while it runs: Session::release_step_buffer)."""
         mem = self.session.memory()
         # a second model beside this one: the drafter policy's companion, a draft model (its session, its weights)
         seconds = [self.companion] if self.companion is not None else []
@@ -521,8 +522,8 @@ class Engine:
             "device_ring_bytes": mem["ring_bytes"],
             "device_recurrent_bytes": mem["recurrent_bytes"],
             "host_checkpoint_bytes": mem["recurrent_checkpoint_bytes"],
-            "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["recurrent_bytes"] + mem["compute_bytes"] +
-            mem["prefill_peak_bytes"] + drafter,
+            "device_peak_bytes": weights + mem["pool_bytes"] + mem["ring_bytes"] + mem["recurrent_bytes"] +
+            max(mem["compute_bytes"], mem["prefill_peak_bytes"]) + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],
             "host_store_bytes": mem["host_store_bytes"],   # the host store's capacity (host_kv_bytes: what it holds)
             # per device of the model's split: its weights and this session's pool, rings, state and compute buffers
