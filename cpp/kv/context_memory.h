@@ -2,9 +2,10 @@
 // rings (SlidingWindowKV) and the linear-attention state (RecurrentState). Both are resident, fixed in size, never
 // paged or scored, and both reach back only so far (a ring: its window; the state: its checkpoints). The session
 // keeps a list of the ones its model has and loops over it to go back, start over, count bytes and roll back a
-// failed prompt, as llama.cpp's llama_memory_i lets its context treat every cache alike. What differs between them
-// stays in their own classes: how a step places its tokens (a ring's rows and key order; the state's count) and
-// their snapshot sections (each its own tag and version).
+// failed prompt, and to place a step's positions (and take them back from a graph that never ran), as llama.cpp's
+// llama_memory_i lets its context treat every cache alike. What differs between them stays in their own classes:
+// what a placed step needs in its graph (a ring's rows and key order; the state: nothing but its count) and their
+// snapshot sections (each its own tag and version).
 //
 // The pool is not one of these: its positions are placed and dropped through the pager's plans (plan, then
 // apply), which also page and reselect.
@@ -13,6 +14,7 @@
 #include "ggml-backend.h"
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 
 namespace kvf {
@@ -29,6 +31,12 @@ public:
     virtual void clear() = 0;                      // nothing consumed
     virtual int64_t device_bytes() const = 0;
     virtual int64_t device_bytes_on(ggml_backend_t backend) const = 0;
+
+    // A step's positions [start, start + n) (start == n_tokens(), n <= max_step()) are written by the graph about to
+    // run; unplace_step(start) forgets them if it never ran (exact: no byte has moved yet).
+    virtual int64_t max_step() const { return std::numeric_limits<int64_t>::max(); }
+    virtual void place_step(int64_t start, int64_t n) = 0;
+    virtual void unplace_step(int64_t start) = 0;
 
     // The memory as it stands (bookkeeping and bytes), to put back if a layer-major prompt fails: its layers write
     // positions one layer after another, so no truncate can undo a prompt stopped between them.

@@ -109,7 +109,7 @@ size_t RecurrentState::total_bytes() const {
     return (size_t) (n_layer() * (conv_elems_ + ssm_elems_) + carry_elems_) * sizeof(float);
 }
 
-void RecurrentState::place(int64_t start, int64_t n) {
+void RecurrentState::place_step(int64_t start, int64_t n) {
     if (start != n_tokens_ || n < 0) {
         throw std::logic_error("recurrent state: positions [" + std::to_string(start) + ", " + std::to_string(start + n) +
                                ") placed after " + std::to_string(n_tokens_) + " consumed");
@@ -117,7 +117,7 @@ void RecurrentState::place(int64_t start, int64_t n) {
     n_tokens_ += n;
 }
 
-void RecurrentState::unplace(int64_t start) {
+void RecurrentState::unplace_step(int64_t start) {
     if (start < 0 || start > n_tokens_) {
         throw std::logic_error("recurrent state: cannot unplace from " + std::to_string(start) + " with " +
                                std::to_string(n_tokens_) + " consumed");

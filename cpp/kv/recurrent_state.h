@@ -62,10 +62,10 @@ public:
     int64_t device_bytes_on(ggml_backend_t backend) const override;
 
     // Positions [start, start+n) are consumed next (start == n_tokens()): the graph about to run writes them.
-    void place(int64_t start, int64_t n);
-    // Forget the positions [start, n_tokens()) the last place() gave a graph that never ran (a batched step that failed
-    // before its compute): the state's bytes have not moved, so this is exact, unlike a truncate.
-    void unplace(int64_t start);
+    void place_step(int64_t start, int64_t n) override;
+    // Forget the positions [start, n_tokens()) the last place_step() gave a graph that never ran (a batched step that
+    // failed before its compute): the state's bytes have not moved, so this is exact, unlike a truncate.
+    void unplace_step(int64_t start) override;
     bool can_truncate(int64_t n) const override;
     // Back to n: nothing (the end), zero state (0), or the checkpoint at n; later checkpoints are dropped.
     void truncate(int64_t n) override;   // throws std::invalid_argument unless can_truncate(n)

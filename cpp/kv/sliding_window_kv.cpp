@@ -50,6 +50,21 @@ Plan SlidingWindowKV::place(int64_t start, int64_t n) {
     return p;
 }
 
+void SlidingWindowKV::place_step(int64_t start, int64_t n) {
+    Mark before = mark();
+    step_plan_ = place(start, n);
+    step_mark_ = std::move(before);
+    step_order_ = key_order();
+}
+
+void SlidingWindowKV::unplace_step(int64_t start) {
+    if (start != step_mark_.n_tokens) {
+        throw std::logic_error("SlidingWindowKV::unplace_step: the step placed last starts at " +
+                               std::to_string(step_mark_.n_tokens) + ", not " + std::to_string(start));
+    }
+    rewind_to(step_mark_);
+}
+
 KvKeyOrder SlidingWindowKV::key_order() const {
     KvKeyOrder o;
     const int64_t R = ring_tokens();

@@ -41,7 +41,7 @@ public:
     const PooledKV & kv() const { return *kv_; }
     int64_t window() const { return window_; }
     int64_t ring_tokens() const { return kv_->layout().pool_tokens; }
-    int64_t max_step() const { return ring_tokens() - window_; }   // tokens one step may write
+    int64_t max_step() const override { return ring_tokens() - window_; }   // tokens one step may write
     int64_t n_tokens() const override { return n_tokens_; }
     int64_t device_bytes() const override { return kv_->device_bytes(); }
     int64_t device_bytes_on(ggml_backend_t backend) const override { return kv_->device_bytes_on(backend); }
@@ -51,6 +51,11 @@ public:
     Plan place(int64_t start, int64_t n);
     // The rows a step attends (the first n_kv of the ring) and the position each holds, with the window.
     KvKeyOrder key_order() const;
+    // A step's place() and key order, kept for its graph's inputs (step_plan, step_order) until the next.
+    void place_step(int64_t start, int64_t n) override;
+    void unplace_step(int64_t start) override;   // back to the ring before the step's place_step
+    const Plan & step_plan() const { return step_plan_; }
+    const KvKeyOrder & step_order() const { return step_order_; }
 
     // Whether forgetting positions >= n keeps everything a query at n sees.
     bool can_truncate(int64_t n) const override;
@@ -90,6 +95,9 @@ private:
     int64_t window_, kv_pad_;
     int64_t n_tokens_ = 0;
     std::vector<int64_t> slot_pos_;
+    Mark step_mark_;          // the ring before the step placed last (its written rows hold no reachable position)
+    Plan step_plan_;
+    KvKeyOrder step_order_;
 };
 
 }  // namespace kvf

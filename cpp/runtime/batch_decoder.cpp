@@ -131,7 +131,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
         const int64_t ni = (int64_t) rows[i].size();
-        const int64_t n_kv = placed[i].ring_order.n_kv;
+        const int64_t n_kv = sessions[i]->ring()->step_order().n_kv;
         g.lane_rings.push_back({&ring, kv_step_inputs_new(g.ctx, ring.layout(), ni, n_kv, false), n_kv, t0, ni});
     }
     if (const PoolArena * arena = shared_arena(sessions, rows, placed)) {
@@ -349,8 +349,8 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
         } else {
             for (const Session::PlacedStep & p : placed) shape.push_back(p.order.n_kv);
         }
-        for (const Session::PlacedStep & p : placed) {
-            if (p.has_ring) shape.push_back(p.ring_order.n_kv);
+        for (const Session * s : sessions) {
+            if (s->ring()) shape.push_back(s->ring()->step_order().n_kv);
         }
         if (shape != shape_) {
             build_graph(sessions, rows, placed, greedy != nullptr);
@@ -361,8 +361,9 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
         ggml_backend_tensor_set(graph_.in.tokens, tokens.data(), 0, tokens.size() * sizeof(int32_t));
         ggml_backend_tensor_set(graph_.in.positions, pos.data(), 0, pos.size() * sizeof(int32_t));
         for (size_t i = 0; i < graph_.lane_rings.size(); ++i) {
-            kv_step_inputs_set(graph_.lane_rings[i].in, sessions[i]->ring()->kv().layout(), placed[i].ring_order,
-                               placed[i].ring_plan, &pos[graph_.lane_rings[i].t0], scratch_);
+            const SlidingWindowKV & ring = *sessions[i]->ring();
+            kv_step_inputs_set(graph_.lane_rings[i].in, ring.kv().layout(), ring.step_order(), ring.step_plan(),
+                               &pos[graph_.lane_rings[i].t0], scratch_);
         }
         if (graph_.arena.arena) {   // one row a session (shared_arena)
             std::vector<LaneToken> lt;

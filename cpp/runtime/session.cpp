@@ -284,13 +284,13 @@ void Session::run(const int32_t * tokens, int64_t n, int64_t start, bool all_log
 void Session::compute(const int32_t * tokens, const PlacedStep & step, bool all_logits, float * logits_out,
                       int32_t * greedy_out) {
     const int64_t n = step.n;
-    const KvKeyOrder & order = step.order, & ring_order = step.ring_order;
-    const int64_t n_outputs = all_logits ? n : 1;
+    const KvKeyOrder & order = step.order;
+    const int64_t n_outputs = all_logits ? n : 1, n_ring_kv = ring_ ? ring_->step_order().n_kv : 0;
     if (shape_[0] != n || shape_[1] != order.n_kv || shape_[2] != n_outputs || shape_[3] != order.gathered ||
-        shape_[4] != ring_order.n_kv) {
-        build_graph(n, order.n_kv, n_outputs, order.gathered, ring_order.n_kv);
+        shape_[4] != n_ring_kv) {
+        build_graph(n, order.n_kv, n_outputs, order.gathered, n_ring_kv);
     }
-    set_inputs(tokens, n, step.plan, n_outputs, order, step.ring_plan, ring_order);
+    set_inputs(tokens, n, step.plan, n_outputs, order);
     if (held_queries_.n_layer > 0) held_queries_ = StepQueries{};   // queries() reads this step's from now on
     queries_dropped_ = false;
     if (cfg_.capture_attention) keep_capture_order(order);
@@ -368,15 +368,16 @@ ggml_context * Session::new_graph_ctx(size_t n_nodes) const {
     return ctx;
 }
 
-void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs,
-                         const KvKeyOrder & order, const Plan & ring_alloc, const KvKeyOrder & ring_order) {
+void Session::set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order) {
     const StepInputs & in = graph_.in;
     std::vector<int32_t> pos(n);
     for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t) (alloc.span_start + i);
     ggml_backend_tensor_set(in.tokens, tokens, 0, n * sizeof(int32_t));
     ggml_backend_tensor_set(in.positions, pos.data(), 0, n * sizeof(int32_t));
     kv_step_inputs_set(in.kv, kv_->layout(), order, alloc, pos.data(), input_scratch_);
-    if (ring_) kv_step_inputs_set(graph_.ring_in, ring_->kv().layout(), ring_order, ring_alloc, pos.data(), ring_scratch_);
+    if (ring_) {
+        kv_step_inputs_set(graph_.ring_in, ring_->kv().layout(), ring_->step_order(), ring_->step_plan(), pos.data(), ring_scratch_);
+    }
     if (in.out_ids) {
         std::vector<int32_t> ids(n_outputs);
         for (int64_t i = 0; i < n_outputs; ++i) ids[i] = (int32_t) (n - n_outputs + i);
@@ -493,7 +494,8 @@ void Session::adopt(const Session & src, int64_t n) {
 void Session::check_step(const int32_t * tokens, int64_t n) const {
     const SessionLock held = lock(false);
     check_tokens(tokens, n, pager_->n_tokens());
-    if (n > 1 && (n > pager_->max_span_tokens(n) || (ring_ && n > ring_->max_step()))) {
+    const bool too_long = std::any_of(memories_.begin(), memories_.end(), [n](const ContextMemory * m) { return n > m->max_step(); });
+    if (n > 1 && (n > pager_->max_span_tokens(n) || too_long)) {
         throw std::invalid_argument("the pool cannot place " + std::to_string(n) + " tokens at once");
     }
 }
@@ -507,15 +509,9 @@ Session::PlacedStep Session::place_step(int64_t n) {
     execute(step.plan);
     try {
         step.order = kv_key_order(*pager_, kv_->layout(), ordered_, kv_pad_);
-        if (ring_) {
-            step.ring_mark = ring_->mark();
-            step.has_ring = true;
-            step.ring_plan = ring_->place(step.start, n);
-            step.ring_order = ring_->key_order();
-        }
-        if (recurrent_) {
-            recurrent_->place(step.start, n);
-            step.has_recurrent = true;
+        for (ContextMemory * m : memories_) {
+            m->place_step(step.start, n);
+            ++step.n_memories;
         }
     } catch (...) {
         unplace_step(step);
@@ -527,11 +523,9 @@ Session::PlacedStep Session::place_step(int64_t n) {
 void Session::unplace_step(const PlacedStep & step) {
     const SessionLock held = lock(false);
     execute(pager_->plan_truncate(step.start));
-    // The ring rows a failed step may have written held positions no window reaches any more.
-    if (step.has_ring) ring_->rewind_to(step.ring_mark);
-    // Exact before the graph computes (the state's bytes have not moved); BatchDecoder's header says what a compute
-    // that fails midway leaves.
-    if (step.has_recurrent) recurrent_->unplace(step.start);
+    // Exact before the graph computes (no byte has moved; the ring rows a failed step may have written held positions
+    // no window reaches any more); BatchDecoder's header says what a compute that fails midway leaves.
+    for (size_t i = step.n_memories; i-- > 0;) memories_[i]->unplace_step(step.start);
 }
 
 void Session::finish_step(const PlacedStep & step, const int32_t * tokens, double compute_ms, StepQueries queries,

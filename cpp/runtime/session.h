@@ -286,15 +286,13 @@ public:
     // and seal the chunks it completed, as the session's own step does) or unplace_step (not computed: the session
     // holds what it held before). The caller holds the session's lock throughout; place_step changes nothing when it
     // throws.
+    // The pool's part of a placed step; the other memories keep theirs (a ring's rows and key order: step_plan(),
+    // step_order()) until their next place_step.
     struct PlacedStep {
         int64_t start = 0, n = 0;
         Plan plan;                         // the pool's slots for the step's tokens
         KvKeyOrder order;                  // the pool's keys as the step's attention reads them
-        bool has_ring = false;
-        SlidingWindowKV::Mark ring_mark;   // the ring before the step (its written rows hold no reachable position)
-        Plan ring_plan;
-        KvKeyOrder ring_order;
-        bool has_recurrent = false;        // the state's rows placed
+        size_t n_memories = 0;             // memories_ placed, in order (unplace_step takes those back)
     };
     void check_step(const int32_t * tokens, int64_t n) const;   // changes nothing
     PlacedStep place_step(int64_t n);
@@ -366,8 +364,8 @@ private:
     void compute(const int32_t * tokens, const PlacedStep & step, bool all_logits, float * logits_out,
                  int32_t * greedy_out);
     void build_graph(int64_t n_tokens, int64_t n_kv, int64_t n_outputs, bool gathered, int64_t n_ring_kv);
-    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order,
-                    const Plan & ring_alloc, const KvKeyOrder & ring_order);
+    // (a ring's rows and key order: those of its step placed last)
+    void set_inputs(const int32_t * tokens, int64_t n, const Plan & alloc, int64_t n_outputs, const KvKeyOrder & order);
     void keep_capture_order(const KvKeyOrder & order);   // session_capture.cpp
     // ---- outputs (session_outputs.cpp) ----
     // ---- multi-token prediction (session_mtp.cpp) ----

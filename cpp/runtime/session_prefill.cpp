@@ -639,7 +639,7 @@ size_t Session::ExactPrefillPass::layer_end(int il) const {
 bool Session::ExactPrefillPass::advance(int64_t max_steps) {
     try {
         if (!begun_) {
-            if (s_.recurrent_) s_.recurrent_->place(start_, n_);   // every recurrent layer consumes the prompt in turn
+            if (s_.recurrent_) s_.recurrent_->place_step(start_, n_);   // every recurrent layer consumes the prompt in turn
             blocks_ = s_.pager_->chunk_blocks();   // the held chunks' places before the prompt is placed
             begun_ = true;
         }
