@@ -145,9 +145,12 @@ def test_text_mapping_grows_as_a_whole_mapping_would(target, own):
     history = copy_prompt(t, 600)
     history += t.encode(" Then: naïve café, 3.14159 — «quoted» text\n\n  indented\tcode();", add_special=False)
     mapped = TextMappedDraft(None, o, t)
-    for n in list(range(1, 40)) + list(range(560, len(history) + 1)):
-        assert mapped._map(history[:n]) == retokenise(np.asarray(history[:n], np.int32), t, o)[0].tolist(), n
-    assert mapped._map(history[:100]) == retokenise(np.asarray(history[:100], np.int32), t, o)[0].tolist()   # went back
+    whole = lambda h: retokenise(np.asarray(h, np.int32), t, o)[0].tolist()
+    for n in list(range(1, 40)) + list(range(560, len(history) + 1)):   # a generation's steps: only extensions
+        assert mapped._map(history[:n], compare=False) == whole(history[:n]), n
+    assert mapped._map(history[:100], compare=True) == whole(history[:100])   # went back
+    other = history[1:100] + history[99:100]   # another prompt that ends in the same token: compared whole
+    assert mapped._map(other, compare=True) == whole(other)
 
 
 # ---- greedy equality ------------------------------------------------------------------------------------

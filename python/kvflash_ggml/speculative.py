@@ -155,7 +155,9 @@ class TextMappedDraft:
 
     The mapping grows with the history: only the text from a little before the end of the last mapping is
     tokenized again (its own tokens there may merge with what follows), unless that piece does not read back
-    as its text, or the history is not an extension of the last one; then the whole history is mapped."""
+    as its text, or the history is not an extension of the last one; then the whole history is mapped. Within a
+    generation (propose) the history extends the last one, so only its last mapped token is compared (as
+    PromptLookup does); a prompt (follow) is compared whole."""
 
     MARGIN = 32   # bytes of the mapped text tokenized again with the new text
 
@@ -173,9 +175,10 @@ class TextMappedDraft:
         self._unchanged = 0
         self._followed = True
 
-    def _map(self, history: Sequence[int]) -> list[int]:
+    def _map(self, history: Sequence[int], compare: bool) -> list[int]:
         m = len(self._history)
-        if m and len(history) >= m and list(history[:m]) == self._history:
+        if m and len(history) >= m and (list(history[:m]) == self._history if compare else
+                                        history[m - 1] == self._history[-1]):
             new_text, _ = self.target.pieces(history[m:])
             text = self._text + new_text
             # the last of its own tokens that starts MARGIN bytes or more before the old end (never a BOS)
@@ -212,13 +215,13 @@ class TextMappedDraft:
         return False
 
     def follow(self, history: Sequence[int]) -> None:
-        tokens = self._map(history)
+        tokens = self._map(history, compare=True)
         if self._room_for(tokens, 0):
             self.draft.follow(tokens, unchanged=self._unchanged)
             self._followed = True
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
-        tokens = self._map(history)
+        tokens = self._map(history, compare=False)
         if not self._room_for(tokens, k):
             return [], None
         # Its tokens near the history's end may have changed with the new text: compared from where they may.
