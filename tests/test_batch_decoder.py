@@ -333,6 +333,27 @@ def test_bad_steps_change_nothing(tiny_gguf):
     assert [pager_state(s) for s in (a, b)] == before
 
 
+@pytest.mark.parametrize("shape", ["tiny-gemma3", "tiny-qwen35"])
+def test_a_step_placed_and_taken_back_leaves_every_memory_as_it_was(tmp_path, shape):
+    """What a batched step whose graph fails does to its sessions (nothing on the CPU makes a graph fail after its
+    steps are placed, so the testing binding places and takes back): the pool, a ring's rows and positions and a
+    recurrent state's count go back, and the session then steps as its twin that never placed it (a pool that holds
+    everything: placing evicts nothing)."""
+    model = hybrid_model(tmp_path, shape, "f32")
+    a, b = session(model, 1024, "matmul"), session(model, 1024, "matmul")
+    p = prompts(model.hparams.n_vocab, [300])[0]
+    a.forward(p, 0)
+    b.forward(p, 0)
+    _core.testing.place_and_unplace_step(a, 1 if a.has_recurrent_state else 3)
+    assert pager_state(a) == pager_state(b)
+    nxt = prompts(model.hparams.n_vocab, [1], seed=1)[0]
+    np.testing.assert_array_equal(a.forward(nxt, 300), b.forward(nxt, 300))
+    if a.ring_tokens:
+        assert all(a.ring_block(k) == b.ring_block(k) for k in range(a.ring_tokens // 64))
+    if a.has_recurrent_state:
+        assert a.recurrent_state() == b.recurrent_state()
+
+
 # ---- hybrids: linear-attention layers (a recurrent state per session) beside full attention ----
 
 def hybrid_model(tmp_path, shape, weight_type):

@@ -363,6 +363,14 @@ void register_session(py::module_ & m, py::module_ & testing) {
         });
     }, py::arg("session"), py::arg("order"),
        "hand out the session's free blocks in this order (only while no chunk is resident): shuffled blocks for tests");
+    testing.def("place_and_unplace_step", [](Session & s, int64_t n) {
+        without_gil([&] {
+            const SessionLock held = s.lock(/*device =*/ false);
+            s.unplace_step(s.place_step(n));
+        });
+    }, py::arg("session"), py::arg("n"),
+       "place a step of n tokens in the pool and every other memory, then take it back, as a batched step whose graph "
+       "failed does (n within check_step's bounds)");
 }
 
 }  // namespace kvf::bind
