@@ -140,7 +140,7 @@ void bind_session_prefill(py::class_<Session> & session) {
              "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept). "
              "checkpoint_before_last: keep the linear-attention state before the last token as a checkpoint "
              "(checkpoint() there), that token still run inside the pass. blocks_per_call > 1 (flash attention): up "
-             "to that many blocks of queries share one attention call as its sequences (opt-in: not measured on a GPU)")
+             "to that many blocks of queries share one attention call as its sequences (opt-in: no faster at 256K on an H200, R117)")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                        int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks,
                                        bool checkpoint_before_last, int64_t blocks_per_call) {

@@ -442,6 +442,7 @@ size_t blocks_in_group(const GraphCtx & g, const PooledKV & kv, const KvStepInpu
 // [head_dim, n_kv, n_head_kv] (the keys the latest block sees; an earlier block's mask hides the rest). ggml-cuda then
 // runs as many tiles as in one call of n_blocks x n_rows queries: at 256K on the H100 512-query calls took 67.7 s of
 // flash attention where 128-query ones took 70.1, and the mask of a 512-query call would need a 256 MiB table (R115).
+// Measured so (R117, H200): no faster at 256K than a call per block (0.94x llama-bench against 0.96x).
 // Returns [head_dim_v * n_head, n_blocks * n_rows], in position order.
 ggml_tensor * attend_block_group(ggml_context * ctx, const CausalBand & band, ggml_tensor * q, ggml_tensor * kp,
                                  ggml_tensor * vp, int64_t row0, int64_t n_rows, int64_t n_blocks, int64_t first_pos,

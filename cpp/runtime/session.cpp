@@ -494,8 +494,8 @@ void Session::adopt(const Session & src, int64_t n) {
 void Session::check_step(const int32_t * tokens, int64_t n) const {
     const SessionLock held = lock(false);
     check_tokens(tokens, n, pager_->n_tokens());
-    const bool too_long = std::any_of(memories_.begin(), memories_.end(), [n](const ContextMemory * m) { return n > m->max_step(); });
-    if (n > 1 && (n > pager_->max_span_tokens(n) || too_long)) {
+    const auto too_long = [n](const ContextMemory * m) { return n > m->max_step(); };
+    if (n > 1 && (n > pager_->max_span_tokens(n) || std::any_of(memories_.begin(), memories_.end(), too_long))) {
         throw std::invalid_argument("the pool cannot place " + std::to_string(n) + " tokens at once");
     }
 }

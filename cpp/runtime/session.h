@@ -81,7 +81,7 @@ struct ExactPrefillOptions {
     // its queries in blocks that fit (0: k_attention_block_bytes).
     int64_t attention_block_bytes = 0;
     // With flash attention, up to this many blocks of queries share one call as its sequences (graph.cpp:
-    // attend_block_group), at most a step's worth. 1: a call per block. Not measured on a GPU yet: opt-in.
+    // attend_block_group), at most a step's worth. 1: a call per block. Opt-in: no faster at 256K on an H200 (R117).
     int64_t blocks_per_call = 1;
     SparseParams sparse;                 // a sparse prefill's choice of keys (model/sparse_attention.h; top_chunks 0: exact)
     // Keep the linear-attention state (and the MTP carry) as it stands before the prompt's last token as a
