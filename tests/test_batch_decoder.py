@@ -247,14 +247,6 @@ def test_verify_steps_of_several_tokens_step_batched_as_alone(tiny_gguf, attenti
                                rtol=0, atol=2e-3)
 
 
-def test_a_hybrid_takes_one_token_a_batched_step(tmp_path):
-    qwen35 = hybrid_model(tmp_path, "tiny-qwen35", "f32")
-    h = [session(qwen35, 448), session(qwen35, 448)]
-    with pytest.raises(ValueError, match="linear-attention state"):
-        _core.BatchDecoder(qwen35).step_rows(h, [[5], [6, 7]])
-    assert all(s.n_tokens == 0 for s in h)
-
-
 def test_who_cannot_join(tiny_gguf, tmp_path):
     model = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
     other = _core.Model(tiny_gguf(), backend="cpu", n_threads=2)
@@ -417,6 +409,53 @@ def test_hybrid_sessions_step_batched_as_alone(tmp_path, shape, weight_type, att
     np.testing.assert_allclose(decoder.step(batched, tok), logits_a, rtol=0, atol=2e-3)
     for s in batched:
         s.pager.check_invariants()
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_hybrid_verify_steps_step_batched_as_alone(tmp_path, arena):
+    """A hybrid's verify step joins a batched step (issue 38 item 3): its linear-attention state runs through every
+    row as its own verify step runs it (one-token kernels on the CPU: the rows' logits and the state bit for bit),
+    beside sessions stepping other numbers of tokens; stashed before the step, it goes back there and runs the kept
+    tokens again, as speculative decoding does when drafts are rejected. q8_0: its products are the one-token
+    step's at any column count (F32 weights' are not: STATE_TOL)."""
+    model = hybrid_model(tmp_path, "tiny-qwen35", "q8_0")
+    alone, batched, tok = hybrid_twins(model, "flash", arena)
+    decoder = _core.BatchDecoder(model)
+    rng = np.random.default_rng(11)
+    n_vocab = model.hparams.n_vocab
+    page_outs = batched[2].pager.stats().page_outs   # the exact prompt's 700 tokens: the next chunk evicts
+    for step in range(12):
+        # 1 to 4 rows a session, within its chunk (as a drafter's proposal stays: Generation._propose)
+        n_rows = [min((step + i) % 4 + 1, 64 - s.n_tokens % 64) for i, s in enumerate(alone)]
+        rows = [[t, *rng.integers(1, n_vocab, n - 1).tolist()] for t, n in zip(tok, n_rows)]
+        start = [s.n_tokens for s in alone]
+        for s in alone + batched:
+            s.stash()
+        want = [s.forward(np.asarray(r, np.int32), s.n_tokens, all_logits=True) for s, r in zip(alone, rows)]
+        got = decoder.step_rows(batched, rows)
+        for w, g_ in zip(want, got):
+            np.testing.assert_array_equal(g_, w)
+        assert states_equal(alone, batched)
+        # each session keeps a prefix of its rows: back to the stash, the kept ones again
+        kept = [rng.integers(1, n + 1) for n in n_rows]
+        for s, r, n0, k in zip(alone + batched, rows + rows, start + start, kept + kept):
+            if k < len(r):
+                s.truncate(n0)
+                s.forward(np.asarray(r[:k], np.int32), n0, all_logits=True)
+        assert states_equal(alone, batched)
+        tok = [int(w[k - 1].argmax()) for w, k in zip(want, kept)]
+        assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    assert decoder.delta_rule_calls == 4   # a verify step: each session's rows over its own state
+    assert batched[2].pager.stats().page_outs > page_outs   # the steps paged
+    # a decode step of one token each after them (an arena's one run of lanes again)
+    np.testing.assert_allclose(decoder.step(batched, tok),
+                               np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)]),
+                               rtol=0, atol=2e-3)
+    assert decoder.delta_rule_calls == (1 if arena else 4)
+
+
+def states_equal(alone, batched):
+    return [s.recurrent_state() for s in alone] == [s.recurrent_state() for s in batched]
 
 
 def test_hybrid_lanes_apart_and_taken_again_step_as_alone(tmp_path):

@@ -344,6 +344,45 @@ def test_server_slots_of_a_hybrid_decode_in_batched_steps(model_path, run_schedu
     assert [[r.token for r in recs[:-1]] for recs in records] == want
 
 
+def test_speculating_slots_of_a_hybrid_verify_in_batched_steps(model_path, run_scheduled):
+    """Regression for issue 38 item 3: a hybrid's verify steps ran one slot at a time. Now each slot's pending token
+    and drafts join the round's batched forward (its state stashed first, gone back to when drafts are rejected), and
+    every slot gives the tokens plain greedy decoding gives it alone."""
+    from kvflash_ggml import Model
+    from kvflash_ggml.commands.serve import build_engines, build_parser
+    from kvflash_ggml.server.scheduler import Scheduler
+
+    path = model_path("qwen35-q8_0")
+    args = build_parser().parse_args(["--model", path, "--parallel", "3", "--kvflash", str(POOL), "--n-ctx",
+                                      str(MAX_TOKENS), "--threads", "1", "--backend", "cpu", "--prefix-cache", "off",
+                                      "--draft", "prompt_lookup"])
+    engines, _, _ = build_engines(args)
+    sched = Scheduler(engines, max_queue=4, batch=True)
+    rows_seen: list[list[int]] = []
+
+    class Recording:   # the scheduler's decoder, noting each batched verify step's rows a slot
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def step_rows(self, sessions, rows, keep):
+            rows_seen.append([len(r) for r in rows])
+            return self.decoder.step_rows(sessions, rows, keep)
+
+        def __getattr__(self, name):
+            return getattr(self.decoder, name)
+
+    sched.decoder = Recording(sched.decoder)
+    # a repeated phrase: prompt lookup proposes its continuation
+    prompts = [np.tile(tokens(n, seed=30 + n), 6).tolist() for n in (50, 20, 35)]
+    records = run_scheduled(sched, prompts, 40)
+    assert any(max(r) > 1 for r in rows_seen)   # verify steps with drafts went batched
+    kw = dict(n_ctx=MAX_TOKENS, pool_tokens=POOL, backend="cpu", n_threads=1)
+    with Model(path, **kw) as alone:
+        want = [[r.token for r in alone.engine.generate(p, max_tokens=40, temperature=0.0) if r.token is not None]
+                for p in prompts]
+    assert [[r.token for r in recs[:-1]] for recs in records] == want
+
+
 # ---- snapshots ------------------------------------------------------------------------------------------
 
 def test_snapshot_carries_the_state(model_path):

@@ -100,9 +100,14 @@ struct GraphCtx {
     // Per session of a batched step, its sliding-window rings (the sliding-window layers attend these one session
     // at a time; empty when the model has no such layers).
     std::vector<Lane> lane_rings;
-    // Per token of a batched decode, its session's linear-attention state (empty when the model has no such layers):
-    // each token's conv and delta rule read and write back that session's own state (qwen35.cpp: linear_attention).
-    std::vector<const RecurrentState *> lane_recurrent;
+    // Per session of a batched step, its linear-attention state and its tokens [t0, t0 + n) of the step (empty when
+    // the model has no such layers): each session's conv and delta rule read and write back its own state
+    // (qwen35.cpp: linear_attention), over one token (a decode step) or several (a verify step).
+    struct LaneState {
+        const RecurrentState * state;
+        int64_t t0, n;
+    };
+    std::vector<LaneState> lane_recurrent;
     // A batched decode whose sessions all keep their pools in one arena (kv/pool_arena.h; lanes then stays
     // empty): one K/V write for every token, and one attention call per run of tokens whose lanes follow
     // one another (tokens [token, token + n) are lanes [lane, lane + n)), the lanes along ne3.

@@ -232,8 +232,9 @@ ggml_tensor * ssm_state_of(ggml_context * ctx, const ModelHparams & hp, ggml_ten
 
 // The projections read the weights once for the step's tokens, whichever sequences they belong to; the conv and the
 // delta rule then run over one session's state (a step of one session), over each run of an arena's lanes (a batched
-// decode: g.recurrent_arena), or token by token over each session's own state (g.lane_recurrent); the outputs go
-// through the gate and ssm_out together again.
+// decode: g.recurrent_arena), or over each session's own state and tokens (g.lane_recurrent: a batched step whose
+// states are not one arena's lanes, or a verify step of several tokens a session); the outputs go through the gate
+// and ssm_out together again.
 ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     const ModelHparams & hp = m.hparams();
     const LayerWeights & w = m.layers[il];
@@ -256,9 +257,9 @@ ggml_tensor * linear_attention(GraphCtx & g, const Model & m, int il, ggml_tenso
                               ssm_state_of(ctx, hp, arena->ssm_lanes(ctx, l, r.lane, r.n)), in, r.token, 1, r.n));
         }
     } else if (!g.lane_recurrent.empty()) {
-        for (int64_t t = 0; t < n; ++t) {
-            const RecurrentState & rs = *g.lane_recurrent[(size_t) t];
-            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs.conv(l)), ssm_state_of(ctx, hp, rs.ssm(l)), in, t, 1, 1));
+        for (const GraphCtx::LaneState & r : g.lane_recurrent) {
+            const RecurrentState & rs = *r.state;
+            append(delta_rule(g, hp, w, conv_state_of(ctx, hp, rs.conv(l)), ssm_state_of(ctx, hp, rs.ssm(l)), in, r.t0, r.n, 1));
         }
     } else {
         const RecurrentState & rs = *g.recurrent;

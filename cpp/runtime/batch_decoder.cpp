@@ -123,10 +123,14 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
-    if (const PoolArena * arena = shared_recurrent_arena(sessions)) {
-        g.recurrent_arena = {arena, lane_runs(sessions, [](const Session & s) { return s.recurrent()->lane(); })};
+    // An arena's run of lanes steps one token a lane; a session with several rows (a verify step) steps its own
+    const PoolArena * recurrent_arena = n_rows == n ? shared_recurrent_arena(sessions) : nullptr;
+    if (recurrent_arena) {
+        g.recurrent_arena = {recurrent_arena, lane_runs(sessions, [](const Session & s) { return s.recurrent()->lane(); })};
     } else {
-        for (int64_t i = 0; i < n && first.recurrent(); ++i) g.lane_recurrent.push_back(sessions[i]->recurrent());
+        for (int64_t i = 0, t0 = 0; i < n && first.recurrent(); t0 += (int64_t) rows[i].size(), ++i) {
+            g.lane_recurrent.push_back({sessions[i]->recurrent(), t0, (int64_t) rows[i].size()});
+        }
     }
     for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
@@ -282,10 +286,6 @@ void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t
     if (n_rows < 1 || n_rows > k_max_rows) {
         throw std::invalid_argument(who + " got " + std::to_string(n_rows) + " tokens: a batched step takes 1 to " +
                                     std::to_string(k_max_rows) + " a session");
-    }
-    if (n_rows > 1 && s.recurrent()) {
-        throw std::invalid_argument(who + " has a linear-attention state: it takes one token a batched step (a verify "
-                                    "step's rejected drafts need its own step's stash)");
     }
 }
 

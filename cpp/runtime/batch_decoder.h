@@ -12,8 +12,8 @@
 // ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's
 // linear-attention layers project every session's token at once; sessions whose states are lanes of one arena
 // (kv/pool_arena.h) then run one conv and one delta rule per run of lanes (GraphCtx::recurrent_arena), others each
-// token's own over its session's RecurrentState (GraphCtx::lane_recurrent). Either computes each session's
-// token as its own one-token step does.
+// session's tokens over its own RecurrentState (GraphCtx::lane_recurrent: also a verify step's several tokens).
+// Either computes each session's tokens as its own step does.
 //
 // On an error no session changes: every check, placement and the graph's allocation come before the compute, and
 // the sessions are put back to the tokens they held. One limit: a linear-attention state is written in place, so a
@@ -53,8 +53,9 @@ public:
     // drafts): feed rows[i] to sessions[i] at its n_tokens(); `logits` gets every row's, [sum of the rows' sizes,
     // n_vocab], session after session in the caller's order. On the CPU every row is computed with the kernels of
     // a one-token step (GraphCtx::one_token_kernels), as a session's own verify step is, so its rows and K/V are
-    // the ones that step writes. A session with a linear-attention state takes one token (its rejected drafts
-    // need the state's stash, which is its own step's). On an error no session changes.
+    // the ones that step writes. A session with a linear-attention state steps its state through every row, as
+    // its own verify step does: a caller that may reject drafts stashes it first (Session::stash) and goes back
+    // there (truncate), as speculative decoding does alone. On an error no session changes.
     void step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
                    std::vector<float> * logits, const std::vector<uint8_t> * keep_queries = nullptr);
     int64_t compute_bytes() const;   // the step graphs' compute buffer
@@ -81,7 +82,7 @@ private:
                                           const std::vector<std::vector<int32_t>> & rows,
                                           const std::vector<Session::PlacedStep> & placed);
     // The arena every session's linear-attention state is a lane of (one conv and delta rule per run of lanes);
-    // else nullptr (each session's token runs its own: GraphCtx::lane_recurrent).
+    // else nullptr (each session's tokens run over its own: GraphCtx::lane_recurrent).
     static const PoolArena * shared_recurrent_arena(const std::vector<Session *> & sessions);
     // Why session i (n_rows tokens) cannot take part in this step beside `first`: std::invalid_argument.
     void check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const;

@@ -153,10 +153,8 @@ class Generation:
 
     def needs_verify_step(self) -> bool:
         """The next record needs a speculative verify step (no kept token queued): one the caller may batch, as
-        verify_rows(), the rows through the session, then advance_verify(logits). Never for a session with a
-        linear-attention state (its rejected drafts go back through its own step's stash)."""
-        return self._speculate and self._state == "decoding" and not self._queue and not self._at_limit() and \
-            not self.engine.session.has_recurrent_state
+        verify_rows(), the rows through the session, then advance_verify(logits)."""
+        return self._speculate and self._state == "decoding" and not self._queue and not self._at_limit()
 
     @property
     def has_queued(self) -> bool:
@@ -165,9 +163,13 @@ class Generation:
 
     def verify_rows(self) -> list[int]:
         """The verify step's tokens, fed to the session at its n_tokens: `token` and the drafts proposed after it
-        (the drafter runs here), or [token] alone when it proposes none."""
+        (the drafter runs here), or [token] alone when it proposes none. A linear-attention state is stashed here,
+        as before a verify step run alone (_verify_drafts)."""
         with self.engine._turn(self.owner):
-            return self._propose()
+            tokens = self._propose()
+            if len(tokens) > 1 and self.engine.session.has_recurrent_state:
+                self.engine.session.stash()
+            return tokens
 
     def _propose(self) -> list[int]:
         e, s = self.engine, self.engine.session
