@@ -260,8 +260,11 @@ def test_who_cannot_join(tiny_gguf, tmp_path):
                                                                                            pool_tokens=448))) is None
     with_head = _core.Model(str(rg.write_preset(tmp_path / "h.gguf", "tiny-qwen35", mtp=True)), backend="cpu",
                             n_threads=2, mtp=True)
-    assert "multi-token-prediction" in _core.BatchDecoder(with_head).ineligible(
-        _core.Session(with_head, _core.SessionConfig(max_tokens=1024, pool_tokens=448, mtp=True)))
+    heads = [_core.Session(with_head, _core.SessionConfig(max_tokens=1024, pool_tokens=448, mtp=mtp)) for mtp in (1, 0)]
+    assert _core.BatchDecoder(with_head).ineligible(heads[0]) is None
+    with pytest.raises(ValueError, match="multi-token-prediction head"):   # a step runs the head for all or none
+        _core.BatchDecoder(with_head).step_greedy(heads, [5, 6])
+    assert [s.n_tokens for s in heads] == [0, 0]
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gemma4", "laguna"])
@@ -452,6 +455,40 @@ def test_hybrid_verify_steps_step_batched_as_alone(tmp_path, arena):
                                np.stack([s.forward(np.array([t], np.int32), s.n_tokens) for s, t in zip(alone, tok)]),
                                rtol=0, atol=2e-3)
     assert decoder.delta_rule_calls == (1 if arena else 4)
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_sessions_with_the_mtp_head_step_batched_as_alone(tmp_path, arena):
+    """Sessions that run the multi-token-prediction head (issue 38 item 3: they stepped alone) share decode and verify
+    steps: each writes the head's K/V into its own pool and moves its own carry on, so the rows, the state with the
+    carry, the pools' bytes and the head's next drafts are the session's own steps' (q8_0: bit for bit)."""
+    model = _core.Model(str(rg.write_preset(tmp_path / "mtp.gguf", "tiny-qwen35", weight_type="q8_0", mtp=True)),
+                        backend="cpu", n_threads=2, mtp=True)
+    alone, batched, tok = twins(model, [448] * 3 if arena else [448, 0, 448], [440, 90, 130], "flash",
+                                _core.PoolArena(3) if arena else None, mtp=True)
+    decoder = _core.BatchDecoder(model)
+    rng = np.random.default_rng(5)
+    for step in range(10):
+        if step % 2:   # a decode step of one token each
+            rows = [[t] for t in tok]
+        else:          # a verify step: the pending token and 0 to 3 drafts of the head, within the chunk
+            rows = [[t, *rng.integers(1, model.hparams.n_vocab, min(step // 2 % 4, 63 - s.n_tokens % 64)).tolist()]
+                    for t, s in zip(tok, alone)]
+        want = [s.forward(np.asarray(r, np.int32), s.n_tokens, all_logits=len(r) > 1) for s, r in zip(alone, rows)]
+        got = decoder.step_rows(batched, rows)
+        for w, g_ in zip(want, got):
+            np.testing.assert_array_equal(g_, np.atleast_2d(w))
+        assert states_equal(alone, batched)   # the carry is the state's last part
+        tok = [int(np.atleast_2d(w)[-1].argmax()) for w in want]
+        assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+        for a, b, t in zip(alone, batched, tok):   # up to two draft steps of the head: its K/V and carry as alone
+            assert b.mtp_room() == a.mtp_room()
+            for i, token in enumerate((t, 7)[:a.mtp_room()]):
+                np.testing.assert_array_equal(b.mtp_draft(token, i), a.mtp_draft(token, i))
+    assert any(s.pager.stats().page_outs > 0 for s in batched)   # the steps paged
+    for a, b in zip(alone, batched):
+        assert [a.kv.read_block(i) for i in range(a.pager.n_blocks())] == \
+            [b.kv.read_block(i) for i in range(b.pager.n_blocks())]
 
 
 def states_equal(alone, batched):

@@ -122,8 +122,10 @@ def test_draft_steps_follow_one_another(path):
     with pytest.raises(ValueError, match="must follow"):
         s.mtp_draft(6, 1)   # the session moved on: the chain is over
     assert s.mtp_room() == 1024 - 101
-    with pytest.raises(ValueError, match="multi-token-prediction"):
-        _core.BatchDecoder(model).step([s], [3])   # a drafting session steps alone
+    s.mtp_draft(6, 0)
+    _core.BatchDecoder(model).step([s], [3])   # a batched step moves the session on too
+    with pytest.raises(ValueError, match="must follow"):
+        s.mtp_draft(7, 1)
 
 
 # ---- the head's K/V and carry on every path ---------------------------------------------------------------
@@ -314,25 +316,34 @@ def test_cli_generate_with_draft_mtp(path, capsys):
     assert '"spec_mode": "mtp"' in err and '"spec_acceptance": 1.0' in err
 
 
-def test_serve_slots_draft_with_mtp_alone(path, run_scheduled):
-    # `kvflash serve --draft mtp`: every slot's session runs the head (their pools one arena), speculating slots
-    # step alone, and each gives plain greedy decoding's tokens.
+@pytest.mark.parametrize("variant", ["echo", "qwen35-q8_0"])
+def test_serve_slots_draft_with_mtp_and_verify_batched(path, variant, run_scheduled):
+    # `kvflash serve --draft mtp`: every slot's session runs the head (their pools one arena); the head drafts in each
+    # slot's own steps and the slots' verify steps share batched forwards (issue 38 item 3: they stepped alone), each
+    # writing the head's K/V and carry of its own rows; every slot gives plain greedy decoding's tokens. echo: every
+    # draft kept; the random q8_0 model: drafts rejected too (the stash, then the kept ones again).
     from kvflash_ggml.commands.serve import build_engines, build_parser
     from kvflash_ggml.server.scheduler import Scheduler
 
-    args = build_parser().parse_args(["--model", path("echo"), "--draft", "mtp", "--parallel", "2", "--kvflash",
+    args = build_parser().parse_args(["--model", path(variant), "--draft", "mtp", "--parallel", "2", "--kvflash",
                                       str(POOL), "--n-ctx", "2048", "--threads", "1", "--backend", "cpu",
                                       "--prefix-cache", "off"])
     engines, _, _ = build_engines(args)
     assert all(e.session.mtp and e.speculator.stats()["spec_mode"] == "mtp" for e in engines)
     sched = Scheduler(engines, max_queue=4, batch=True)
-    prompts = [tokens(500, seed=5 + i).tolist() for i in range(2)]
-
-    records = run_scheduled(sched, prompts, 30)
-    with Model(path("echo"), **{**KW, "policy": "lru"}, pool_tokens=POOL) as plain:
-        want = [greedy(plain, p, 30) for p in prompts]
+    assert all(slot.batchable for slot in sched.slots)
+    # the second prompt is short: it has run while the first slot decodes, and their steps share forwards
+    prompts = [tokens(n, seed=5 + n).tolist() for n in (500, 60)]
+    records = run_scheduled(sched, prompts, 120)
+    with Model(path(variant), **{**KW, "policy": "lru"}, pool_tokens=POOL) as plain:
+        want = [greedy(plain, p, 120) for p in prompts]
     assert [[r.token for r in recs[:-1]] for recs in records] == want
-    assert all(recs[-1].stats["spec_accepted"] > 0 for recs in records) and sched.n_batched_steps == 0
+    assert sched.n_batched_steps > 0 and sched.n_batched_tokens > 2 * sched.n_batched_steps   # verify steps' drafts
+    stats = [recs[-1].stats for recs in records]
+    if variant == "echo":
+        assert all(st["spec_accepted"] == st["spec_drafted"] > 0 for st in stats)
+    else:
+        assert all(st["spec_accepted"] < st["spec_drafted"] for st in stats)
 
 
 def test_bench_spec_runs_with_draft_mtp(path, tmp_path, capsys):

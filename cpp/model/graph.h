@@ -58,6 +58,8 @@ struct GraphCtx {
     const RecurrentState * recurrent = nullptr;
     // The multi-token-prediction head (model/mtp.h), when the graph runs it: its layer in kv (-1: none), and the
     // trunk's last layer keeping every row (the head pairs each token with the trunk's state at the one before).
+    // A batched step's sessions each write the head's K/V into their own pool and move their own carry on
+    // (mtp_lanes: each session's state, whose carry it is, and its tokens; empty for a step of one session).
     int64_t mtp_kv_layer = -1;
     bool all_rows = false;
     int64_t n_tokens = 0;
@@ -108,6 +110,7 @@ struct GraphCtx {
         int64_t t0, n;
     };
     std::vector<LaneState> lane_recurrent;
+    std::vector<LaneState> mtp_lanes;
     // A batched decode whose sessions all keep their pools in one arena (kv/pool_arena.h; lanes then stays
     // empty): one K/V write for every token, and one attention call per run of tokens whose lanes follow
     // one another (tokens [token, token + n) are lanes [lane, lane + n)), the lanes along ne3.
@@ -177,8 +180,9 @@ ggml_tensor * rope(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 // RoPE of the global layers (and of the MTP head, outside the stack).
 ggml_tensor * rope_global(GraphCtx & g, const Model & m, int64_t il, ggml_tensor * x);   // il: whose RoPE factors
 // A layer outside the family's stack (the MTP head) with its K/V in layer kl of the step's pool (GraphCtx::kv,
-// in.kv, n_kv): pool_write writes k and v of the step's tokens; pool_attend also attends the first n_kv slots under
-// the step's mask ([head_dim_v * n_head, n_tokens]). Nothing of it is kept for the scorers.
+// in.kv, n_kv): pool_write writes k and v of the step's tokens (a batched step's: each session's into its own pool);
+// pool_attend also attends the first n_kv slots under the step's mask ([head_dim_v * n_head, n_tokens]). Nothing of it
+// is kept for the scorers.
 void pool_write(GraphCtx & g, int64_t kl, ggml_tensor * k, ggml_tensor * v);
 ggml_tensor * pool_attend(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale);
 // x + bias when bias is present; reshape to [head_dim, n_heads, n_tokens].

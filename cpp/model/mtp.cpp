@@ -17,15 +17,24 @@ ggml_tensor * mtp_input(GraphCtx & g, const Model & m, ggml_tensor * h) {
 
 ggml_tensor * build_mtp_follow(GraphCtx & g, const Model & m, ggml_tensor * h) {
     ggml_context * ctx = g.ctx;
-    const int64_t E = h->ne[0], n = g.n_tokens;
+    const int64_t E = h->ne[0];
     ggml_tensor * hn = rms_norm(g, h, m.output_norm, m.hparams().rms_eps);   // [E, n]: what the logits see
-    ggml_tensor * carry = g.recurrent->mtp_carry();
-    ggml_tensor * prev = ggml_reshape_2d(ctx, carry, E, 1);
-    ggml_tensor * shifted = n == 1 ? prev : ggml_concat(ctx, prev, ggml_view_2d(ctx, hn, E, n - 1, hn->nb[1], 0), 1);
+    // Each session's tokens [t0, t0 + n) pair with its carry and then its own states (one session: all of them).
+    const std::vector<GraphCtx::LaneState> lanes = g.mtp_lanes.empty() ?
+        std::vector<GraphCtx::LaneState>{{g.recurrent, 0, g.n_tokens}} : g.mtp_lanes;
+    const auto carry_of = [&](const GraphCtx::LaneState & l) { return ggml_reshape_2d(ctx, l.state->mtp_carry(), E, 1); };
+    const auto states = [&](int64_t t0, int64_t n) { return ggml_view_2d(ctx, hn, E, n, hn->nb[1], t0 * hn->nb[1]); };
+    ggml_tensor * shifted = nullptr;
+    for (const GraphCtx::LaneState & l : lanes) {
+        ggml_tensor * s = l.n == 1 ? carry_of(l) : ggml_concat(ctx, carry_of(l), states(l.t0, l.n - 1), 1);
+        shifted = shifted ? ggml_concat(ctx, shifted, s, 1) : s;
+    }
     m.arch().mtp->write_kv(g, m, mtp_input(g, m, shifted));
-    // The carry moves on to the step's last state. The writes above read the old carry, and the graph runs its nodes
+    // Each carry moves on to its tokens' last state. The writes above read the old carry, and the graph runs its nodes
     // in the order they were added (as the linear-attention layers' conv state relies on too).
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, ggml_view_2d(ctx, hn, E, 1, hn->nb[1], (n - 1) * hn->nb[1]), prev));
+    for (const GraphCtx::LaneState & l : lanes) {
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, states(l.t0 + l.n - 1, 1), carry_of(l)));
+    }
     return select_outputs(g, h);
 }
 

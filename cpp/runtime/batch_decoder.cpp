@@ -1,4 +1,5 @@
 #include "runtime/batch_decoder.h"
+#include "model/mtp.h"
 #include "model/rpc.h"
 
 #include <algorithm>
@@ -64,7 +65,6 @@ BatchDecoder::~BatchDecoder() {
 
 std::string BatchDecoder::ineligible(const Session & s) const {
     if (&s.model() != model_.get()) return "it runs another Model object";
-    if (s.mtp()) return "it runs the multi-token-prediction head (a drafting session steps alone)";
     if (s.config().capture_attention) return "it captures attention (the drafter scorer reads one session's step)";
     return "";
 }
@@ -156,8 +156,17 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
             g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), ni, order.n_kv, order.gathered), order.n_kv, t0, ni});
         }
     }
+    if (first.mtp()) {   // each session's head: its K/V into its pool's last layer, its carry moved on (model/mtp.h)
+        g.all_rows = true;
+        g.mtp_kv_layer = first.kv().layout().n_layer - 1;
+        for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
+            g.mtp_lanes.push_back({sessions[i]->recurrent(), t0, (int64_t) rows[i].size()});
+        }
+    }
     const Model & m = *model_;
-    logits_ = build_logits(g, m, build_stack(g, m));   // [n_vocab, n_rows]
+    ggml_tensor * h = build_stack(g, m);
+    if (first.mtp()) h = build_mtp_follow(g, m, h);
+    logits_ = build_logits(g, m, h);   // [n_vocab, n_rows]
     argmax_ = nullptr;
     if (greedy) {
         argmax_ = ggml_argmax(g.ctx, logits_);   // I32 [n]: one row per session
@@ -283,6 +292,10 @@ void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t
                                     "close it first");
     }
     if (s.flash_attn() != first.flash_attn()) throw std::invalid_argument(who + " takes another attention path than session 0");
+    if (s.mtp() != first.mtp()) {
+        throw std::invalid_argument(who + (s.mtp() ? " runs" : " does not run") + " the multi-token-prediction head, "
+                                    "session 0 " + (first.mtp() ? "does" : "does not") + " (a step runs it for all or none)");
+    }
     if (n_rows < 1 || n_rows > k_max_rows) {
         throw std::invalid_argument(who + " got " + std::to_string(n_rows) + " tokens: a batched step takes 1 to " +
                                     std::to_string(k_max_rows) + " a session");

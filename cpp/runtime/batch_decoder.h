@@ -4,9 +4,12 @@
 // (GraphCtx::lanes). Each session's pager places its token and pages as its forward would, so a session
 // ends a batched step exactly where forward_greedy / forward would have left it.
 //
-// Which sessions can share a step (eligible()): same Model, same attention path, no multi-token-prediction head,
-// and no attention capture (capture_attention: the drafter's companion session, whose probabilities its scorer
-// reads). Others decode alone. A session that tracks chunk summaries (the qk / quest scorers) batches: the step
+// Which sessions can share a step (eligible()): same Model, same attention path, and no attention capture
+// (capture_attention: the drafter's companion session, whose probabilities its scorer reads). Others decode alone.
+// Sessions that run the multi-token-prediction head (model/mtp.h) share steps with each other: each writes the
+// head's K/V into its own pool and moves its own carry on, as its own step does (GraphCtx::mtp_lanes); the head's
+// draft steps stay each session's own (Session::mtp_draft).
+// A session that tracks chunk summaries (the qk / quest scorers) batches: the step
 // keeps every session's query per pooled layer, and each such session ends holding its own (Session::queries)
 // and the summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
 // ring (one attention call per session and layer: rings are small and are not in an arena). A hybrid's

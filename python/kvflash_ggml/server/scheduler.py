@@ -15,9 +15,10 @@ per layer covers every slot, each over its own pool; the argmax on the backend w
 greedily, else the logits come back) under every policy (a qk / quest slot keeps its own token's queries for
 its scorer; the drafter's companion follows the history only when it scores), and so do slots that speculate: a
 round's verify steps (each slot's pending token and drafts) run in the same forward (BatchDecoder.step_rows), the
-kept tokens going out at the start of the next round (a hybrid's state stashed first, as alone); a slot with an
-MTP head steps alone; sliding-window layers attend each slot's own ring, a hybrid's linear-attention layers step
-each slot's own recurrent state in the same forward. A long prompt does not stall
+kept tokens going out at the start of the next round (a hybrid's state stashed first, as alone; a slot drafting with
+the model's MTP head runs the head's draft steps alone, its verify step with the others); sliding-window layers
+attend each slot's own ring, a hybrid's linear-attention layers step each slot's own recurrent state in the same
+forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
 sized to about one decode round (_prompt_step_cap). Records go to the request's asyncio queue on the event loop
 that submitted it, all at once right before the scheduler's next step (Outbox). A cancelled request (the client
