@@ -123,7 +123,7 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
-    // An arena's run of lanes steps one token a lane; a session with several rows (a verify step) steps its own
+    // An arena's run of lanes steps one token a lane; a session with several rows (a verify step) steps its own state.
     const PoolArena * recurrent_arena = n_rows == n ? shared_recurrent_arena(sessions) : nullptr;
     if (recurrent_arena) {
         g.recurrent_arena = {recurrent_arena, lane_runs(sessions, [](const Session & s) { return s.recurrent()->lane(); })};
