@@ -556,6 +556,40 @@ def test_mtp_speculation_on_cuda_equals_plain_greedy(tmp_path):
     assert st["spec_mode"] == "mtp" and st["spec_acceptance"] == 1.0 and st["page_outs"] > 0
 
 
+@pytest.mark.parametrize("arena", [False, True])
+def test_batched_verify_steps_of_sessions_with_the_head_on_cuda(tmp_path, arena):
+    """Issue 38 item 3 on the GPU: verify steps of 1 to 4 tokens a session in one batched graph, each session's
+    linear-attention state stepped through its own rows and the MTP head's K/V and carry written per session: the
+    rows' logits, the states and the head's next drafts as each session's own steps give them (TOL_FLOAT: the
+    matmuls see more columns)."""
+    path = str(rg.write_preset(tmp_path / "mtp.gguf", "tiny-qwen35", weight_type="f32", **MTP_SHAPE))
+    model = _core.Model(path, backend="cuda", mtp=True)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, model.hparams.n_vocab, n).astype(np.int32) for n in (440, 90, 130)]
+
+    def sessions(lanes=None):
+        out = [_core.Session(model, _core.SessionConfig(max_tokens=1024, pool_tokens=448, n_batch=64, mtp=True),
+                             arena=lanes) for _ in prompts]
+        return out, [s.forward_greedy(p, 0) for s, p in zip(out, prompts)]
+
+    (alone, tok), (batched, _) = sessions(), sessions(_core.PoolArena(3) if arena else None)
+    decoder = _core.BatchDecoder(model)
+    for step in range(12):
+        rows = [[t, *rng.integers(0, model.hparams.n_vocab, (step + i) % 4).tolist()] for i, t in enumerate(tok)]
+        want = [s.forward(np.asarray(r, np.int32), s.n_tokens, all_logits=True) for s, r in zip(alone, rows)]
+        got = decoder.step_rows(batched, rows)
+        for w, g_ in zip(want, got):
+            assert_close("batched verify rows", g_, w, TOL_FLOAT)
+        tok = [int(w[-1].argmax()) for w in want]
+    assert [s.n_tokens for s in alone] == [s.n_tokens for s in batched]
+    assert any(s.pager.stats().page_outs for s in batched)
+    states = max(float(np.abs(np.frombuffer(a.recurrent_state(), np.float32) -
+                              np.frombuffer(b.recurrent_state(), np.float32)).max()) for a, b in zip(alone, batched))
+    drafts = max(float(np.abs(b.mtp_draft(t, 0) - a.mtp_draft(t, 0)).max()) for a, b, t in zip(alone, batched, tok))
+    report(f"CUDA-BATCH-VERIFY arena={arena}: max |state diff| {states:.2e}, max |draft logit diff| {drafts:.2e}")
+    assert states <= TOL_FLOAT and drafts <= TOL_FLOAT
+
+
 def test_stats_report_the_drivers_view_beside_our_counts(model_path):
     # Issue 39 item 11: stats() missed ~85 MiB the process held on the H100 (ggml's CUDA pool, cuBLAS's workspace:
     # allocated by ggml beside our buffers). It now reports the driver's view beside our own counters; the
