@@ -163,15 +163,12 @@ class Generation:
 
     def verify_rows(self) -> list[int]:
         """The verify step's tokens, fed to the session at its n_tokens: `token` and the drafts proposed after it
-        (the drafter runs here), or [token] alone when it proposes none. A linear-attention state is stashed here,
-        as before a verify step run alone (_verify_drafts)."""
+        (the drafter runs here), or [token] alone when it proposes none."""
         with self.engine._turn(self.owner):
-            tokens = self._propose()
-            if len(tokens) > 1 and self.engine.session.has_recurrent_state:
-                self.engine.session.stash()
-            return tokens
+            return self._propose()
 
     def _propose(self) -> list[int]:
+        """The verify step's tokens (see verify_rows); with drafts, a linear-attention state is stashed first."""
         e, s = self.engine, self.engine.session
         p = self.params
         left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
@@ -188,6 +185,8 @@ class Generation:
         # the prompt and every token picked: the session holds them but the last (drafts follow it)
         drafts, q = e.speculator.propose(HeldHistory(s, self.token), room, self.sampler)
         self._pending = (list(drafts), q, s.n_tokens)
+        if drafts and s.has_recurrent_state:
+            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
         return [self.token, *drafts]
 
     def advance_verify(self, rows: np.ndarray) -> GenerationRecord:
@@ -230,8 +229,6 @@ class Generation:
             self._pending = None
             return [self._choose(e._decode_one(self.token))] if self.wants_logits else \
                 [(e._decode_one_greedy(self.token), None)]
-        if s.has_recurrent_state:
-            s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
         rows = s.forward(np.asarray(tokens, dtype=np.int32), s.n_tokens, all_logits=True)
         return self._verified(rows)
 
