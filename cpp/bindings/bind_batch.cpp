@@ -69,14 +69,16 @@ void register_batch(py::module_ & m) {
                  return per_session;
              }, py::arg("sessions"), py::arg("rows"), py::arg("keep_queries") = py::none(),
              "feed rows[i] (one or more tokens: a verify step's pending token and drafts) to sessions[i] at its "
-             "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU). "
+             "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU). A "
+             "linear-attention state steps through every row: stash it first (Session.stash) to go back to it. "
              KEEP_QUERIES_DOC)
         .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
                                "attention calls per layer in the last step: one per run of consecutive arena lanes, "
                                "else one per session")
         .def_property_readonly("delta_rule_calls", &BatchDecoder::delta_rule_calls,
                                "conv + delta-rule calls per linear-attention layer in the last step: one per run of "
-                               "consecutive arena lanes, else one per session (0: no such layers)")
+                               "consecutive arena lanes (a step of one token a session), else one per session (0: no "
+                               "such layers)")
         .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
                                "device bytes of the batched step graphs' compute buffer")
         .def_property_readonly("graph_nodes", &BatchDecoder::graph_nodes, "the last step graph's nodes")
