@@ -662,11 +662,13 @@ void pool_write(GraphCtx & g, int64_t kl, ggml_tensor * k, ggml_tensor * v) {
         ggml_build_forward_expand(g.gf, cpy_v_lanes(ctx, *arena, g.arena.in, kl, v));
         return;
     }
-    for (const GraphCtx::Lane & lane : g.lanes) {    // a batched step: each session's tokens into its own pool
-        ggml_build_forward_expand(g.gf, cpy_k(ctx, *lane.kv, lane.in, kl, token_view(ctx, k, lane.t0, lane.n)));
-        ggml_build_forward_expand(g.gf, cpy_v(ctx, *lane.kv, lane.in, kl, token_view(ctx, v, lane.t0, lane.n)));
+    if (!g.lanes.empty()) {   // a batched step: each session's tokens into its own pool
+        for (const GraphCtx::Lane & lane : g.lanes) {
+            ggml_build_forward_expand(g.gf, cpy_k(ctx, *lane.kv, lane.in, kl, token_view(ctx, k, lane.t0, lane.n)));
+            ggml_build_forward_expand(g.gf, cpy_v(ctx, *lane.kv, lane.in, kl, token_view(ctx, v, lane.t0, lane.n)));
+        }
+        return;
     }
-    if (!g.lanes.empty()) return;
     ggml_build_forward_expand(g.gf, cpy_k(ctx, *g.kv, g.in.kv, kl, k));
     ggml_build_forward_expand(g.gf, cpy_v(ctx, *g.kv, g.in.kv, kl, v));
 }

@@ -20,8 +20,8 @@ ggml_tensor * build_mtp_follow(GraphCtx & g, const Model & m, ggml_tensor * h) {
     const int64_t E = h->ne[0];
     ggml_tensor * hn = rms_norm(g, h, m.output_norm, m.hparams().rms_eps);   // [E, n]: what the logits see
     // Each session's tokens [t0, t0 + n) pair with its carry and then its own states (one session: all of them).
-    const std::vector<GraphCtx::LaneState> lanes = g.mtp_lanes.empty() ?
-        std::vector<GraphCtx::LaneState>{{g.recurrent, 0, g.n_tokens}} : g.mtp_lanes;
+    const std::vector<GraphCtx::LaneState> one = {{g.recurrent, 0, g.n_tokens}};
+    const std::vector<GraphCtx::LaneState> & lanes = g.mtp_lanes.empty() ? one : g.mtp_lanes;
     const auto carry_of = [&](const GraphCtx::LaneState & l) { return ggml_reshape_2d(ctx, l.state->mtp_carry(), E, 1); };
     const auto states = [&](int64_t t0, int64_t n) { return ggml_view_2d(ctx, hn, E, n, hn->nb[1], t0 * hn->nb[1]); };
     ggml_tensor * shifted = nullptr;

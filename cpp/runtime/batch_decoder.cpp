@@ -123,14 +123,17 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_rows);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
+    // Each session's linear-attention state (and MTP carry) with its rows of the step.
+    std::vector<GraphCtx::LaneState> states;
+    for (int64_t i = 0, t0 = 0; i < n && first.recurrent(); t0 += (int64_t) rows[i].size(), ++i) {
+        states.push_back({sessions[i]->recurrent(), t0, (int64_t) rows[i].size()});
+    }
     // An arena's run of lanes steps one token a lane; a session with several rows (a verify step) steps its own state.
     const PoolArena * recurrent_arena = n_rows == n ? shared_recurrent_arena(sessions) : nullptr;
     if (recurrent_arena) {
         g.recurrent_arena = {recurrent_arena, lane_runs(sessions, [](const Session & s) { return s.recurrent()->lane(); })};
     } else {
-        for (int64_t i = 0, t0 = 0; i < n && first.recurrent(); t0 += (int64_t) rows[i].size(), ++i) {
-            g.lane_recurrent.push_back({sessions[i]->recurrent(), t0, (int64_t) rows[i].size()});
-        }
+        g.lane_recurrent = states;
     }
     for (int64_t i = 0, t0 = 0; i < n && first.ring(); t0 += (int64_t) rows[i].size(), ++i) {
         const PooledKV & ring = sessions[i]->ring()->kv();
@@ -156,16 +159,15 @@ void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const st
             g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), ni, order.n_kv, order.gathered), order.n_kv, t0, ni});
         }
     }
-    if (first.mtp()) {   // each session's head: its K/V into its pool's last layer, its carry moved on (model/mtp.h)
+    const bool mtp = first.mtp();
+    if (mtp) {   // each session's head: its K/V into its pool's last layer, its carry moved on (model/mtp.h)
         g.all_rows = true;
         g.mtp_kv_layer = first.kv().layout().n_layer - 1;
-        for (int64_t i = 0, t0 = 0; i < n; t0 += (int64_t) rows[i].size(), ++i) {
-            g.mtp_lanes.push_back({sessions[i]->recurrent(), t0, (int64_t) rows[i].size()});
-        }
+        g.mtp_lanes = std::move(states);
     }
     const Model & m = *model_;
     ggml_tensor * h = build_stack(g, m);
-    if (first.mtp()) h = build_mtp_follow(g, m, h);
+    if (mtp) h = build_mtp_follow(g, m, h);
     logits_ = build_logits(g, m, h);   // [n_vocab, n_rows]
     argmax_ = nullptr;
     if (greedy) {
