@@ -481,14 +481,71 @@ def test_sessions_with_the_mtp_head_step_batched_as_alone(tmp_path, arena):
         assert states_equal(alone, batched)   # the carry is the state's last part
         tok = [int(np.atleast_2d(w)[-1].argmax()) for w in want]
         assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
-        for a, b, t in zip(alone, batched, tok):   # up to two draft steps of the head: its K/V and carry as alone
-            assert b.mtp_room() == a.mtp_room()
-            for i, token in enumerate((t, 7)[:a.mtp_room()]):
-                np.testing.assert_array_equal(b.mtp_draft(token, i), a.mtp_draft(token, i))
+        # 1 to 3 draft steps of the head a session, batched (its K/V and carry as alone): a session whose chain is
+        # shorter leaves the later steps
+        assert [b.mtp_room() for b in batched] == [a.mtp_room() for a in alone]
+        chains = [[t, *rng.integers(1, model.hparams.n_vocab, 2).tolist()][:min(a.mtp_room(), 1 + (j + step) % 3)]
+                  for j, (a, t) in enumerate(zip(alone, tok))]
+        draft_steps(decoder, alone, batched, chains)
     assert any(s.pager.stats().page_outs > 0 for s in batched)   # the steps paged
     for a, b in zip(alone, batched):
         assert [a.kv.read_block(i) for i in range(a.pager.n_blocks())] == \
             [b.kv.read_block(i) for i in range(b.pager.n_blocks())]
+
+
+def draft_steps(decoder, alone, batched, chains):
+    """Draft chains[j] through session j's head: batched[j] in steps shared by every session still drafting (one
+    BatchDecoder.mtp_draft a step), alone[j] with its own mtp_draft; the logits bit for bit."""
+    for i in range(max(map(len, chains))):
+        who = [j for j, c in enumerate(chains) if len(c) > i]
+        got = decoder.mtp_draft([batched[j] for j in who], [chains[j][i] for j in who], i)
+        assert got.shape[0] == len(who)
+        for row, j in zip(got, who):
+            np.testing.assert_array_equal(row, alone[j].mtp_draft(chains[j][i], i))
+
+
+def test_draft_steps_of_the_head_batch(tmp_path):
+    """The head's draft steps of several sessions run as one graph (BatchDecoder.mtp_draft) and give each session's
+    own mtp_draft logits bit for bit (q8_0), whichever pool they hold; a chain begun batched goes on alone and the
+    other way round; a bad step is refused before any chain moves."""
+    model = _core.Model(str(rg.write_preset(tmp_path / "mtp.gguf", "tiny-qwen35", weight_type="q8_0", mtp=True)),
+                        backend="cpu", n_threads=2, mtp=True)
+    alone, batched, tok = twins(model, [448, 0, 448], [440, 90, 200], "flash", mtp=True)
+    decoder = _core.BatchDecoder(model)
+    draft_steps(decoder, alone, batched, [[tok[0], 9, 4], [tok[1], 3], [tok[2]]])
+    assert decoder.compute_bytes > 0   # the draft graph's buffer is counted
+    # step 0 batched, step 1 alone; then step 0 alone, step 1 batched
+    both = [(a, b) for a, b in zip(alone, batched)]
+    got = decoder.mtp_draft(batched, tok, 0)
+    for (a, b), row, t in zip(both, got, tok):
+        np.testing.assert_array_equal(row, a.mtp_draft(t, 0))
+        np.testing.assert_array_equal(b.mtp_draft(11, 1), a.mtp_draft(11, 1))
+    for (a, b), t in zip(both, tok):
+        np.testing.assert_array_equal(b.mtp_draft(t, 0), a.mtp_draft(t, 0))
+    got = decoder.mtp_draft(batched, [12, 13, 14], 1)
+    for (a, b), row, t in zip(both, got, (12, 13, 14)):
+        np.testing.assert_array_equal(row, a.mtp_draft(t, 1))
+    # refused, and no chain moved: a step out of order, a session twice, one without the head, session 1's bad
+    # token after session 0's good one
+    with pytest.raises(ValueError, match="session 0: mtp_draft: step 3 must follow step 2"):
+        decoder.mtp_draft(batched, [1, 2, 3], 3)
+    with pytest.raises(ValueError, match="twice"):
+        decoder.mtp_draft([batched[0], batched[0]], [1, 2], 2)
+    plain = session(model, 448)
+    plain.forward_greedy(np.arange(1, 20, dtype=np.int32), 0)
+    with pytest.raises(ValueError, match="multi-token-prediction head"):
+        decoder.mtp_draft([batched[0], plain], [1, 2], 0)
+    with pytest.raises(ValueError, match="session 1: token id .* outside the vocabulary"):
+        decoder.mtp_draft(batched, [1, model.hparams.n_vocab, 3], 2)
+    got = decoder.mtp_draft(batched, [5, 6, 7], 2)
+    for a, row, t in zip(alone, got, (5, 6, 7)):
+        np.testing.assert_array_equal(row, a.mtp_draft(t, 2))
+    # the drafts placed no position: the sessions hold what they held, and the next step is as alone
+    assert [pager_state(s) for s in alone] == [pager_state(s) for s in batched]
+    np.testing.assert_allclose(decoder.step(batched, tok),
+                               np.stack([a.forward(np.array([t], np.int32), a.n_tokens) for a, t in zip(alone, tok)]),
+                               rtol=0, atol=NEAR_TIE)
+    assert states_equal(alone, batched)
 
 
 def states_equal(alone, batched):

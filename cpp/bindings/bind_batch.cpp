@@ -72,6 +72,15 @@ void register_batch(py::module_ & m) {
              "n_tokens; a list of each session's logits, [len(rows[i]), n_vocab] (one-token kernels on the CPU). A "
              "linear-attention state steps through every row: stash it first (Session.stash) to go back to it. "
              KEEP_QUERIES_DOC)
+        .def("mtp_draft", [](BatchDecoder & b, const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens,
+                             int64_t step) {
+                 std::vector<float> out;
+                 without_gil([&] { b.mtp_draft(sessions, tokens, step, out); });
+                 const int64_t n = (int64_t) sessions.size(), n_vocab = (int64_t) (out.size() / (size_t) n);
+                 return make_logits(std::move(out), n, n_vocab, true);
+             }, py::arg("sessions"), py::arg("tokens"), py::arg("step"),
+             "draft step `step` of the multi-token-prediction head for every session, as sessions[i].mtp_draft(tokens[i], "
+             "step) of each, in one graph: logits [len(sessions), n_vocab]")
         .def_property_readonly("attention_calls", &BatchDecoder::attention_calls,
                                "attention calls per layer in the last step: one per run of consecutive arena lanes, "
                                "else one per session")
@@ -80,7 +89,7 @@ void register_batch(py::module_ & m) {
                                "consecutive arena lanes (a step of one token a session), else one per session (0: no "
                                "such layers)")
         .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
-                               "device bytes of the batched step graphs' compute buffer")
+                               "device bytes of the batched step graphs' compute buffers (decode and verify steps, draft steps)")
         .def_property_readonly("graph_nodes", &BatchDecoder::graph_nodes, "the last step graph's nodes")
         .def_property_readonly("graph_splits", &BatchDecoder::graph_splits,
                                "the last step graph's splits in ggml's scheduler (one per run of nodes on one backend)");

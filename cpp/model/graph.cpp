@@ -624,6 +624,20 @@ ggml_tensor * token_view(ggml_context * ctx, ggml_tensor * x, int64_t t0, int64_
     return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], n, x->nb[1], x->nb[2], t0 * x->nb[2]);
 }
 
+// A batched step's lanes (a session's tokens, its own pool or ring and inputs), each attended on its own; the
+// outputs one after another, as attend's.
+ggml_tensor * attend_each_lane(GraphCtx & g, const std::vector<GraphCtx::Lane> & lanes, int64_t kl, ggml_tensor * q,
+                               ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    ggml_context * ctx = g.ctx;
+    ggml_tensor * out = nullptr;
+    for (const GraphCtx::Lane & lane : lanes) {
+        ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, lane.t0, lane.n),
+                                 token_view(ctx, k, lane.t0, lane.n), token_view(ctx, v, lane.t0, lane.n), kq_scale, false);
+        out = out ? ggml_concat(ctx, out, o, 1) : o;
+    }
+    return out;
+}
+
 }  // namespace
 
 ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
@@ -641,15 +655,7 @@ ggml_tensor * kv_attend(GraphCtx & g, const Model & m, int il, ggml_tensor * q, 
     }
     if (g.arena.arena && !swa) return attend_lanes(g, m.hparams().kv_index(il), q, k, v, kq_scale);
     if (!g.lanes.empty() || g.arena.arena) {   // a batched step: each session's tokens attend its own pool or ring
-        const int64_t kl = m.hparams().kv_index(il);
-        ggml_tensor * out = nullptr;
-        for (const GraphCtx::Lane & lane : swa ? g.lane_rings : g.lanes) {
-            ggml_tensor * o = attend(g, *lane.kv, lane.in, kl, lane.n_kv, token_view(ctx, q, lane.t0, lane.n),
-                                     token_view(ctx, k, lane.t0, lane.n), token_view(ctx, v, lane.t0, lane.n), kq_scale,
-                                     false);
-            out = out ? ggml_concat(ctx, out, o, 1) : o;
-        }
-        return out;
+        return attend_each_lane(g, swa ? g.lane_rings : g.lanes, m.hparams().kv_index(il), q, k, v, kq_scale);
     }
     const GraphCtx::LayerKv lkv = g.layer_kv(m.hparams(), il);
     return attend(g, *lkv.kv, *lkv.in, lkv.layer, lkv.n_kv, q, k, v, kq_scale, lkv.pooled && g.n_attn_tokens > 0);
@@ -674,6 +680,7 @@ void pool_write(GraphCtx & g, int64_t kl, ggml_tensor * k, ggml_tensor * v) {
 }
 
 ggml_tensor * pool_attend(GraphCtx & g, int64_t kl, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float kq_scale) {
+    if (!g.lanes.empty()) return attend_each_lane(g, g.lanes, kl, q, k, v, kq_scale);   // a batched draft step
     return attend(g, *g.kv, g.in.kv, kl, g.n_kv, q, k, v, kq_scale, false);
 }
 

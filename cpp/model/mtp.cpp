@@ -38,17 +38,23 @@ ggml_tensor * build_mtp_follow(GraphCtx & g, const Model & m, ggml_tensor * h) {
     return select_outputs(g, h);
 }
 
-ggml_tensor * build_mtp_draft(GraphCtx & g, const Model & m, ggml_tensor * h) {
+ggml_tensor * build_mtp_draft(GraphCtx & g, const Model & m, const std::vector<ggml_tensor *> & hs) {
     ggml_context * ctx = g.ctx;
     const MtpWeights & w = m.mtp;
-    ggml_tensor * h2 = ggml_reshape_2d(ctx, h, h->ne[0], 1);
-    ggml_tensor * y = m.arch().mtp->block(g, m, mtp_input(g, m, h2));
+    const auto column = [&](ggml_tensor * h) { return ggml_reshape_2d(ctx, h, h->ne[0], 1); };
+    ggml_tensor * h = column(hs.front());
+    for (size_t i = 1; i < hs.size(); ++i) h = ggml_concat(ctx, h, column(hs[i]), 1);
+    ggml_tensor * y = m.arch().mtp->block(g, m, mtp_input(g, m, h));
     y = rms_norm(g, y, w.head_norm ? w.head_norm : m.output_norm, m.hparams().rms_eps);   // libllama's h_nextn
     ggml_tensor * logits = ggml_mul_mat(ctx, w.head ? w.head : m.output, y);   // no softcap: libllama's graph_mtp has none
     ggml_set_name(logits, "mtp_logits");
     ggml_set_output(logits);
     ggml_build_forward_expand(g.gf, logits);
-    ggml_build_forward_expand(g.gf, ggml_cpy(ctx, y, h2));   // y depends on h: the copy comes after every read of it
+    // y depends on every h: the copies come after every read of them
+    for (size_t i = 0; i < hs.size(); ++i) {
+        ggml_tensor * yi = ggml_view_2d(ctx, y, y->ne[0], 1, y->nb[1], i * y->nb[1]);
+        ggml_build_forward_expand(g.gf, ggml_cpy(ctx, yi, column(hs[i])));
+    }
     return logits;
 }
 

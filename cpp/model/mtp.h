@@ -11,6 +11,8 @@
 
 #include "model/graph.h"
 
+#include <vector>
+
 namespace kvf {
 
 // After the trunk of a step: h is its final hidden state of every token ([n_embd, n_tokens], before the output
@@ -18,9 +20,10 @@ namespace kvf {
 // the carry on. Returns h's output rows (select_outputs), for the logits.
 ggml_tensor * build_mtp_follow(GraphCtx & g, const Model & m, ggml_tensor * h);
 
-// One draft step (one token, GraphCtx::in.tokens and positions): the head's block over that token and the hidden
-// state in h (F32 [n_embd], persistent: read, then overwritten with the head's normed output for the next step),
-// attending (and writing) the head's K/V. Returns the logits [n_vocab, 1], marked as an output.
-ggml_tensor * build_mtp_draft(GraphCtx & g, const Model & m, ggml_tensor * h);
+// One draft step of one session or several (a token each, GraphCtx::in.tokens and positions; several: GraphCtx::lanes,
+// each attending its own pool): the head's block over token i and the hidden state hs[i] (F32 [n_embd], persistent:
+// read, then overwritten with the head's normed output for the next step), attending (and writing) the head's K/V.
+// Returns the logits [n_vocab, n], marked as an output.
+ggml_tensor * build_mtp_draft(GraphCtx & g, const Model & m, const std::vector<ggml_tensor *> & hs);
 
 }  // namespace kvf

@@ -94,8 +94,12 @@ const PoolArena * BatchDecoder::shared_recurrent_arena(const std::vector<Session
 }
 
 int64_t BatchDecoder::compute_bytes() const {
-    if (!sched_) return 0;
-    return sched_device_bytes(*model_, sched_);
+    return (sched_ ? sched_device_bytes(*model_, sched_) : 0) + (draft_.sched ? sched_device_bytes(*model_, draft_.sched) : 0);
+}
+
+BatchDecoder::DraftGraph::~DraftGraph() {
+    if (sched) ggml_backend_sched_free(sched);
+    if (ctx) ggml_free(ctx);
 }
 
 void BatchDecoder::build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
@@ -209,26 +213,11 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
                        std::vector<int32_t> * greedy, std::vector<float> * logits,
                        const std::vector<uint8_t> * keep_queries) {
     const int64_t n = (int64_t) sessions.size();
-    if (n == 0) throw std::invalid_argument("a batched step needs at least one session");
     if (keep_queries && keep_queries->size() != sessions.size()) {
         throw std::invalid_argument("keep_queries needs one flag per session (" + std::to_string(keep_queries->size()) +
                                     " for " + std::to_string(n) + " sessions)");
     }
-    if (n > k_max_lanes) {
-        throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_lanes) + " sessions, got " +
-                                    std::to_string(n));
-    }
-    std::vector<Session *> by_address(sessions);
-    std::sort(by_address.begin(), by_address.end());
-    if (std::adjacent_find(by_address.begin(), by_address.end()) != by_address.end()) {
-        throw std::invalid_argument("a session appears twice in one batched step");
-    }
-    std::vector<std::unique_lock<std::recursive_mutex>> held;
-    for (Session * s : by_address) {
-        if (!s) throw std::invalid_argument("a batched step got no session");
-        held.push_back(std::move(s->lock(false, true).session));   // an open exact prefill: check_joins says so
-    }
-    held.emplace_back(model_->compute_mutex());
+    const auto held = lock_all(sessions, *model_);
     for (int64_t i = 0; i < n; ++i) check_joins(*sessions[i], *sessions.front(), i, (int64_t) rows[i].size());
     if (total_rows(rows) > k_max_step_rows) {
         throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_step_rows) + " tokens, got " +
@@ -283,6 +272,27 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
         in_order[i]->finish_step(placed[i], rows_in_order[i].data(), ms / (double) n, std::move(queries[i]),
                                  keep_in_order[i] != 0);
     }
+}
+
+std::vector<std::unique_lock<std::recursive_mutex>> BatchDecoder::lock_all(const std::vector<Session *> & sessions,
+                                                                             const Model & model) {
+    if (sessions.empty()) throw std::invalid_argument("a batched step needs at least one session");
+    if ((int64_t) sessions.size() > k_max_lanes) {
+        throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_lanes) + " sessions, got " +
+                                    std::to_string(sessions.size()));
+    }
+    std::vector<Session *> by_address(sessions);
+    std::sort(by_address.begin(), by_address.end());
+    if (std::adjacent_find(by_address.begin(), by_address.end()) != by_address.end()) {
+        throw std::invalid_argument("a session appears twice in one batched step");
+    }
+    std::vector<std::unique_lock<std::recursive_mutex>> held;
+    for (Session * s : by_address) {
+        if (!s) throw std::invalid_argument("a batched step got no session");
+        held.push_back(std::move(s->lock(false, true).session));   // an open exact prefill: check_joins says so
+    }
+    held.emplace_back(model.compute_mutex());
+    return held;
 }
 
 void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t i, int64_t n_rows) const {
@@ -408,6 +418,89 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
         for (size_t i = 0; i < placed.size(); ++i) sessions[i]->unplace_step(placed[i]);
         throw;
     }
+}
+
+void BatchDecoder::build_draft_graph(const std::vector<Session *> & sessions,
+                                     const std::vector<Session::MtpDraftStep> & steps) {
+    const Session & first = *sessions.front();
+    const int64_t n = (int64_t) sessions.size();
+    const size_t n_nodes = first.graph_size() + (size_t) (k_max_lanes * 32);   // one layer's attention per session
+    DraftGraph & d = draft_;
+    d.shape.clear();
+    if (!d.sched) d.sched = first.new_sched(n_nodes);
+    if (d.ctx) ggml_free(d.ctx);
+    d.ctx = first.new_graph_ctx(n_nodes);
+    d.g = GraphCtx{};
+    GraphCtx & g = d.g;
+    g.ctx = d.ctx;
+    g.gf = ggml_new_graph_custom(d.ctx, n_nodes, false);
+    g.n_tokens = g.n_outputs = n;
+    g.flash_attn = first.flash_attn();
+    g.mtp_kv_layer = first.kv().layout().n_layer - 1;
+    g.in.tokens = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
+    g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
+    ggml_set_input(g.in.tokens);
+    ggml_set_input(g.in.positions);
+    std::vector<ggml_tensor *> hs;
+    for (int64_t i = 0; i < n; ++i) {
+        const PooledKV & kv = sessions[i]->kv();
+        const int64_t n_kv = steps[i].order.n_kv;
+        g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, n_kv, false), n_kv, i, 1});
+        hs.push_back(steps[i].h);
+    }
+    d.logits = build_mtp_draft(g, *model_, hs);
+    ggml_backend_sched_reset(d.sched);
+    if (!ggml_backend_sched_alloc_graph(d.sched, g.gf)) {
+        check_rpc_connections(d.sched);
+        throw std::runtime_error("could not allocate the batched MTP draft graph (out of memory?)");
+    }
+}
+
+void BatchDecoder::mtp_draft(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens, int64_t step,
+                             std::vector<float> & logits) {
+    if (tokens.size() != sessions.size()) {
+        throw std::invalid_argument("a batched draft step needs one token per session (" + std::to_string(tokens.size()) +
+                                    " tokens for " + std::to_string(sessions.size()) + " sessions)");
+    }
+    const auto held = lock_all(sessions, *model_);
+    const int64_t n = (int64_t) sessions.size();
+    for (int64_t i = 0; i < n; ++i) {
+        const Session & s = *sessions[i];
+        if (!s.mtp()) throw std::invalid_argument("session " + std::to_string(i) + " does not run the multi-token-prediction head (made without mtp=True)");
+        check_joins(s, *sessions.front(), i, 1);
+        try {   // before any session's chain moves
+            s.check_mtp_draft(tokens[i], step);
+        } catch (const std::invalid_argument & e) {
+            throw std::invalid_argument("session " + std::to_string(i) + ": " + e.what());
+        }
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<Session::MtpDraftStep> steps;
+    std::vector<int64_t> shape;
+    for (Session * s : sessions) {
+        steps.push_back(s->prepare_mtp_draft(step));
+        shape.insert(shape.end(), {(int64_t) s->serial(), steps.back().order.n_kv});
+    }
+    if (shape != draft_.shape) {
+        build_draft_graph(sessions, steps);
+        draft_.shape = shape;
+    }
+    GraphCtx & g = draft_.g;
+    std::vector<int32_t> pos;
+    for (const Session::MtpDraftStep & st : steps) pos.push_back(st.pos);
+    ggml_backend_tensor_set(g.in.tokens, tokens.data(), 0, n * sizeof(int32_t));
+    ggml_backend_tensor_set(g.in.positions, pos.data(), 0, n * sizeof(int32_t));
+    for (int64_t i = 0; i < n; ++i) {
+        kv_step_inputs_set(g.lanes[i].in, sessions[i]->kv().layout(), steps[i].order, steps[i].alloc, &pos[i], scratch_);
+    }
+    if (ggml_backend_sched_graph_compute(draft_.sched, g.gf) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("ggml graph compute failed");
+    }
+    logits.resize((size_t) ggml_nelements(draft_.logits));
+    ggml_backend_tensor_get(draft_.logits, logits.data(), 0, ggml_nbytes(draft_.logits));
+    check_rpc_connections(draft_.sched);   // a lost RPC device reads as zeros
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (int64_t i = 0; i < n; ++i) sessions[i]->finish_mtp_draft(step, ms / (double) n);
 }
 
 }  // namespace kvf

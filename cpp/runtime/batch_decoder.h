@@ -7,8 +7,8 @@
 // Which sessions can share a step (eligible()): same Model, same attention path, and no attention capture
 // (capture_attention: the drafter's companion session, whose probabilities its scorer reads). Others decode alone.
 // Sessions that run the multi-token-prediction head (model/mtp.h) share steps with each other: each writes the
-// head's K/V into its own pool and moves its own carry on, as its own step does (GraphCtx::mtp_lanes); the head's
-// draft steps stay each session's own (Session::mtp_draft).
+// head's K/V into its own pool and moves its own carry on, as its own step does (GraphCtx::mtp_lanes), and their
+// draft steps share graphs of their own (mtp_draft: the head's one layer for every session).
 // A session that tracks chunk summaries (the qk / quest scorers) batches: the step
 // keeps every session's query per pooled layer, and each such session ends holding its own (Session::queries)
 // and the summary of a chunk its token completed, as after its own step. Sliding-window layers attend each session's own
@@ -30,6 +30,7 @@
 #include "runtime/session.h"
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,13 @@ public:
     // there (truncate), as speculative decoding does alone. On an error no session changes.
     void step_rows(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
                    std::vector<float> * logits, const std::vector<uint8_t> * keep_queries = nullptr);
-    int64_t compute_bytes() const;   // the step graphs' compute buffer
+    // Draft step `step` of the multi-token-prediction head for every session (each made with mtp=True), as
+    // Session::mtp_draft(tokens[i], step) of each: logits [n, n_vocab] row-major in the caller's order. Each session
+    // attends its own pool. On an error no session holds other tokens; a step that fails past the checks ends the
+    // sessions' draft chains (their next draft is a step 0).
+    void mtp_draft(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens, int64_t step,
+                   std::vector<float> & logits);
+    int64_t compute_bytes() const;   // the step graphs' compute buffers (decode and verify steps, draft steps)
     // The last step graph's nodes, and its splits in ggml's scheduler (a run of nodes on one backend each).
     int64_t graph_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
     int64_t graph_splits() const { return sched_ ? ggml_backend_sched_get_n_splits(sched_) : 0; }
@@ -110,7 +117,23 @@ private:
     void build_graph(const std::vector<Session *> & sessions, const std::vector<std::vector<int32_t>> & rows,
                      const std::vector<Session::PlacedStep> & placed, bool greedy);
 
+    // The held sessions' locks, in address order, then the model's compute mutex; refuses an empty step, one of more
+    // than k_max_lanes sessions and a session twice.
+    static std::vector<std::unique_lock<std::recursive_mutex>> lock_all(const std::vector<Session *> & sessions,
+                                                                         const Model & model);
+    // The draft steps' graph (mtp_draft), beside the decode and verify steps' so that neither rebuilds the other.
+    struct DraftGraph {
+        ggml_backend_sched_t sched = nullptr;
+        ggml_context * ctx = nullptr;
+        GraphCtx g;
+        ggml_tensor * logits = nullptr;   // F32 [n_vocab, n]
+        std::vector<int64_t> shape;       // per session: serial, n_kv
+        ~DraftGraph();
+    };
+    void build_draft_graph(const std::vector<Session *> & sessions, const std::vector<Session::MtpDraftStep> & steps);
+
     std::shared_ptr<Model> model_;
+    DraftGraph draft_;
     ggml_backend_sched_t sched_ = nullptr;
     ggml_context * graph_ctx_ = nullptr;
     GraphCtx graph_;

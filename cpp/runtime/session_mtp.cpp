@@ -102,7 +102,7 @@ void Session::build_mtp_graph(int64_t n_kv) {
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
     g.in.kv = kv_step_inputs_new(g.ctx, kv_->layout(), 1, n_kv, false);   // slot order: no position-ordered copy
-    d.logits = build_mtp_draft(g, *model_, d.h);
+    d.logits = build_mtp_draft(g, *model_, {d.h});
     ggml_backend_sched_reset(d.sched);
     if (!ggml_backend_sched_alloc_graph(d.sched, g.gf)) {
         d.n_kv = -1;
@@ -113,11 +113,10 @@ void Session::build_mtp_graph(int64_t n_kv) {
     timings_.n_graph_builds++;
 }
 
-std::vector<float> Session::mtp_draft(int32_t token, int64_t step) {
-    const SessionLock held = lock();
+void Session::check_mtp_draft(int32_t token, int64_t step) const {
     if (!cfg_.mtp) throw std::logic_error("mtp_draft needs a session made with mtp=True");
-    MtpDrafts & d = *mtp_;
-    const int64_t n = pager_->n_tokens(), pos = n + step, n_vocab = model_->hparams().n_vocab;
+    const MtpDrafts & d = *mtp_;
+    const int64_t pos = pager_->n_tokens() + step, n_vocab = model_->hparams().n_vocab;
     if (step < 0 || (step > 0 && (step != d.next || pager_->epoch() != d.epoch))) {
         throw std::invalid_argument("mtp_draft: step " + std::to_string(step) + " must follow step " +
                                     std::to_string(step - 1) + " of the same drafts (nothing run on the session between)");
@@ -130,42 +129,59 @@ std::vector<float> Session::mtp_draft(int32_t token, int64_t step) {
         throw std::invalid_argument("mtp_draft: position " + std::to_string(pos) + " is past max_tokens=" +
                                     std::to_string(cfg_.max_tokens));
     }
+    if ((int64_t) free_slots(pager_->slot_positions(), step + 1).size() <= step) {
+        throw std::invalid_argument("mtp_draft: the pool has no free slot for draft " + std::to_string(step) +
+                                    " (mtp_room() says how many drafts fit)");
+    }
+}
+
+Session::MtpDraftStep Session::prepare_mtp_draft(int64_t step) {
+    MtpDrafts & d = *mtp_;
+    const int64_t n = pager_->n_tokens();
+    MtpDraftStep out;
+    out.pos = (int32_t) (n + step);
     // The drafts' slots (free_slots' first step + 1), seen by this step's query as the positions they draft.
-    KvKeyOrder order;
+    KvKeyOrder & order = out.order;
     order.key_pos = pager_->slot_positions();
     const std::vector<int64_t> slots = free_slots(order.key_pos, step + 1);
-    if ((int64_t) slots.size() <= step) {
-        throw std::runtime_error("mtp_draft: the pool has no free slot for draft " + std::to_string(step) +
-                                 " (mtp_room() says how many drafts fit)");
-    }
     int64_t last = -1;
     for (int64_t j = 0; j <= step; ++j) order.key_pos[slots[j]] = n + j;
     for (int64_t s = 0; s < (int64_t) order.key_pos.size(); ++s) if (order.key_pos[s] >= 0) last = s;
     order.n_kv = std::min(round_up(last + 1, kv_pad_), (int64_t) order.key_pos.size());
-    Plan alloc;
-    alloc.span_start = pos;
-    alloc.span_n = 1;
-    alloc.slots = {(int32_t) slots[step]};
-
-    const auto t0 = std::chrono::steady_clock::now();
+    out.alloc.span_start = out.pos;
+    out.alloc.span_n = 1;
+    out.alloc.slots = {(int32_t) slots[step]};
     if (step == 0) {   // the draft starts from the carry: the trunk's state at the last held position
         ggml_backend_tensor_copy(recurrent_->mtp_carry(), d.h);
         d.epoch = pager_->epoch();
     }
-    if (d.n_kv != order.n_kv) build_mtp_graph(order.n_kv);
-    const int32_t pos32 = (int32_t) pos;
+    d.next = -1;   // a step that is not finished ends the chain
+    out.h = d.h;
+    return out;
+}
+
+void Session::finish_mtp_draft(int64_t step, double compute_ms) {
+    mtp_->next = step + 1;
+    timings_.t_compute_ms += compute_ms;
+    timings_.n_computes++;
+}
+
+std::vector<float> Session::mtp_draft(int32_t token, int64_t step) {
+    const SessionLock held = lock();
+    check_mtp_draft(token, step);
+    const auto t0 = std::chrono::steady_clock::now();
+    const MtpDraftStep st = prepare_mtp_draft(step);
+    MtpDrafts & d = *mtp_;
+    if (d.n_kv != st.order.n_kv) build_mtp_graph(st.order.n_kv);
     ggml_backend_tensor_set(d.g.in.tokens, &token, 0, sizeof(int32_t));
-    ggml_backend_tensor_set(d.g.in.positions, &pos32, 0, sizeof(int32_t));
-    kv_step_inputs_set(d.g.in.kv, kv_->layout(), order, alloc, &pos32, input_scratch_);
-    d.next = -1;   // a failure ends the chain
+    ggml_backend_tensor_set(d.g.in.positions, &st.pos, 0, sizeof(int32_t));
+    kv_step_inputs_set(d.g.in.kv, kv_->layout(), st.order, st.alloc, &st.pos, input_scratch_);
     if (ggml_backend_sched_graph_compute(d.sched, d.g.gf) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("ggml graph compute failed");
     }
-    std::vector<float> logits((size_t) n_vocab);
+    std::vector<float> logits((size_t) model_->hparams().n_vocab);
     ggml_backend_tensor_get(d.logits, logits.data(), 0, logits.size() * sizeof(float));
-    d.next = step + 1;
-    timings_.t_compute_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    timings_.n_computes++;
+    finish_mtp_draft(step, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return logits;
 }
 
