@@ -332,6 +332,7 @@ def test_serve_slots_draft_with_mtp_and_verify_batched(path, variant, run_schedu
     assert all(e.session.mtp and e.speculator.stats()["spec_mode"] == "mtp" for e in engines)
     sched = Scheduler(engines, max_queue=4, batch=True)
     assert all(slot.batchable for slot in sched.slots)
+    sched.decoder = counted = CountedDrafts(sched.decoder)
     # the second prompt is short: it has run while the first slot decodes, and their steps share forwards
     prompts = [tokens(n, seed=5 + n).tolist() for n in (500, 60)]
     records = run_scheduled(sched, prompts, 120)
@@ -339,11 +340,54 @@ def test_serve_slots_draft_with_mtp_and_verify_batched(path, variant, run_schedu
         want = [greedy(plain, p, 120) for p in prompts]
     assert [[r.token for r in recs[:-1]] for recs in records] == want
     assert sched.n_batched_steps > 0 and sched.n_batched_tokens > 2 * sched.n_batched_steps   # verify steps' drafts
+    assert 2 in counted.sessions   # both slots' draft steps in one graph
     stats = [recs[-1].stats for recs in records]
     if variant == "echo":
         assert all(st["spec_accepted"] == st["spec_drafted"] > 0 for st in stats)
     else:
         assert all(st["spec_accepted"] < st["spec_drafted"] for st in stats)
+
+
+class CountedDrafts:
+    """A BatchDecoder that counts the sessions of each shared draft step (mtp_draft)."""
+
+    def __init__(self, decoder: _core.BatchDecoder) -> None:
+        self.decoder, self.sessions = decoder, []
+
+    def mtp_draft(self, sessions, tokens, step):
+        self.sessions.append(len(sessions))
+        return self.decoder.mtp_draft(sessions, tokens, step)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafts_proposed_together_are_each_sessions_own(path, temperature):
+    """Sessions drafting with the head in shared draft steps (propose_together: a server's slots) propose what each
+    proposes alone (MtpDraft.propose), and with the same probabilities when sampling; a session asking for fewer drafts
+    leaves the later steps, one asking for more than its room drafts what fits."""
+    from kvflash_ggml.mtp import propose_together
+
+    model = head_model(path("qwen35-q8_0"))
+    prompts = [tokens(n, seed=n) for n in (300, 130, 200)]
+    twins = [[session(model, pool, attention="flash") for pool in (POOL, 0, POOL)] for _ in range(2)]
+    for group in twins:
+        for s, p in zip(group, prompts):
+            s.forward(p[:-1], 0)
+    alone, shared = twins
+    lengths = [3, 1, 5]
+    samplers = [[Sampler(SamplingParams(temperature=temperature, seed=j)) for j in range(3)] for _ in range(2)]
+    want = [MtpDraft(s).propose(p.tolist(), k, sampler) for s, p, k, sampler in zip(alone, prompts, lengths, samplers[0])]
+    got = propose_together(_core.BatchDecoder(model), shared, [int(p[-1]) for p in prompts], lengths, samplers[1])
+    assert [d for d, _ in got] == [d for d, _ in want] and [len(d) for d, _ in got] == lengths
+    for (_, q_got), (_, q_want) in zip(got, want):
+        assert (q_got is None) == (q_want is None) == (temperature == 0.0)
+        if q_got is not None:
+            np.testing.assert_array_equal(np.stack(q_got), np.stack(q_want))
+    room = shared[0].mtp_room()
+    got = propose_together(_core.BatchDecoder(model), shared[:1], [1], [room + 5], samplers[1][:1])
+    assert len(got[0][0]) == room
 
 
 def test_bench_spec_runs_with_draft_mtp(path, tmp_path, capsys):

@@ -4,6 +4,7 @@ batched with other sessions' and hand the result back (advance). The Engine owns
 state; a Generation only steps it."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from . import _core
 from .options import SamplingParams
+from .mtp import MtpDraft, propose_together
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .speculative import accept
 from .tokenizer import TextStream
@@ -167,8 +169,21 @@ class Generation:
         with self.engine._turn(self.owner):
             return self._propose()
 
+    @property
+    def drafts_with_head(self) -> bool:
+        """Its drafts come from the model's own multi-token-prediction head, whose draft steps a server may run
+        with other sessions' (verify_rows_together)."""
+        return self._speculate and isinstance(self.engine.speculator.drafter, MtpDraft)
+
     def _propose(self) -> list[int]:
         """The verify step's tokens (see verify_rows); with drafts, a linear-attention state is stashed first."""
+        s = self.engine.session
+        # the prompt and every token picked: the session holds them but the last (drafts follow it)
+        return self._with_drafts(*self.engine.speculator.propose(HeldHistory(s, self.token), self._draft_room(),
+                                                                 self.sampler))
+
+    def _draft_room(self) -> int:
+        """How many drafts the verify step may carry after the pending token."""
         e, s = self.engine, self.engine.session
         p = self.params
         left = (p.max_tokens - self.n_generated if p.max_tokens is not None else e.pool.n_ctx)
@@ -182,8 +197,11 @@ class Generation:
             room = min(room, C - 1 - s.n_tokens % C if s.n_tokens % C else C - 1)
             if e.policy.reselects:
                 room = min(room, e.residency.reselect_every(s.n_tokens) - e._since_reselect - 1)
-        # the prompt and every token picked: the session holds them but the last (drafts follow it)
-        drafts, q = e.speculator.propose(HeldHistory(s, self.token), room, self.sampler)
+        return room
+
+    def _with_drafts(self, drafts: list[int], q: Optional[list[np.ndarray]]) -> list[int]:
+        """The verify step's tokens once the drafter proposed `drafts` (q: their probabilities, when sampling)."""
+        s = self.engine.session
         self._pending = (list(drafts), q, s.n_tokens)
         if drafts and s.has_recurrent_state:
             s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
@@ -252,3 +270,19 @@ class Generation:
         if e.store_each_turn:   # before the closing record: a consumer may stop after it
             e._store_prefix()
         return GenerationRecord(None, self.stream.flush(), finish, e._stats())
+
+
+def verify_rows_together(gens: list[Generation], decoder: _core.BatchDecoder) -> list[list[int]]:
+    """verify_rows() of each generation (each needs_verify_step()), the drafts of those that draft with the model's
+    own head proposed in draft steps they share (BatchDecoder.mtp_draft: the head's layer once for all of them)."""
+    heads = [g for g in gens if g.drafts_with_head]
+    if len(heads) < 2:
+        return [g.verify_rows() for g in gens]
+    with contextlib.ExitStack() as turns:
+        for g in heads:
+            turns.enter_context(g.engine._turn(g.owner))
+        lengths = [g.engine.speculator.draft_length(g._draft_room()) for g in heads]
+        proposed = propose_together(decoder, [g.engine.session for g in heads], [g.token for g in heads], lengths,
+                                    [g.sampler for g in heads])
+        rows = {id(g): g._with_drafts(*p) for g, p in zip(heads, proposed)}
+    return [rows[id(g)] if id(g) in rows else g.verify_rows() for g in gens]

@@ -63,12 +63,36 @@ class MtpDraft:
         q: list[np.ndarray] = []
         token = int(history[-1])
         for i in range(min(k, s.mtp_room())):
-            logits = s.mtp_draft(token, i)
-            if sampler.greedy:
-                token = int(np.argmax(logits))
-            else:
-                dist = sampler.distribution(logits)
-                token = sampler.choose_from(dist)
-                q.append(dist)
+            token = _pick(s.mtp_draft(token, i), sampler, q)
             drafts.append(token)
         return drafts, (None if sampler.greedy else q)
+
+
+Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # drafts, and their probabilities when sampling
+
+
+def propose_together(decoder: _core.BatchDecoder, sessions: Sequence[_core.Session], tokens: Sequence[int],
+                     lengths: Sequence[int], samplers: Sequence[Sampler]) -> list[Proposal]:
+    """MtpDraft.propose for several sessions at once: session j drafts up to lengths[j] tokens after tokens[j] (its
+    pending token), and each draft step runs the head for every session still drafting in one graph
+    (BatchDecoder.mtp_draft). The same drafts as each session's own propose: the logits are its mtp_draft's."""
+    lengths = [min(k, s.mtp_room()) for k, s in zip(lengths, sessions)]
+    token = [int(t) for t in tokens]
+    drafts: list[list[int]] = [[] for _ in sessions]
+    q: list[list[np.ndarray]] = [[] for _ in sessions]
+    for i in range(max(lengths, default=0)):
+        who = [j for j, k in enumerate(lengths) if k > i]
+        logits = decoder.mtp_draft([sessions[j] for j in who], [token[j] for j in who], i)
+        for j, row in zip(who, logits):
+            token[j] = _pick(row, samplers[j], q[j])
+            drafts[j].append(token[j])
+    return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
+
+
+def _pick(logits: np.ndarray, sampler: Sampler, q: list[np.ndarray]) -> int:
+    """The draft after these logits: the head's greedy choice, or a sample (its distribution appended to q)."""
+    if sampler.greedy:
+        return int(np.argmax(logits))
+    dist = sampler.distribution(logits)
+    q.append(dist)
+    return sampler.choose_from(dist)

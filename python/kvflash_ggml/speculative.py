@@ -298,8 +298,12 @@ class Speculator:
 
     def propose(self, history: Sequence[int], room: int, sampler: Sampler):
         """Up to min(k, room) drafts (room: tokens the generation may still take, less the model's own)."""
-        k = min(self.k, room)
+        k = self.draft_length(room)
         return self.drafter.propose(history, k, sampler) if k > 0 else ([], None)
+
+    def draft_length(self, room: int) -> int:
+        """How many drafts the next verify step asks for (the adapted length, within room)."""
+        return max(0, min(self.k, room))
 
     def record(self, n_drafted: int, n_kept: int) -> None:
         self.drafted += n_drafted

@@ -15,8 +15,8 @@ per layer covers every slot, each over its own pool; the argmax on the backend w
 greedily, else the logits come back) under every policy (a qk / quest slot keeps its own token's queries for
 its scorer; the drafter's companion follows the history only when it scores), and so do slots that speculate: a
 round's verify steps (each slot's pending token and drafts) run in the same forward (BatchDecoder.step_rows), the
-kept tokens going out at the start of the next round (a hybrid's state stashed first, as alone; a slot drafting with
-the model's MTP head runs the head's draft steps alone, its verify step with the others); sliding-window layers
+kept tokens going out at the start of the next round (a hybrid's state stashed first, as alone; slots drafting with
+the model's MTP head run the head's draft steps together too: generation.verify_rows_together); sliding-window layers
 attend each slot's own ring, a hybrid's linear-attention layers step each slot's own recurrent state in the same
 forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import _core
 from ..engine import Engine
-from ..generation import Generation, GenerationRecord
+from ..generation import Generation, GenerationRecord, verify_rows_together
 from ..host_store import check_host_store
 from ..options import SamplingParams
 
@@ -285,8 +285,9 @@ class Scheduler:
         sessions, tokens = [s.engine.session for s in batch], [s.records.token for s in batch]
         greedy = not any(verifies) and not any(s.records.wants_logits for s in batch)
         try:
-            if any(verifies):   # the drafters propose here; the rows: [n_i, n_vocab] per slot
-                rows = [s.records.verify_rows() if v else [t] for s, v, t in zip(batch, verifies, tokens)]
+            if any(verifies):   # the drafters propose here (the MTP head's steps shared); rows: [n_i, n_vocab] a slot
+                proposed = iter(verify_rows_together([s.records for s, v in zip(batch, verifies) if v], self.decoder))
+                rows = [next(proposed) if v else [t] for v, t in zip(verifies, tokens)]
             else:
                 rows = [[t] for t in tokens]
             # a slot's queries come back from the device only for the reselect that reads them
