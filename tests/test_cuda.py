@@ -586,8 +586,12 @@ def test_batched_verify_steps_of_sessions_with_the_head_on_cuda(tmp_path, arena)
     states = max(float(np.abs(np.frombuffer(a.recurrent_state(), np.float32) -
                               np.frombuffer(b.recurrent_state(), np.float32)).max()) for a, b in zip(alone, batched))
     drafts = max(float(np.abs(b.mtp_draft(t, 0) - a.mtp_draft(t, 0)).max()) for a, b, t in zip(alone, batched, tok))
-    report(f"CUDA-BATCH-VERIFY arena={arena}: max |state diff| {states:.2e}, max |draft logit diff| {drafts:.2e}")
-    assert states <= TOL_FLOAT and drafts <= TOL_FLOAT
+    # the head's next draft steps shared by the sessions (BatchDecoder.mtp_draft) against each one's own
+    shared = max(float(np.abs(g_ - a.mtp_draft(t, 1)).max())
+                 for a, g_, t in zip(alone, decoder.mtp_draft(batched, [5, 6, 7], 1), (5, 6, 7)))
+    report(f"CUDA-BATCH-VERIFY arena={arena}: max |state diff| {states:.2e}, max |draft logit diff| {drafts:.2e}, "
+           f"shared draft steps {shared:.2e}")
+    assert states <= TOL_FLOAT and drafts <= TOL_FLOAT and shared <= TOL_FLOAT
 
 
 def test_stats_report_the_drivers_view_beside_our_counts(model_path):
