@@ -51,7 +51,8 @@
 #                  (MG_DEPTHS, default 0,4096,131072; MG_FULL_UP_TO, default 4096; MG_REPS, default 3; PREFILL)
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
-#                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call; lists run each pair), GPU
+#                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call; lists run each pair, or
+#                  PROFILE_PAIRS only the pairs it lists, e.g. "0:1 32:8"), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     prefill-memory  experiments/prefill_memory.py: the exact prefill's device memory (driver) after the Engine, after
 #                  the bench's warm-up prompt and at the prompt's peak, with and without that warm-up (MEMORY_LENGTHS)
@@ -266,13 +267,17 @@ for phase in "$@"; do
         # GGML_SCHED_DEBUG_REALLOC=1: ggml aborts if a step graph makes it reserve again (each such step waited for
         # the device: R89); then where the GPU idles and what the host waits in, ours beside libllama
         need_model
-        for len in ${PROFILE_LENGTHS:-32768}; do
+        pairs=${PROFILE_PAIRS:-}
+        if [ -z "$pairs" ]; then
             for block_mib in ${ATTN_BLOCK_MIB:-0}; do
-                for per_call in ${BLOCKS_PER_CALL:-1}; do
-                    GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
-                        --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "$block_mib" \
-                        --blocks-per-call "$per_call" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
-                done
+                for per_call in ${BLOCKS_PER_CALL:-1}; do pairs="$pairs $block_mib:$per_call"; done
+            done
+        fi
+        for len in ${PROFILE_LENGTHS:-32768}; do
+            for pair in $pairs; do
+                GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
+                    --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${pair%%:*}" \
+                    --blocks-per-call "${pair##*:}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
             done
             python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"
