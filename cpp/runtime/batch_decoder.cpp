@@ -466,7 +466,10 @@ void BatchDecoder::mtp_draft(const std::vector<Session *> & sessions, const std:
     const int64_t n = (int64_t) sessions.size();
     for (int64_t i = 0; i < n; ++i) {
         const Session & s = *sessions[i];
-        if (!s.mtp()) throw std::invalid_argument("session " + std::to_string(i) + " does not run the multi-token-prediction head (made without mtp=True)");
+        if (!s.mtp()) {
+            throw std::invalid_argument("session " + std::to_string(i) + " does not run the multi-token-prediction "
+                                        "head (made without mtp=True)");
+        }
         check_joins(s, *sessions.front(), i, 1);
         try {   // before any session's chain moves
             s.check_mtp_draft(tokens[i], step);
