@@ -284,5 +284,5 @@ def verify_rows_together(gens: list[Generation], decoder: _core.BatchDecoder) ->
         lengths = [g.engine.speculator.draft_length(g._draft_room()) for g in heads]
         proposed = propose_together(decoder, [g.engine.session for g in heads], [g.token for g in heads], lengths,
                                     [g.sampler for g in heads])
-        rows = {id(g): g._with_drafts(*p) for g, p in zip(heads, proposed)}
-    return [rows[id(g)] if id(g) in rows else g.verify_rows() for g in gens]
+        head_rows = iter([g._with_drafts(*p) for g, p in zip(heads, proposed)])
+    return [next(head_rows) if g.drafts_with_head else g.verify_rows() for g in gens]
