@@ -9,6 +9,7 @@ tokens of the two runs compared.
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model smollm2 --slots 4 --prompt 1024 --gen 160
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --configs lru,lru+prompt_lookup --prompt 448 --gen 320
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model q35.gguf --configs lru+prompt_lookup,lru+mtp ...
+    OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model echo.gguf --configs lru+self ...
 
 --profile: where the second send's time goes, per configuration: wall time inside the core calls the rounds make
 (BatchDecoder steps, a session's own steps, scoring, reselects, queries) and the sessions' own timers (compute,
@@ -38,7 +39,8 @@ from kvflash_ggml.tokenizer import Tokenizer
 
 CONFIGS = {"lru": ("lru", None), "qk": ("qk", None), "quest": ("quest", None),
            "lru+prompt_lookup": ("lru", SpeculativeConfig(draft="prompt_lookup")),
-           "lru+mtp": ("lru", SpeculativeConfig(draft="mtp"))}   # a GGUF with a nextn head (qwen35)
+           "lru+mtp": ("lru", SpeculativeConfig(draft="mtp")),   # a GGUF with a nextn head (qwen35)
+           "lru+self": ("lru", "self")}   # the model drafting for itself as a draft model (a session of its own)
 
 
 # The core calls a round makes, timed by --profile (class, method).
@@ -179,7 +181,8 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     path = resolve_model_path(args.model)
-    mtp = any(CONFIGS[name][1] is not None and CONFIGS[name][1].draft == "mtp" for name in args.configs.split(","))
+    mtp = any(isinstance(CONFIGS[name][1], SpeculativeConfig) and CONFIGS[name][1].draft == "mtp"
+              for name in args.configs.split(","))
     model = _core.Model(path, backend=args.backend, n_threads=args.threads, mtp=mtp)
     tok = Tokenizer(path)
     print(f"{args.slots} slots, prompts of {args.prompt} tokens, {args.gen} generated, pool {args.pool}, "
@@ -188,6 +191,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---|")
     for name in args.configs.split(","):
         policy, spec = CONFIGS[name]
+        spec = SpeculativeConfig(draft=model) if spec == "self" else spec
         batched, tok_b, n_batched = run(model, tok, args, policy, spec, batch=True)
         if args.batched_only:
             print(f"| {name} | {batched:.1f} | - | - | {n_batched} | - |", flush=True)

@@ -370,3 +370,76 @@ def test_a_step_that_keeps_some_drafts_continues_exactly(tiny, arch):
         st = spec.stats()
     assert got == want
     assert st["spec_accepted"] > 0 and st["spec_accepted"] < st["spec_drafted"]
+
+
+# ---- a server's slots drafting with one draft model -----------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_model_steps_proposed_together_are_each_slots_own(tiny, temperature):
+    """Slots whose draft sessions run one draft model propose in shared draft steps (one BatchDecoder step of the
+    draft model a draft step): each catches up with its own history, then drafts what it drafts alone (q8_0 weights
+    on the mul_mat path: a row of a batched step is the same token's alone), with the same probabilities when
+    sampling; a slot that asks for no drafts does not even catch up."""
+    from kvflash_ggml.engine_parts import make_session
+    from kvflash_ggml.options import PoolConfig
+    from kvflash_ggml.speculative import DraftModel, propose_with_draft_model_together
+
+    model = _core.Model(tiny("llama"), backend="cpu", n_threads=1)
+    pool = PoolConfig(n_ctx=2048, pool_tokens=448, attention="matmul")
+    rng = np.random.default_rng(3)
+    histories = [rng.integers(0, 1000, n).tolist() for n in (300, 130, 200, 90)]
+    lengths = [3, 1, 5, 0]
+    alone, shared = ([DraftModel(model, make_session(model, pool), pool) for _ in histories] for _ in range(2))
+    samplers = [[Sampler(SamplingParams(temperature=temperature, seed=j)) for j in range(4)] for _ in range(2)]
+    want = [d.propose(h, k, s) if k else ([], None) for d, h, k, s in zip(alone, histories, lengths, samplers[0])]
+    decoder = _core.BatchDecoder(model)
+    got = propose_with_draft_model_together(decoder, shared, histories, lengths, samplers[1])
+    assert [d for d, _ in got] == [d for d, _ in want] and [len(d) for d, _ in got] == lengths
+    for (_, q_got), (_, q_want), k in zip(got, want, lengths):
+        if temperature == 0.0 or k == 0:
+            assert q_got in (None, []) and q_want in (None, [])
+        else:
+            np.testing.assert_array_equal(np.stack(q_got), np.stack(q_want))
+    assert [d.session.n_tokens for d in shared] == [d.session.n_tokens for d in alone]
+    assert shared[3].session.n_tokens == 0   # no drafts asked: nothing run
+
+
+def test_serve_slots_share_their_draft_models_steps(tiny, run_scheduled):
+    # `kvflash serve --draft MODEL` with two slots: their draft sessions run one draft model (the slots share its
+    # weights), so the draft steps of a round run as one batched step of it; every slot gives plain greedy tokens.
+    from kvflash_ggml.commands.serve import build_engines, build_parser
+    from kvflash_ggml.server.scheduler import Scheduler
+
+    path = tiny("llama")
+    args = build_parser().parse_args(["--model", path, "--draft", path, "--parallel", "2", "--kvflash", "448",
+                                      "--n-ctx", "2048", "--threads", "1", "--backend", "cpu", "--attention", "matmul",
+                                      "--prefix-cache", "off"])
+    engines, _, _ = build_engines(args)
+    sched = Scheduler(engines, max_queue=4, batch=True)
+    assert sched.draft_decoder is not None
+    sched.draft_decoder = counted = _CountedSteps(sched.draft_decoder)
+    rng = np.random.default_rng(6)
+    motif = rng.integers(0, 1000, 29).tolist()
+    prompts = [(motif * 20)[:n] for n in (500, 90)]
+    records = run_scheduled(sched, prompts, 64)
+    kw = dict(n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul")
+    with Model(path, **kw) as plain:
+        want = [[r.token for r in plain.engine.generate(p, max_tokens=64, temperature=0.0) if r.token is not None]
+                for p in prompts]
+    assert [[r.token for r in recs[:-1]] for recs in records] == want
+    assert 2 in counted.sessions   # both slots' draft steps in one batched step of the draft model
+    assert all(recs[-1].stats["spec_drafted"] > 0 for recs in records)
+
+
+class _CountedSteps:
+    """A BatchDecoder that counts the sessions of each step() it runs."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder, self.sessions = decoder, []
+
+    def step(self, sessions, tokens, *a, **kw):
+        self.sessions.append(len(sessions))
+        return self.decoder.step(sessions, tokens, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)

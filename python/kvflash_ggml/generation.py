@@ -14,7 +14,7 @@ from . import _core
 from .options import SamplingParams
 from .mtp import MtpDraft, propose_together
 from .sampling import Sampler, TokenLogprobs, token_logprobs
-from .speculative import accept
+from .speculative import DraftModel, accept, propose_with_draft_model_together
 from .tokenizer import TextStream
 from .tokens import HeldHistory
 
@@ -175,6 +175,12 @@ class Generation:
         with other sessions' (verify_rows_together)."""
         return self._speculate and isinstance(self.engine.speculator.drafter, MtpDraft)
 
+    @property
+    def drafts_with_model(self) -> bool:
+        """Its drafts come from a draft model of the same vocabulary, whose draft steps a server may run with other
+        slots' draft sessions (verify_rows_together)."""
+        return self._speculate and isinstance(self.engine.speculator.drafter, DraftModel)
+
     def _propose(self) -> list[int]:
         """The verify step's tokens (see verify_rows); with drafts, a linear-attention state is stashed first."""
         s = self.engine.session
@@ -272,17 +278,28 @@ class Generation:
         return GenerationRecord(None, self.stream.flush(), finish, e._stats())
 
 
-def verify_rows_together(gens: list[Generation], decoder: _core.BatchDecoder) -> list[list[int]]:
-    """verify_rows() of each generation (each needs_verify_step()), the drafts of those that draft with the model's
-    own head proposed in draft steps they share (BatchDecoder.mtp_draft: the head's layer once for all of them)."""
+def verify_rows_together(gens: list[Generation], decoder: _core.BatchDecoder,
+                         draft_decoder: Optional[_core.BatchDecoder] = None) -> list[list[int]]:
+    """verify_rows() of each generation (each needs_verify_step()); the drafts of those that draft with the model's
+    own head are proposed in draft steps they share (BatchDecoder.mtp_draft: the head's layer once for all), and so
+    are those of the ones whose draft sessions run draft_decoder's model (propose_with_draft_model_together)."""
     heads = [g for g in gens if g.drafts_with_head]
-    if len(heads) < 2:
-        return [g.verify_rows() for g in gens]
+    drafting = [g for g in gens if draft_decoder is not None and g.drafts_with_model]
+    rows = _proposed_together(heads, lambda lengths: propose_together(
+        decoder, [g.engine.session for g in heads], [g.token for g in heads], lengths, [g.sampler for g in heads]))
+    rows.update(_proposed_together(drafting, lambda lengths: propose_with_draft_model_together(
+        draft_decoder, [g.engine.speculator.drafter for g in drafting],
+        [HeldHistory(g.engine.session, g.token) for g in drafting], lengths, [g.sampler for g in drafting])))
+    return [rows[id(g)] if id(g) in rows else g.verify_rows() for g in gens]
+
+
+def _proposed_together(group: list[Generation], propose) -> dict[int, list[int]]:
+    """The verify rows of each generation of the group (by id), their drafts proposed for all at once by
+    propose(lengths) (each one's draft length); none for a group of fewer than two."""
+    if len(group) < 2:
+        return {}
     with contextlib.ExitStack() as turns:
-        for g in heads:
+        for g in group:
             turns.enter_context(g.engine._turn(g.owner))
-        lengths = [g.engine.speculator.draft_length(g._draft_room()) for g in heads]
-        proposed = propose_together(decoder, [g.engine.session for g in heads], [g.token for g in heads], lengths,
-                                    [g.sampler for g in heads])
-        head_rows = iter([g._with_drafts(*p) for g, p in zip(heads, proposed)])
-    return [next(head_rows) if g.drafts_with_head else g.verify_rows() for g in gens]
+        lengths = [g.engine.speculator.draft_length(g._draft_room()) for g in group]
+        return {id(g): g._with_drafts(*p) for g, p in zip(group, propose(lengths))}

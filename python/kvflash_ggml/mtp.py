@@ -63,7 +63,7 @@ class MtpDraft:
         q: list[np.ndarray] = []
         token = int(history[-1])
         for i in range(min(k, s.mtp_room())):
-            token = _pick(s.mtp_draft(token, i), sampler, q)
+            token = sampler.draft(s.mtp_draft(token, i), q)
             drafts.append(token)
         return drafts, (None if sampler.greedy else q)
 
@@ -84,15 +84,7 @@ def propose_together(decoder: _core.BatchDecoder, sessions: Sequence[_core.Sessi
         who = [j for j, k in enumerate(lengths) if k > i]
         logits = decoder.mtp_draft([sessions[j] for j in who], [token[j] for j in who], i)
         for j, row in zip(who, logits):
-            token[j] = _pick(row, samplers[j], q[j])
+            token[j] = samplers[j].draft(row, q[j])
             drafts[j].append(token[j])
     return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
 
-
-def _pick(logits: np.ndarray, sampler: Sampler, q: list[np.ndarray]) -> int:
-    """The draft after these logits: the head's greedy choice, or a sample (its distribution appended to q)."""
-    if sampler.greedy:
-        return int(np.argmax(logits))
-    dist = sampler.distribution(logits)
-    q.append(dist)
-    return sampler.choose_from(dist)

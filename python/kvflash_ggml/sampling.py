@@ -35,6 +35,15 @@ class Sampler:
         out[candidates] = probs
         return out
 
+    def draft(self, logits: np.ndarray, q: list) -> int:
+        """A drafter's next token after these logits: the argmax when greedy, else a sample, its distribution
+        appended to q (what the acceptance rule weighs the draft by)."""
+        if self.greedy:
+            return int(np.argmax(logits))
+        dist = self.distribution(logits)
+        q.append(dist)
+        return self.choose_from(dist)
+
     def choose_from(self, probs: np.ndarray) -> int:
         """A token drawn from a distribution over the vocabulary (this sampler's random stream)."""
         return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))

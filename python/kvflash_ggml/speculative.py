@@ -136,13 +136,31 @@ class DraftModel:
         for i in range(k):
             if i > 0:
                 logits = s.forward(np.asarray(drafts[-1:], dtype=np.int32), s.n_tokens)
-            if sampler.greedy:
-                drafts.append(int(np.argmax(logits)))
-            else:
-                dist = sampler.distribution(logits)
-                drafts.append(sampler.choose_from(dist))
-                q.append(dist)
+            drafts.append(sampler.draft(logits, q))
         return drafts, (None if sampler.greedy else q)
+
+
+def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel],
+                                      histories: Sequence[Sequence[int]], lengths: Sequence[int],
+                                      samplers: Sequence[Sampler]) -> list[tuple[list[int], Optional[list[np.ndarray]]]]:
+    """DraftModel.propose for several slots whose draft sessions share one draft model (decoder's): each catches up
+    with its own history alone (follow: what differs, usually the tokens its last verify step kept), then draft step
+    i runs every slot still drafting as one batched step, the draft model's weights read once for all of them. The
+    drafts are each slot's own, but where two logits tie within float summation order (several columns of a product
+    may sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step
+    decides every token."""
+    logits = [d.follow(h, unchanged=d._synced) if k > 0 else None for d, h, k in zip(drafters, histories, lengths)]
+    drafts: list[list[int]] = [[] for _ in drafters]
+    q: list[list[np.ndarray]] = [[] for _ in drafters]
+    for i in range(max(lengths, default=0)):
+        who = [j for j, k in enumerate(lengths) if k > i]
+        if i > 0:
+            rows = decoder.step([drafters[j].session for j in who], [drafts[j][-1] for j in who])
+            for j, row in zip(who, rows):
+                logits[j] = row
+        for j in who:
+            drafts[j].append(samplers[j].draft(logits[j], q[j]))
+    return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
 
 
 class TextMappedDraft:

@@ -41,6 +41,7 @@ from .. import _core
 from ..engine import Engine
 from ..generation import Generation, GenerationRecord, verify_rows_together
 from ..host_store import check_host_store
+from ..speculative import DraftModel
 from ..options import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class Scheduler:
                 log.info("slot %d decodes alone: %s", slot.id, why)
             slot.engine.prompt_step_cap = self._prompt_step_cap
             slot.stats = slot.engine.stats()
+        self.draft_decoder = self._draft_decoder(engines) if self.decoder else None
         self.decode_round_s: Optional[float] = None   # a round of decode steps only (moving average)
         self.n_batched_steps = 0   # batched forwards run, and the tokens they decoded
         self.n_batched_tokens = 0
@@ -172,6 +174,20 @@ class Scheduler:
             lambda *a: None
         self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _draft_decoder(engines: list[Engine]) -> Optional[_core.BatchDecoder]:
+        """A batched decoder over the slots' draft model, when each slot drafts with a draft session of that one
+        model (the slots share its weights): their draft steps then run together. None otherwise."""
+        drafters = [e.speculator.drafter if e.speculator else None for e in engines]
+        if not all(isinstance(d, DraftModel) for d in drafters) or len({id(d.model) for d in drafters}) != 1:
+            return None
+        decoder = _core.BatchDecoder(drafters[0].model)
+        why = [decoder.ineligible(d.session) for d in drafters]
+        if any(why):
+            log.info("the slots' draft steps run one by one: %s", next(w for w in why if w))
+            return None
+        return decoder
 
     # -- from the event loop ---------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -286,7 +302,8 @@ class Scheduler:
         greedy = not any(verifies) and not any(s.records.wants_logits for s in batch)
         try:
             if any(verifies):   # the drafters propose here (the MTP head's steps shared); rows: [n_i, n_vocab] a slot
-                proposed = iter(verify_rows_together([s.records for s, v in zip(batch, verifies) if v], self.decoder))
+                proposed = iter(verify_rows_together([s.records for s, v in zip(batch, verifies) if v], self.decoder,
+                                                     self.draft_decoder))
                 rows = [next(proposed) if v else [t] for v, t in zip(verifies, tokens)]
             else:
                 rows = [[t] for t in tokens]
@@ -303,7 +320,8 @@ class Scheduler:
             return False
         self.n_batched_steps += 1
         self.n_batched_tokens += sum(len(r) for r in rows)
-        self.batch_compute_bytes = self.decoder.compute_bytes
+        self.batch_compute_bytes = self.decoder.compute_bytes + \
+            (self.draft_decoder.compute_bytes if self.draft_decoder else 0)
         for slot, verify, result in zip(batch, verifies, out):
             gen = slot.records
             if verify:
