@@ -16,7 +16,8 @@ greedily, else the logits come back) under every policy (a qk / quest slot keeps
 its scorer; the drafter's companion follows the history only when it scores), and so do slots that speculate: a
 round's verify steps (each slot's pending token and drafts) run in the same forward (BatchDecoder.step_rows), the
 kept tokens going out at the start of the next round (a hybrid's state stashed first, as alone; slots drafting with
-the model's MTP head run the head's draft steps together too: generation.verify_rows_together); sliding-window layers
+the model's MTP head run the head's draft steps together too, and so do slots drafting with one draft model:
+generation.verify_rows_together); sliding-window layers
 attend each slot's own ring, a hybrid's linear-attention layers step each slot's own recurrent state in the same
 forward. A long prompt does not stall
 the others: each of its steps is one round's prompt work, and while slots decode an exact prefill's steps are
