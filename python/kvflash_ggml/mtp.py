@@ -19,6 +19,7 @@ import numpy as np
 from . import _core
 from .options import SpeculativeConfig
 from .sampling import Sampler
+from .speculative import Proposal
 
 HEAD_ARCHS = ("qwen35", "qwen35moe")   # families whose nextn layer the core runs
 
@@ -68,9 +69,6 @@ class MtpDraft:
         return drafts, (None if sampler.greedy else q)
 
 
-Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # drafts, and their probabilities when sampling
-
-
 def propose_together(decoder: _core.BatchDecoder, sessions: Sequence[_core.Session], tokens: Sequence[int],
                      lengths: Sequence[int], samplers: Sequence[Sampler]) -> list[Proposal]:
     """MtpDraft.propose for several sessions at once: session j drafts up to lengths[j] tokens after tokens[j] (its
@@ -87,4 +85,3 @@ def propose_together(decoder: _core.BatchDecoder, sessions: Sequence[_core.Sessi
             token[j] = samplers[j].draft(row, q[j])
             drafts[j].append(token[j])
     return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
-

@@ -140,9 +140,12 @@ class DraftModel:
         return drafts, (None if sampler.greedy else q)
 
 
+Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # drafts, and their probabilities when sampling
+
+
 def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel],
                                       histories: Sequence[Sequence[int]], lengths: Sequence[int],
-                                      samplers: Sequence[Sampler]) -> list[tuple[list[int], Optional[list[np.ndarray]]]]:
+                                      samplers: Sequence[Sampler]) -> list[Proposal]:
     """DraftModel.propose for several slots whose draft sessions share one draft model (decoder's): each catches up
     with its own history alone (follow: what differs, usually the tokens its last verify step kept), then draft step
     i runs every slot still drafting as one batched step, the draft model's weights read once for all of them. The

@@ -42,8 +42,8 @@ from .. import _core
 from ..engine import Engine
 from ..generation import Generation, GenerationRecord, verify_rows_together
 from ..host_store import check_host_store
-from ..speculative import DraftModel
 from ..options import SamplingParams
+from ..speculative import DraftModel
 
 log = logging.getLogger(__name__)
 
