@@ -18,8 +18,7 @@ import numpy as np
 
 from . import _core
 from .options import SpeculativeConfig
-from .sampling import Sampler
-from .speculative import Proposal
+from .sampling import Proposal, Sampler
 
 HEAD_ARCHS = ("qwen35", "qwen35moe")   # families whose nextn layer the core runs
 

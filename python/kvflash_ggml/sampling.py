@@ -1,11 +1,14 @@
 """Next-token sampling over a logits vector: greedy, temperature, top-k, top-p, min-p (vectorised)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from .options import SamplingParams
+
+
+Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # a drafter's drafts, and their distributions when sampling
 
 
 class Sampler:

@@ -32,7 +32,7 @@ from . import _core
 from .companion import retokenise
 from .drafter import prompt_attention_scores
 from .options import PoolConfig, SamplingParams, SpeculativeConfig
-from .sampling import Sampler
+from .sampling import Proposal, Sampler
 from .tokenizer import Tokenizer
 from .tokens import common_prefix, forward_in_steps, keep_prefix
 
@@ -138,9 +138,6 @@ class DraftModel:
                 logits = s.forward(np.asarray(drafts[-1:], dtype=np.int32), s.n_tokens)
             drafts.append(sampler.draft(logits, q))
         return drafts, (None if sampler.greedy else q)
-
-
-Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # drafts, and their probabilities when sampling
 
 
 def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel],
