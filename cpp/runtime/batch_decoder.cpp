@@ -94,7 +94,9 @@ const PoolArena * BatchDecoder::shared_recurrent_arena(const std::vector<Session
 }
 
 int64_t BatchDecoder::compute_bytes() const {
-    return (sched_ ? sched_device_bytes(*model_, sched_) : 0) + (draft_.sched ? sched_device_bytes(*model_, draft_.sched) : 0);
+    int64_t bytes = 0;
+    for (ggml_backend_sched_t sched : {sched_, draft_.sched}) bytes += sched ? sched_device_bytes(*model_, sched) : 0;
+    return bytes;
 }
 
 BatchDecoder::DraftGraph::~DraftGraph() {
@@ -421,7 +423,7 @@ BatchDecoder::StepResult BatchDecoder::step_in_order(const std::vector<Session *
 }
 
 void BatchDecoder::build_draft_graph(const std::vector<Session *> & sessions,
-                                     const std::vector<Session::MtpDraftStep> & steps) {
+                                     const std::vector<Session::MtpDraftStep> & steps, const std::vector<ggml_tensor *> & hs) {
     const Session & first = *sessions.front();
     const int64_t n = (int64_t) sessions.size();
     const size_t n_nodes = first.graph_size() + (size_t) (k_max_lanes * 32);   // one layer's attention per session
@@ -441,12 +443,10 @@ void BatchDecoder::build_draft_graph(const std::vector<Session *> & sessions,
     g.in.positions = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n);
     ggml_set_input(g.in.tokens);
     ggml_set_input(g.in.positions);
-    std::vector<ggml_tensor *> hs;
     for (int64_t i = 0; i < n; ++i) {
         const PooledKV & kv = sessions[i]->kv();
         const int64_t n_kv = steps[i].order.n_kv;
         g.lanes.push_back({&kv, kv_step_inputs_new(g.ctx, kv.layout(), 1, n_kv, false), n_kv, i, 1});
-        hs.push_back(steps[i].h);
     }
     d.logits = build_mtp_draft(g, *model_, hs);
     ggml_backend_sched_reset(d.sched);
@@ -464,28 +464,27 @@ void BatchDecoder::mtp_draft(const std::vector<Session *> & sessions, const std:
     }
     const auto held = lock_all(sessions, *model_);
     const int64_t n = (int64_t) sessions.size();
-    for (int64_t i = 0; i < n; ++i) {
+    std::vector<Session::MtpDraftStep> steps;
+    std::vector<int64_t> shape;
+    for (int64_t i = 0; i < n; ++i) {   // every session planned before any session's chain moves
         const Session & s = *sessions[i];
         if (!s.mtp()) {
             throw std::invalid_argument("session " + std::to_string(i) + " does not run the multi-token-prediction "
                                         "head (made without mtp=True)");
         }
         check_joins(s, *sessions.front(), i, 1);
-        try {   // before any session's chain moves
-            s.check_mtp_draft(tokens[i], step);
+        try {
+            steps.push_back(s.plan_mtp_draft(tokens[i], step));
         } catch (const std::invalid_argument & e) {
             throw std::invalid_argument("session " + std::to_string(i) + ": " + e.what());
         }
+        shape.insert(shape.end(), {(int64_t) s.serial(), steps.back().order.n_kv});
     }
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<Session::MtpDraftStep> steps;
-    std::vector<int64_t> shape;
-    for (Session * s : sessions) {
-        steps.push_back(s->prepare_mtp_draft(step));
-        shape.insert(shape.end(), {(int64_t) s->serial(), steps.back().order.n_kv});
-    }
+    std::vector<ggml_tensor *> hs;
+    for (Session * s : sessions) hs.push_back(s->start_mtp_draft(step));
     if (shape != draft_.shape) {
-        build_draft_graph(sessions, steps);
+        build_draft_graph(sessions, steps, hs);
         draft_.shape = shape;
     }
     GraphCtx & g = draft_.g;

@@ -130,7 +130,9 @@ private:
         std::vector<int64_t> shape;       // per session: serial, n_kv
         ~DraftGraph();
     };
-    void build_draft_graph(const std::vector<Session *> & sessions, const std::vector<Session::MtpDraftStep> & steps);
+    // hs: each session's hidden state (Session::start_mtp_draft)
+    void build_draft_graph(const std::vector<Session *> & sessions, const std::vector<Session::MtpDraftStep> & steps,
+                           const std::vector<ggml_tensor *> & hs);
 
     std::shared_ptr<Model> model_;
     DraftGraph draft_;

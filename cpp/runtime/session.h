@@ -266,18 +266,17 @@ public:
     // boundary has none) and the context left.
     int64_t mtp_room() const;
     // One draft step of this session in a graph built elsewhere (BatchDecoder::mtp_draft: several sessions' steps in
-    // one). check_mtp_draft checks `token` and `step` as mtp_draft does (changes nothing); prepare_mtp_draft, after
-    // it, says where the draft's K/V go and which keys its query sees, and gives the hidden state the step reads and
-    // overwrites (step 0 starts it from the carry). The chain then waits for finish_mtp_draft (the graph computed)
-    // and ends if it never comes. The caller holds the session's lock throughout.
+    // one). plan_mtp_draft checks `token` and `step` as mtp_draft does and says where the draft's K/V go and which
+    // keys its query sees (changes nothing); start_mtp_draft then begins the step (step 0 starts from the carry) and
+    // gives the hidden state it reads and overwrites. The chain waits for finish_mtp_draft (the graph computed) and
+    // ends if it never comes. The caller holds the session's lock throughout.
     struct MtpDraftStep {
         int32_t pos = 0;      // the draft's position: n_tokens() + step
         Plan alloc;           // its slot, a free one
         KvKeyOrder order;     // the pool's keys, the free slots of this chain's drafts seen as their positions
-        ggml_tensor * h = nullptr;   // F32 [n_embd]
     };
-    void check_mtp_draft(int32_t token, int64_t step) const;
-    MtpDraftStep prepare_mtp_draft(int64_t step);
+    MtpDraftStep plan_mtp_draft(int32_t token, int64_t step) const;
+    ggml_tensor * start_mtp_draft(int64_t step);   // F32 [n_embd]
     void finish_mtp_draft(int64_t step, double compute_ms);
 
     // Post-RoPE queries of the last (up to 8) tokens of the latest step, per layer.

@@ -113,10 +113,12 @@ void Session::build_mtp_graph(int64_t n_kv) {
     timings_.n_graph_builds++;
 }
 
-void Session::check_mtp_draft(int32_t token, int64_t step) const {
+Session::MtpDraftStep Session::plan_mtp_draft(int32_t token, int64_t step) const {
     if (!cfg_.mtp) throw std::logic_error("mtp_draft needs a session made with mtp=True");
     const MtpDrafts & d = *mtp_;
-    const int64_t pos = pager_->n_tokens() + step, n_vocab = model_->hparams().n_vocab;
+    const int64_t n = pager_->n_tokens(), n_vocab = model_->hparams().n_vocab;
+    MtpDraftStep out;
+    out.pos = (int32_t) (n + step);
     if (step < 0 || (step > 0 && (step != d.next || pager_->epoch() != d.epoch))) {
         throw std::invalid_argument("mtp_draft: step " + std::to_string(step) + " must follow step " +
                                     std::to_string(step - 1) + " of the same drafts (nothing run on the session between)");
@@ -125,25 +127,18 @@ void Session::check_mtp_draft(int32_t token, int64_t step) const {
         throw std::invalid_argument("token id " + std::to_string(token) + " outside the vocabulary [0, " +
                                     std::to_string(n_vocab) + ")");
     }
-    if (pos >= cfg_.max_tokens) {
-        throw std::invalid_argument("mtp_draft: position " + std::to_string(pos) + " is past max_tokens=" +
+    if (n + step >= cfg_.max_tokens) {
+        throw std::invalid_argument("mtp_draft: position " + std::to_string(n + step) + " is past max_tokens=" +
                                     std::to_string(cfg_.max_tokens));
     }
-    if ((int64_t) free_slots(pager_->slot_positions(), step + 1).size() <= step) {
-        throw std::invalid_argument("mtp_draft: the pool has no free slot for draft " + std::to_string(step) +
-                                    " (mtp_room() says how many drafts fit)");
-    }
-}
-
-Session::MtpDraftStep Session::prepare_mtp_draft(int64_t step) {
-    MtpDrafts & d = *mtp_;
-    const int64_t n = pager_->n_tokens();
-    MtpDraftStep out;
-    out.pos = (int32_t) (n + step);
     // The drafts' slots (free_slots' first step + 1), seen by this step's query as the positions they draft.
     KvKeyOrder & order = out.order;
     order.key_pos = pager_->slot_positions();
     const std::vector<int64_t> slots = free_slots(order.key_pos, step + 1);
+    if ((int64_t) slots.size() <= step) {
+        throw std::invalid_argument("mtp_draft: the pool has no free slot for draft " + std::to_string(step) +
+                                    " (mtp_room() says how many drafts fit)");
+    }
     int64_t last = -1;
     for (int64_t j = 0; j <= step; ++j) order.key_pos[slots[j]] = n + j;
     for (int64_t s = 0; s < (int64_t) order.key_pos.size(); ++s) if (order.key_pos[s] >= 0) last = s;
@@ -151,13 +146,17 @@ Session::MtpDraftStep Session::prepare_mtp_draft(int64_t step) {
     out.alloc.span_start = out.pos;
     out.alloc.span_n = 1;
     out.alloc.slots = {(int32_t) slots[step]};
+    return out;
+}
+
+ggml_tensor * Session::start_mtp_draft(int64_t step) {
+    MtpDrafts & d = *mtp_;
     if (step == 0) {   // the draft starts from the carry: the trunk's state at the last held position
         ggml_backend_tensor_copy(recurrent_->mtp_carry(), d.h);
         d.epoch = pager_->epoch();
     }
     d.next = -1;   // a step that is not finished ends the chain
-    out.h = d.h;
-    return out;
+    return d.h;
 }
 
 void Session::finish_mtp_draft(int64_t step, double compute_ms) {
@@ -168,9 +167,9 @@ void Session::finish_mtp_draft(int64_t step, double compute_ms) {
 
 std::vector<float> Session::mtp_draft(int32_t token, int64_t step) {
     const SessionLock held = lock();
-    check_mtp_draft(token, step);
+    const MtpDraftStep st = plan_mtp_draft(token, step);
     const auto t0 = std::chrono::steady_clock::now();
-    const MtpDraftStep st = prepare_mtp_draft(step);
+    start_mtp_draft(step);
     MtpDrafts & d = *mtp_;
     if (d.n_kv != st.order.n_kv) build_mtp_graph(st.order.n_kv);
     ggml_backend_tensor_set(d.g.in.tokens, &token, 0, sizeof(int32_t));

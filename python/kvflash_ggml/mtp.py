@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _core
 from .options import SpeculativeConfig
-from .sampling import Proposal, Sampler
+from .sampling import Proposal, Sampler, draft_in_steps
 
 HEAD_ARCHS = ("qwen35", "qwen35moe")   # families whose nextn layer the core runs
 
@@ -73,14 +73,7 @@ def propose_together(decoder: _core.BatchDecoder, sessions: Sequence[_core.Sessi
     """MtpDraft.propose for several sessions at once: session j drafts up to lengths[j] tokens after tokens[j] (its
     pending token), and each draft step runs the head for every session still drafting in one graph
     (BatchDecoder.mtp_draft). The same drafts as each session's own propose: the logits are its mtp_draft's."""
-    lengths = [min(k, s.mtp_room()) for k, s in zip(lengths, sessions)]
-    token = [int(t) for t in tokens]
-    drafts: list[list[int]] = [[] for _ in sessions]
-    q: list[list[np.ndarray]] = [[] for _ in sessions]
-    for i in range(max(lengths, default=0)):
-        who = [j for j, k in enumerate(lengths) if k > i]
-        logits = decoder.mtp_draft([sessions[j] for j in who], [token[j] for j in who], i)
-        for j, row in zip(who, logits):
-            token[j] = samplers[j].draft(row, q[j])
-            drafts[j].append(token[j])
-    return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
+    def next_logits(i: int, who: list[int], drafts: list[list[int]]) -> np.ndarray:
+        return decoder.mtp_draft([sessions[j] for j in who], [drafts[j][-1] if i else int(tokens[j]) for j in who], i)
+
+    return draft_in_steps([min(k, s.mtp_room()) for k, s in zip(lengths, sessions)], samplers, next_logits)

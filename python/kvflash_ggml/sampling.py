@@ -1,7 +1,7 @@
 """Next-token sampling over a logits vector: greedy, temperature, top-k, top-p, min-p (vectorised)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -9,6 +9,20 @@ from .options import SamplingParams
 
 
 Proposal = tuple[list[int], Optional[list[np.ndarray]]]   # a drafter's drafts, and their distributions when sampling
+
+
+def draft_in_steps(lengths: Sequence[int], samplers: Sequence[Sampler],
+                   next_logits: Callable[[int, list[int], list[list[int]]], Sequence[np.ndarray]]) -> list[Proposal]:
+    """Drafts of several drafters in shared steps: drafter j drafts lengths[j] tokens; step i asks next_logits(i,
+    who, drafts) for the logits of the drafters still drafting (who, in order; drafts: each one's drafts so far),
+    and each picks its next draft from its row with its own sampler (Sampler.draft)."""
+    drafts: list[list[int]] = [[] for _ in lengths]
+    q: list[list[np.ndarray]] = [[] for _ in lengths]
+    for i in range(max(lengths, default=0)):
+        who = [j for j, k in enumerate(lengths) if k > i]
+        for j, row in zip(who, next_logits(i, who, drafts)):
+            drafts[j].append(samplers[j].draft(row, q[j]))
+    return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
 
 
 class Sampler:

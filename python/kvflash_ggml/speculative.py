@@ -32,7 +32,7 @@ from . import _core
 from .companion import retokenise
 from .drafter import prompt_attention_scores
 from .options import PoolConfig, SamplingParams, SpeculativeConfig
-from .sampling import Proposal, Sampler
+from .sampling import Proposal, Sampler, draft_in_steps
 from .tokenizer import Tokenizer
 from .tokens import common_prefix, forward_in_steps, keep_prefix
 
@@ -149,18 +149,14 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Seq
     drafts are each slot's own, but where two logits tie within float summation order (several columns of a product
     may sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step
     decides every token."""
-    logits = [d.follow(h, unchanged=d._synced) if k > 0 else None for d, h, k in zip(drafters, histories, lengths)]
-    drafts: list[list[int]] = [[] for _ in drafters]
-    q: list[list[np.ndarray]] = [[] for _ in drafters]
-    for i in range(max(lengths, default=0)):
-        who = [j for j, k in enumerate(lengths) if k > i]
-        if i > 0:
-            rows = decoder.step([drafters[j].session for j in who], [drafts[j][-1] for j in who])
-            for j, row in zip(who, rows):
-                logits[j] = row
-        for j in who:
-            drafts[j].append(samplers[j].draft(logits[j], q[j]))
-    return [(d, None if sampler.greedy else qj) for d, qj, sampler in zip(drafts, q, samplers)]
+    first = [d.follow(h, unchanged=d._synced) if k > 0 else None for d, h, k in zip(drafters, histories, lengths)]
+
+    def next_logits(i: int, who: list[int], drafts: list[list[int]]) -> Sequence[np.ndarray]:
+        if i == 0:
+            return [first[j] for j in who]
+        return decoder.step([drafters[j].session for j in who], [drafts[j][-1] for j in who])
+
+    return draft_in_steps(lengths, samplers, next_logits)
 
 
 class TextMappedDraft:
