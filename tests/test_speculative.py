@@ -403,6 +403,23 @@ def test_draft_model_steps_proposed_together_are_each_slots_own(tiny, temperatur
     assert [d.session.n_tokens for d in shared] == [d.session.n_tokens for d in alone]
     assert shared[3].session.n_tokens == 0   # no drafts asked: nothing run
 
+    # The next round: each history keeps some of its drafts and one token of the model's own, so each draft
+    # session catches up a few tokens: all of them in one batched step.
+    histories = [h + d[:n] + [7] for h, (d, _), n in zip(histories, want, (3, 0, 1, 0))]
+    lengths = [2, 4, 3, 0]
+    want = [d.propose(h, k, s) if k else ([], None) for d, h, k, s in zip(alone, histories, lengths, samplers[0])]
+    counted = _CountedSteps(decoder)
+    got = propose_with_draft_model_together(counted, shared, histories, lengths, samplers[1])
+    # the catch-ups: the model's token, after the last draft where all were kept (draft steps ran the others), and
+    # after going back past the rejected drafts where one was kept of five
+    assert counted.rows[0] == [2, 1, 1]
+    assert [d for d, _ in got] == [d for d, _ in want]
+    for (_, q_got), (_, q_want), k in zip(got, want, lengths):
+        if temperature > 0.0 and k > 0:
+            np.testing.assert_array_equal(np.stack(q_got), np.stack(q_want))
+    assert [d.session.n_tokens for d in shared] == [d.session.n_tokens for d in alone]
+    assert [list(d.session.tokens) for d in shared] == [list(d.session.tokens) for d in alone]
+
 
 def test_serve_slots_share_their_draft_models_steps(tiny, run_scheduled):
     # `kvflash serve --draft MODEL` with two slots: their draft sessions run one draft model (the slots share its
@@ -432,10 +449,14 @@ def test_serve_slots_share_their_draft_models_steps(tiny, run_scheduled):
 
 
 class _CountedSteps:
-    """A BatchDecoder that counts the sessions of each step() it runs."""
+    """A BatchDecoder that counts the sessions of each step() it runs, and each step_rows' rows a session."""
 
     def __init__(self, decoder) -> None:
-        self.decoder, self.sessions = decoder, []
+        self.decoder, self.sessions, self.rows = decoder, [], []
+
+    def step_rows(self, sessions, rows, *a, **kw):
+        self.rows.append([len(r) for r in rows])
+        return self.decoder.step_rows(sessions, rows, *a, **kw)
 
     def step(self, sessions, tokens, *a, **kw):
         self.sessions.append(len(sessions))

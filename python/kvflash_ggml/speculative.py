@@ -38,6 +38,9 @@ from .tokens import common_prefix, forward_in_steps, keep_prefix
 
 log = logging.getLogger(__name__)
 
+BATCH_ROWS = 32         # a session's tokens in one BatchDecoder step (runtime/batch_decoder.cpp k_max_rows)
+BATCH_STEP_ROWS = 128   # every session's tokens in one (k_max_step_rows)
+
 
 class PromptLookup:
     """Proposes what followed the latest earlier occurrence of the history's last n tokens (n = ngram, then
@@ -107,11 +110,32 @@ class DraftModel:
         """Make the draft session hold `history` (computing only what differs); its logits after the last token.
         unchanged: its first tokens that are the last call's too (within a generation: all that call saw), so
         only what follows them is compared."""
+        logits = self._run(self.catch_up(history, unchanged=unchanged))
+        self._synced = len(history)
+        return logits
+
+    def catch_up(self, history: Sequence[int], *, unchanged: Optional[int] = None) -> np.ndarray:
+        """follow's first half: the session goes back to what it shares with `history`; the tokens of history it
+        must still run, from its n_tokens on (at least the last one: its logits are wanted). Call synced(history)
+        once they ran. unchanged: as for follow; None: history extends the last call's."""
         s = self.session
-        start = min(unchanged, self._synced, s.n_tokens)
+        start = min(self._synced if unchanged is None else unchanged, self._synced, s.n_tokens)
         n_keep = s.shared_prefix(np.asarray(history[start:], dtype=np.int32), start)
         n_keep = keep_prefix(s, min(n_keep, len(history) - 1))   # the last token runs for its logits
-        new = np.asarray(history[n_keep:], dtype=np.int32)
+        return np.asarray(history[n_keep:], dtype=np.int32)
+
+    def synced(self, history: Sequence[int]) -> None:
+        """The session ran catch_up(history)'s tokens (elsewhere: a batched step): the next call compares from there."""
+        self._synced = len(history)
+
+    def runs_in_one_step(self, new: np.ndarray) -> bool:
+        """Whether catch_up's tokens can run as one decode or verify step (a batched step's rows): a few tokens
+        the pool places at once, not a prompt."""
+        return len(new) <= BATCH_ROWS and self.session.step_tokens(len(new)) >= len(new)
+
+    def _run(self, new: np.ndarray) -> np.ndarray:
+        s = self.session
+        n_keep = s.n_tokens
         # Layer-major for new tokens the pool cannot hold (a prompt), never for a generation's few: it copies
         # every held position's K/V through the staging layer, a cost that grows with the context (at 128K on
         # the H100 it made speculation 25x slower than plain decoding), and the draft's own steps attend the
@@ -121,10 +145,8 @@ class DraftModel:
             logits, attention = s.prefill_exact(new, n_keep, n_batch=step)
             if s.pager.n_chunks() > s.pager.n_blocks():   # what the model's post-prompt reselect pages in, too
                 s.reselect(prompt_attention_scores(attention, s.pager.n_chunks()))
-        else:
-            logits = forward_in_steps(s, new, n_keep)
-        self._synced = len(history)
-        return logits
+            return logits
+        return forward_in_steps(s, new, n_keep)
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler, *,
                 unchanged: Optional[int] = None) -> tuple[list[int], Optional[list[np.ndarray]]]:
@@ -144,12 +166,12 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Seq
                                       histories: Sequence[Sequence[int]], lengths: Sequence[int],
                                       samplers: Sequence[Sampler]) -> list[Proposal]:
     """DraftModel.propose for several slots whose draft sessions share one draft model (decoder's): each catches up
-    with its own history alone (follow: what differs, usually the tokens its last verify step kept), then draft step
-    i runs every slot still drafting as one batched step, the draft model's weights read once for all of them. The
+    with its own history (what differs: usually the tokens its last verify step kept, and those of every slot in
+    one batched step; a prompt alone), then draft step i runs every slot still drafting as one batched step, the draft model's weights read once for all of them. The
     drafts are each slot's own, but where two logits tie within float summation order (several columns of a product
     may sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step
     decides every token."""
-    first = [d.follow(h, unchanged=d._synced) if k > 0 else None for d, h, k in zip(drafters, histories, lengths)]
+    first = _caught_up(decoder, drafters, histories, lengths)
 
     def next_logits(i: int, who: list[int], drafts: list[list[int]]) -> Sequence[np.ndarray]:
         if i == 0:
@@ -157,6 +179,34 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Seq
         return decoder.step([drafters[j].session for j in who], [drafts[j][-1] for j in who])
 
     return draft_in_steps(lengths, samplers, next_logits)
+
+
+def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], histories: Sequence[Sequence[int]],
+               lengths: Sequence[int]) -> list[Optional[np.ndarray]]:
+    """Each drafter that drafts (lengths[j] > 0) made to hold its history (DraftModel.follow), its logits after
+    it. Those whose catch-up is one step's few tokens (a verify step's kept drafts and the model's own token, as
+    usual) run it as one batched step (step_rows: each one's rows; its last row's logits); a prompt runs alone."""
+    out: list[Optional[np.ndarray]] = [None] * len(drafters)
+    together: list[tuple[int, np.ndarray]] = []
+    for j, (d, h, k) in enumerate(zip(drafters, histories, lengths)):
+        if k <= 0:
+            continue
+        new = d.catch_up(h)
+        if d.runs_in_one_step(new) and sum(len(n) for _, n in together) + len(new) <= BATCH_STEP_ROWS:
+            together.append((j, new))
+        else:
+            out[j] = d._run(new)
+            d.synced(h)
+    if len(together) == 1:   # alone: the session's own step
+        j, new = together[0]
+        out[j] = drafters[j]._run(new)
+    elif together:
+        rows = decoder.step_rows([drafters[j].session for j, _ in together], [n.tolist() for _, n in together])
+        for (j, _), r in zip(together, rows):
+            out[j] = r[-1]
+    for j, _ in together:
+        drafters[j].synced(histories[j])
+    return out
 
 
 class TextMappedDraft:
