@@ -10,6 +10,7 @@ tokens of the two runs compared.
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --configs lru,lru+prompt_lookup --prompt 448 --gen 320
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model q35.gguf --configs lru+prompt_lookup,lru+mtp ...
     OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model echo.gguf --configs lru+self ...
+    OMP_WAIT_POLICY=passive python experiments/serve_batching.py --model gemma3-270m --configs lru+draft --draft smollm2
 
 --profile: where the second send's time goes, per configuration: wall time inside the core calls the rounds make
 (BatchDecoder steps, a session's own steps, scoring, reselects, queries) and the sessions' own timers (compute,
@@ -40,7 +41,8 @@ from kvflash_ggml.tokenizer import Tokenizer
 CONFIGS = {"lru": ("lru", None), "qk": ("qk", None), "quest": ("quest", None),
            "lru+prompt_lookup": ("lru", SpeculativeConfig(draft="prompt_lookup")),
            "lru+mtp": ("lru", SpeculativeConfig(draft="mtp")),   # a GGUF with a nextn head (qwen35)
-           "lru+self": ("lru", "self")}   # the model drafting for itself as a draft model (a session of its own)
+           "lru+self": ("lru", "self"),   # the model drafting for itself as a draft model (a session of its own)
+           "lru+draft": ("lru", "draft")}   # --draft MODEL drafting (of the same vocabulary or mapped through text)
 
 
 # The core calls a round makes, timed by --profile (class, method).
@@ -173,6 +175,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--draft", default=None, metavar="MODEL", help="the draft model of the lru+draft configuration")
     ap.add_argument("--profile", action="store_true", help="where the second send's time goes (see above)")
     ap.add_argument("--batched-only", action="store_true", help="skip the slot-by-slot runs")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="the scheduler's rounds under cProfile (above)")
@@ -191,7 +194,12 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---|")
     for name in args.configs.split(","):
         policy, spec = CONFIGS[name]
-        spec = SpeculativeConfig(draft=model) if spec == "self" else spec
+        if spec in ("self", "draft"):   # one copy of the draft model's weights for every slot
+            if spec == "draft" and not args.draft:
+                raise SystemExit("the lru+draft configuration needs --draft MODEL")
+            draft = model if spec == "self" else _core.Model(resolve_model_path(args.draft), backend=args.backend,
+                                                             n_threads=args.threads)
+            spec = SpeculativeConfig(draft=draft)
         batched, tok_b, n_batched = run(model, tok, args, policy, spec, batch=True)
         if args.batched_only:
             print(f"| {name} | {batched:.1f} | - | - | {n_batched} | - |", flush=True)

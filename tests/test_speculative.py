@@ -421,6 +421,37 @@ def test_draft_model_steps_proposed_together_are_each_slots_own(tiny, temperatur
     assert [list(d.session.tokens) for d in shared] == [list(d.session.tokens) for d in alone]
 
 
+def test_text_mapped_drafts_proposed_together_are_each_slots_own():
+    """Slots drafting with a draft model of another vocabulary share its steps too: each maps its history into the
+    draft's tokens, catches up (a few tokens in one batched step after the first round), drafts greedily in shared
+    steps and maps the drafts back; the proposals and the draft sessions' tokens are each slot's own propose's."""
+    from kvflash_ggml.engine_parts import make_session
+    from kvflash_ggml.known_models import resolve_model_path
+    from kvflash_ggml.options import PoolConfig
+    from kvflash_ggml.speculative import DraftModel, TextMappedDraft, propose_with_draft_model_together
+    from kvflash_ggml.tokenizer import Tokenizer
+
+    target, own = Tokenizer(resolve_model_path("gemma3-270m")), Tokenizer(resolve_model_path("smollm2"))
+    model = _core.Model(resolve_model_path("smollm2"), backend="cpu", n_threads=1)
+    pool = PoolConfig(n_ctx=1024, pool_tokens=448, attention="matmul")
+    prompt = copy_prompt(target, 600)
+    histories = [prompt[:n] for n in (560, 170, 240)]   # the first past the pool: its prompt runs layer-major
+    alone, shared = ([TextMappedDraft(DraftModel(model, make_session(model, pool), pool), own, target)
+                      for _ in histories] for _ in range(2))
+    sampler = Sampler(SamplingParams(temperature=0.7, seed=1))   # the model's: a mapped draft is greedy whatever it is
+    decoder = _core.BatchDecoder(model)
+    for step, lengths in enumerate([[3, 2, 4], [4, 3, 0]]):
+        want = [d.propose(h, k, sampler) if k else ([], None) for d, h, k in zip(alone, histories, lengths)]
+        counted = _CountedSteps(decoder)
+        got = propose_with_draft_model_together(counted, shared, histories, lengths, [sampler] * 3)
+        assert got == want and all(d for (d, _), k in zip(got, lengths) if k)
+        assert [list(d.draft.session.tokens) for d in shared] == [list(d.draft.session.tokens) for d in alone]
+        if step == 1:
+            assert len(counted.rows[0]) == 2 and max(counted.rows[0]) <= 8   # the catch-ups in one step
+        # the model keeps the first draft and picks a token of its own
+        histories = [h + d[:1] + [target.encode(" the", add_special=False)[0]] for h, (d, _) in zip(histories, want)]
+
+
 def test_serve_slots_share_their_draft_models_steps(tiny, run_scheduled):
     # `kvflash serve --draft MODEL` with two slots: their draft sessions run one draft model (the slots share its
     # weights), so the draft steps of a round run as one batched step of it; every slot gives plain greedy tokens.
@@ -446,6 +477,30 @@ def test_serve_slots_share_their_draft_models_steps(tiny, run_scheduled):
     assert [[r.token for r in recs[:-1]] for recs in records] == want
     assert 2 in counted.sessions   # both slots' draft steps in one batched step of the draft model
     assert all(recs[-1].stats["spec_drafted"] > 0 for recs in records)
+
+
+def test_serve_slots_share_a_text_mapped_draft_models_steps(run_scheduled):
+    # `kvflash serve --draft smollm2` for Gemma 3 (another vocabulary) with two slots: the slots' draft sessions
+    # run one draft model, so their draft steps are batched steps of it; every slot gives plain greedy tokens.
+    from kvflash_ggml.commands.serve import build_engines, build_parser
+    from kvflash_ggml.server.scheduler import Scheduler
+
+    flags = ["--n-ctx", "2048", "--kvflash", "448", "--threads", "2", "--backend", "cpu", "--attention", "matmul"]
+    args = build_parser().parse_args(["--model", "gemma3-270m", "--draft", "smollm2", "--parallel", "2",
+                                      "--prefix-cache", "off", *flags])
+    engines, _, _ = build_engines(args)
+    sched = Scheduler(engines, max_queue=4, batch=True)
+    assert sched.draft_decoder is not None
+    sched.draft_decoder = counted = _CountedSteps(sched.draft_decoder)
+    prompts = [copy_prompt(engines[0].tokenizer, n) for n in (600, 200)]
+    records = run_scheduled(sched, prompts, 32)
+    with Model("gemma3-270m", n_ctx=2048, pool_tokens=448, backend="cpu", n_threads=2, attention="matmul") as plain:
+        want = [[r.token for r in plain.engine.generate(p, max_tokens=32, temperature=0.0) if r.token is not None]
+                for p in prompts]
+    assert [[r.token for r in recs[:-1]] for recs in records] == want
+    assert 2 in counted.sessions   # both slots' draft steps in one batched step of the draft model
+    assert all(recs[-1].stats["spec_vocab"] == "mapped through text" and recs[-1].stats["spec_drafted"] > 0
+               for recs in records)
 
 
 class _CountedSteps:

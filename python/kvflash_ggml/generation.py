@@ -14,7 +14,7 @@ from . import _core
 from .options import SamplingParams
 from .mtp import MtpDraft, propose_together
 from .sampling import Sampler, TokenLogprobs, token_logprobs
-from .speculative import DraftModel, accept, propose_with_draft_model_together
+from .speculative import accept, propose_with_draft_model_together
 from .tokenizer import TextStream
 from .tokens import HeldHistory
 
@@ -177,9 +177,9 @@ class Generation:
 
     @property
     def drafts_with_model(self) -> bool:
-        """Its drafts come from a draft model of the same vocabulary, whose draft steps a server may run with other
-        slots' draft sessions (verify_rows_together)."""
-        return self._speculate and isinstance(self.engine.speculator.drafter, DraftModel)
+        """Its drafts come from a draft model (of the same vocabulary or mapped through text), whose draft steps a
+        server may run with other slots' draft sessions (verify_rows_together)."""
+        return self._speculate and self.engine.speculator.draft_model is not None
 
     def _propose(self) -> list[int]:
         """The verify step's tokens (see verify_rows); with drafts, a linear-attention state is stashed first."""

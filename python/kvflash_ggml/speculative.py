@@ -162,36 +162,47 @@ class DraftModel:
         return drafts, (None if sampler.greedy else q)
 
 
-def propose_with_draft_model_together(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel],
+def propose_with_draft_model_together(decoder: _core.BatchDecoder,
+                                      drafters: Sequence[Union[DraftModel, TextMappedDraft]],
                                       histories: Sequence[Sequence[int]], lengths: Sequence[int],
                                       samplers: Sequence[Sampler]) -> list[Proposal]:
-    """DraftModel.propose for several slots whose draft sessions share one draft model (decoder's): each catches up
-    with its own history (what differs: usually the tokens its last verify step kept, and those of every slot in
-    one batched step; a prompt alone), then draft step i runs every slot still drafting as one batched step, the draft model's weights read once for all of them. The
-    drafts are each slot's own, but where two logits tie within float summation order (several columns of a product
-    may sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step
-    decides every token."""
-    first = _caught_up(decoder, drafters, histories, lengths)
+    """The proposals of several slots whose draft sessions share one draft model (decoder's), each as its drafter's
+    own propose would make it: each catches up with its own history (what differs: usually the tokens its last
+    verify step kept, and those of every slot in one batched step; a prompt alone), then draft step i runs every
+    slot still drafting as one batched step, the draft model's weights read once for all of them. A TextMappedDraft
+    drafts so in its own vocabulary (its mapped history, its greedy choices) and maps the drafts back. The drafts
+    are each slot's own, but where two logits tie within float summation order (several columns of a product may
+    sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step decides
+    every token."""
+    models = [d.draft if isinstance(d, TextMappedDraft) else d for d in drafters]
+    own = [d.own_history(h, k) if isinstance(d, TextMappedDraft) and k > 0 else h
+           for d, h, k in zip(drafters, histories, lengths)]
+    lengths = [k if h is not None else 0 for h, k in zip(own, lengths)]   # a mapped history past its session: none
+    samplers = [d.greedy if isinstance(d, TextMappedDraft) else s for d, s in zip(drafters, samplers)]
+    unchanged = [d.unchanged if isinstance(d, TextMappedDraft) else None for d in drafters]
+    first = _caught_up(decoder, models, own, lengths, unchanged)
 
     def next_logits(i: int, who: list[int], drafts: list[list[int]]) -> Sequence[np.ndarray]:
         if i == 0:
             return [first[j] for j in who]
-        return decoder.step([drafters[j].session for j in who], [drafts[j][-1] for j in who])
+        return decoder.step([models[j].session for j in who], [drafts[j][-1] for j in who])
 
-    return draft_in_steps(lengths, samplers, next_logits)
+    proposals = draft_in_steps(lengths, samplers, next_logits)
+    return [d.mapped_back(p[0], k) if isinstance(d, TextMappedDraft) and k > 0 else p
+            for d, p, k in zip(drafters, proposals, lengths)]
 
 
 def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], histories: Sequence[Sequence[int]],
-               lengths: Sequence[int]) -> list[Optional[np.ndarray]]:
-    """Each drafter that drafts (lengths[j] > 0) made to hold its history (DraftModel.follow), its logits after
-    it. Those whose catch-up is one step's few tokens (a verify step's kept drafts and the model's own token, as
+               lengths: Sequence[int], unchanged: Sequence[Optional[int]]) -> list[Optional[np.ndarray]]:
+    """Each drafter that drafts (lengths[j] > 0) made to hold its history (DraftModel.follow; unchanged[j]: as
+    there), its logits after it. Those whose catch-up is one step's few tokens (a verify step's kept drafts and the model's own token, as
     usual) run it as one batched step (step_rows: each one's rows; its last row's logits); a prompt runs alone."""
     out: list[Optional[np.ndarray]] = [None] * len(drafters)
     together: list[tuple[int, np.ndarray]] = []
-    for j, (d, h, k) in enumerate(zip(drafters, histories, lengths)):
+    for j, (d, h, k, u) in enumerate(zip(drafters, histories, lengths, unchanged)):
         if k <= 0:
             continue
-        new = d.catch_up(h)
+        new = d.catch_up(h, unchanged=u)
         if d.runs_in_one_step(new) and sum(len(n) for _, n in together) + len(new) <= BATCH_STEP_ROWS:
             together.append((j, new))
         else:
@@ -229,7 +240,7 @@ class TextMappedDraft:
         self.draft = draft
         self.own = own
         self.target = target
-        self._greedy = Sampler(SamplingParams(temperature=0.0))
+        self.greedy = Sampler(SamplingParams(temperature=0.0))   # how it drafts, whatever the model samples
         self._full = False
         self._history: list[int] = []   # the model's tokens mapped so far
         self._text = b""                # their text
@@ -285,11 +296,28 @@ class TextMappedDraft:
             self._followed = True
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> tuple[list[int], None]:
-        tokens = self._map(history, compare=False)
-        if not self._room_for(tokens, k):
+        tokens = self.own_history(history, k)
+        if tokens is None:
             return [], None
-        # Its tokens near the history's end may have changed with the new text: compared from where they may.
-        own, _ = self.draft.propose(tokens, k, self._greedy, unchanged=self._unchanged)
+        own, _ = self.draft.propose(tokens, k, self.greedy, unchanged=self.unchanged)
+        return self.mapped_back(own, k)
+
+    def own_history(self, history: Sequence[int], k: int) -> Optional[list[int]]:
+        """propose's first part: its own tokens for the history's text, which its draft session is to hold and
+        draft k tokens after (from its first `unchanged` on, as DraftModel.propose compares); None when they
+        and k drafts would not fit the session."""
+        tokens = self._map(history, compare=False)
+        return tokens if self._room_for(tokens, k) else None
+
+    @property
+    def unchanged(self) -> int:
+        """Its first tokens that every mapping since the draft session last followed one kept (what follows them
+        may have changed with the new text: compared from there)."""
+        return self._unchanged
+
+    def mapped_back(self, own: list[int], k: int) -> tuple[list[int], None]:
+        """propose's last part: its own drafts `own` (its draft session followed the mapped history) as at most k
+        of the model's tokens."""
         self._followed = True
         text, _ = self.own.pieces(own, special=False)
         mapped = self.target.encode(text, add_special=False)

@@ -43,7 +43,6 @@ from ..engine import Engine
 from ..generation import Generation, GenerationRecord, verify_rows_together
 from ..host_store import check_host_store
 from ..options import SamplingParams
-from ..speculative import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +178,10 @@ class Scheduler:
     @staticmethod
     def _draft_decoder(engines: list[Engine]) -> Optional[_core.BatchDecoder]:
         """A batched decoder over the slots' draft model, when each slot drafts with a draft session of that one
-        model (the slots share its weights): their draft steps then run together. None otherwise."""
-        drafters = [e.speculator.drafter if e.speculator else None for e in engines]
-        if not all(isinstance(d, DraftModel) for d in drafters) or len({id(d.model) for d in drafters}) != 1:
+        model (the slots share its weights; its vocabulary the model's or mapped through text): their draft steps
+        then run together. None otherwise."""
+        drafters = [e.speculator.draft_model if e.speculator else None for e in engines]
+        if any(d is None for d in drafters) or len({id(d.model) for d in drafters}) != 1:
             return None
         decoder = _core.BatchDecoder(drafters[0].model)
         why = [decoder.ineligible(d.session) for d in drafters]
