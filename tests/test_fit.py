@@ -92,6 +92,36 @@ def test_measured_costs_cover_a_real_session(smollm2):
         assert mem["pool_bytes"] + mem["compute_bytes"] <= predicted, (pool_tokens, mem, dataclasses.asdict(costs))
 
 
+def test_solve_counts_the_slots_batched_steps():
+    # Several slots: the server's batched decoder holds its own compute buffer beside the sessions' (once).
+    batched = dataclasses.replace(COSTS, batch_fixed=40 * MIB, batch_per_token=300)
+    pool, n_ctx = 4096, 131072
+    exact = need(COSTS, pool, 8, n_ctx) + batched.batch_fixed + pool * batched.batch_per_token
+    fits = solve(batched, free=math.ceil(exact) + 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
+    assert fits.pool_tokens == pool and "batched steps" in fits.reason
+    short = solve(batched, free=math.floor(exact) - 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
+    assert short.pool_tokens == pool - GPU_POOL_ALIGN
+    one = need(COSTS, pool, 1, n_ctx)   # one session (a Model) never batches
+    alone = solve(batched, free=math.ceil(one) + 1, total=0, n_slots=1, n_ctx=n_ctx, min_pool=448)
+    assert alone.pool_tokens == pool and "batched" not in alone.reason
+
+
+def test_measured_batched_step_covers_a_servers_largest_step(tiny_models):
+    """The batched step's buffer, measured from the probe sessions' steps of 1 and 32 rows, is not below what a
+    batched step of the most rows (4 slots x 32) over full pools of other sizes takes."""
+    model = tiny_models("llama", n_ctx_train=8192)
+    costs = measure(model, PoolConfig(n_ctx=8192, pool_tokens="auto"))
+    rows = _core.BatchDecoder.max_session_rows
+    for pool_tokens in (512, 4096):
+        sessions = [make_session(model, PoolConfig(n_ctx=8192, pool_tokens=pool_tokens)) for _ in range(4)]
+        for s in sessions:
+            forward_in_steps(s, np.zeros(pool_tokens + C, dtype=np.int32), 0)
+        decoder = _core.BatchDecoder(model)
+        decoder.step_rows(sessions, [[0] * rows] * (_core.BatchDecoder.max_step_rows // rows))
+        predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token
+        assert 0 < decoder.compute_bytes <= predicted, (pool_tokens, decoder.compute_bytes, dataclasses.asdict(costs))
+
+
 def test_cpu_backend_keeps_the_engine_rule(smollm2):
     fit = fit_pool_tokens(smollm2, PoolConfig(n_ctx=16384, pool_tokens="auto"), 4)
     assert fit.pool_tokens == 4096 and "CPU" in fit.reason

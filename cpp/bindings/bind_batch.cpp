@@ -28,6 +28,10 @@ void register_batch(py::module_ & m) {
                              "One decode step of several sessions of one Model as one graph: the weights are read once "
                              "for all of them, attention runs per session over its own pool (runtime/batch_decoder.h).")
         .def(py::init<std::shared_ptr<Model>>(), py::arg("model"), py::keep_alive<1, 2>())
+        .def_property_readonly_static("max_session_rows", [](py::object) { return BatchDecoder::max_session_rows; },
+                                      "a session's tokens in one step")
+        .def_property_readonly_static("max_step_rows", [](py::object) { return BatchDecoder::max_step_rows; },
+                                      "every session's tokens in one step")
         .def("ineligible", [](const BatchDecoder & b, const Session & s) -> std::optional<std::string> {
                  std::string why = without_gil([&] {
                      const SessionLock held = s.lock(/*device =*/ false);

@@ -12,8 +12,6 @@ namespace kvf {
 namespace {
 
 constexpr int64_t k_max_lanes = 64;   // sessions in one step: the graph's node budget is sized for this many
-constexpr int64_t k_max_rows = 32;    // tokens of one session in one step (a verify step's: Session's one-token bound)
-constexpr int64_t k_max_step_rows = 128;   // tokens of all sessions in one step (the node budget's)
 
 int64_t total_rows(const std::vector<std::vector<int32_t>> & rows) {
     int64_t n = 0;
@@ -50,7 +48,7 @@ std::vector<GraphCtx::LaneRun> lane_runs(const std::vector<Session *> & sessions
 size_t BatchDecoder::node_budget(const Session & s) {
     // A lane's own nodes in a layer: about 24 for its attention (full-attention layers) or for its conv and delta
     // rule (linear-attention layers, qwen35.cpp: delta_rule); 32 leaves room.
-    const int64_t per_layer = k_max_lanes * 32 + (s.model().on_gpu() ? 0 : k_max_step_rows * 8);
+    const int64_t per_layer = k_max_lanes * 32 + (s.model().on_gpu() ? 0 : max_step_rows * 8);
     return s.graph_size() + (size_t) (per_layer * s.model().hparams().n_layer);
 }
 
@@ -221,8 +219,8 @@ void BatchDecoder::run(const std::vector<Session *> & sessions, const std::vecto
     }
     const auto held = lock_all(sessions, *model_);
     for (int64_t i = 0; i < n; ++i) check_joins(*sessions[i], *sessions.front(), i, (int64_t) rows[i].size());
-    if (total_rows(rows) > k_max_step_rows) {
-        throw std::invalid_argument("a batched step takes at most " + std::to_string(k_max_step_rows) + " tokens, got " +
+    if (total_rows(rows) > max_step_rows) {
+        throw std::invalid_argument("a batched step takes at most " + std::to_string(max_step_rows) + " tokens, got " +
                                     std::to_string(total_rows(rows)));
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -310,9 +308,9 @@ void BatchDecoder::check_joins(const Session & s, const Session & first, int64_t
         throw std::invalid_argument(who + (s.mtp() ? " runs" : " does not run") + " the multi-token-prediction head, "
                                     "session 0 " + (first.mtp() ? "does" : "does not") + " (a step runs it for all or none)");
     }
-    if (n_rows < 1 || n_rows > k_max_rows) {
+    if (n_rows < 1 || n_rows > max_session_rows) {
         throw std::invalid_argument(who + " got " + std::to_string(n_rows) + " tokens: a batched step takes 1 to " +
-                                    std::to_string(k_max_rows) + " a session");
+                                    std::to_string(max_session_rows) + " a session");
     }
 }
 

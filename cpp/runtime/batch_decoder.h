@@ -38,6 +38,9 @@ namespace kvf {
 
 class BatchDecoder {
 public:
+    static constexpr int64_t max_session_rows = 32;   // a session's tokens in one step (Session's one-token bound)
+    static constexpr int64_t max_step_rows = 128;     // every session's tokens in one step (the node budget's)
+
     explicit BatchDecoder(std::shared_ptr<Model> model);
     ~BatchDecoder();
     BatchDecoder(const BatchDecoder &) = delete;

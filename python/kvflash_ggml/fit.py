@@ -6,7 +6,8 @@ buffers + the exact prefill's workspace + headroom), which sizes 'auto' and chec
 A session's costs per device come from two probe sessions (fit_probe.py). On every device that limits the pool
 (a GPU, an RPC device; the local CPU only under a budget) n_slots sessions' shares (their layers' K/V per pool
 token, compute buffers fixed + per pool token, rings and state), the exact prefill's workspace (its staging
-K/V on each device with pooled layers, a step's compute and attention block on each) and a headroom must fit the
+K/V on each device with pooled layers, a step's compute and attention block on each), the compute buffer of the
+slots' batched steps (several slots: the server steps them together) and a headroom must fit the
 device's free memory after the weights (under a budget: the budget less the weights there). The pool is the
 smallest device's answer, at most the whole context; the reason names the device that limits it.
 A speculative draft model gives every session a second pooled session of the same pool size (its own
@@ -68,8 +69,11 @@ def _capacity(room: Room, main: Optional[SlotCosts], draft: Optional[SlotCosts],
     sessions = [c for c in (main, draft) if c is not None]
     # One exact prefill runs at a time (the server computes one prompt at once; a draft model follows it after).
     prefill = max(_exact_prefill_bytes(c, n_ctx) for c in sessions)
-    fixed = n_slots * sum(c.compute_fixed + c.state for c in sessions) + prefill + room.headroom
-    per_token = n_slots * sum(c.kv_per_token + c.compute_per_token for c in sessions)
+    # Several slots step together: a batched decoder of each model beside the sessions (server/scheduler.py).
+    batched = [(c.batch_fixed, c.batch_per_token) for c in sessions] if n_slots > 1 else []
+    fixed = n_slots * sum(c.compute_fixed + c.state for c in sessions) + prefill + sum(f for f, _ in batched) + \
+        room.headroom
+    per_token = n_slots * sum(c.kv_per_token + c.compute_per_token for c in sessions) + sum(t for _, t in batched)
     if per_token > 0:
         fitted = int((room.free - fixed) / per_token) // C * C
     else:   # no pooled layer here: any pool fits, or none
@@ -77,8 +81,11 @@ def _capacity(room: Room, main: Optional[SlotCosts], draft: Optional[SlotCosts],
     parts = [room.figures] + ([f"per session {_session_figures(main)}"] if main is not None else [])
     if draft is not None:
         parts.append(f"a draft model's session beside each: {_session_figures(draft)}")
-    parts += [f"{prefill / MIB:.0f} MiB for the exact prefill of an n_ctx prompt",
-              f"{room.headroom / MIB:.0f} MiB headroom"]
+    parts += [f"{prefill / MIB:.0f} MiB for the exact prefill of an n_ctx prompt"]
+    if batched:
+        parts.append(f"{sum(f for f, _ in batched) / MIB:.0f} MiB + {sum(t for _, t in batched) / 1024:.1f} KiB "
+                     f"per pool token for the slots' batched steps")
+    parts.append(f"{room.headroom / MIB:.0f} MiB headroom")
     return fitted, "; ".join(parts)
 
 

@@ -38,9 +38,6 @@ from .tokens import common_prefix, forward_in_steps, keep_prefix
 
 log = logging.getLogger(__name__)
 
-BATCH_ROWS = 32         # a session's tokens in one BatchDecoder step (runtime/batch_decoder.cpp k_max_rows)
-BATCH_STEP_ROWS = 128   # every session's tokens in one (k_max_step_rows)
-
 
 class PromptLookup:
     """Proposes what followed the latest earlier occurrence of the history's last n tokens (n = ngram, then
@@ -131,7 +128,7 @@ class DraftModel:
     def runs_in_one_step(self, new: np.ndarray) -> bool:
         """Whether catch_up's tokens can run as one decode or verify step (a batched step's rows): a few tokens
         the pool places at once, not a prompt."""
-        return len(new) <= BATCH_ROWS and self.session.step_tokens(len(new)) >= len(new)
+        return len(new) <= _core.BatchDecoder.max_session_rows and self.session.step_tokens(len(new)) >= len(new)
 
     def _run(self, new: np.ndarray) -> np.ndarray:
         s = self.session
@@ -203,7 +200,7 @@ def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], hist
         if k <= 0:
             continue
         new = d.catch_up(h, unchanged=u)
-        if d.runs_in_one_step(new) and sum(len(n) for _, n in together) + len(new) <= BATCH_STEP_ROWS:
+        if d.runs_in_one_step(new) and sum(len(n) for _, n in together) + len(new) <= _core.BatchDecoder.max_step_rows:
             together.append((j, new))
         else:
             out[j] = d._run(new)
