@@ -93,10 +93,12 @@ def test_measured_costs_cover_a_real_session(smollm2):
 
 
 def test_solve_counts_the_slots_batched_steps():
-    # Several slots: the server's batched decoder holds its own compute buffer beside the sessions' (once).
-    batched = dataclasses.replace(COSTS, batch_fixed=40 * MIB, batch_per_token=300)
+    # Several slots: the server's batched decoder holds its own compute buffers beside the sessions' (once; the
+    # MTP head's shared draft step, one row a slot).
+    batched = dataclasses.replace(COSTS, batch_fixed=40 * MIB, batch_per_token=300, batch_draft_per_slot=2 * MIB)
     pool, n_ctx = 4096, 131072
-    exact = need(COSTS, pool, 8, n_ctx) + batched.batch_fixed + pool * batched.batch_per_token
+    exact = need(COSTS, pool, 8, n_ctx) + batched.batch_fixed + pool * batched.batch_per_token + \
+        8 * batched.batch_draft_per_slot
     fits = solve(batched, free=math.ceil(exact) + 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
     assert fits.pool_tokens == pool and "batched steps" in fits.reason
     short = solve(batched, free=math.floor(exact) - 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
@@ -120,6 +122,24 @@ def test_measured_batched_step_covers_a_servers_largest_step(tiny_models):
         decoder.step_rows(sessions, [[0] * rows] * (_core.BatchDecoder.max_step_rows // rows))
         predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token
         assert 0 < decoder.compute_bytes <= predicted, (pool_tokens, decoder.compute_bytes, dataclasses.asdict(costs))
+
+
+def test_measured_batched_draft_step_covers_the_heads_shared_steps(tmp_path):
+    """Slots drafting with the MTP head share its draft steps (a second graph of the batched decoder, one row a
+    slot): the per-slot figure the probes measure covers 4 slots' shared draft step over their pools."""
+    from kvflash_ggml.testing import random_gguf as rg
+    path = rg.write_preset(tmp_path / "mtp.gguf", "tiny-qwen35", mtp=True, n_ctx_train=8192)
+    model = _core.Model(str(path), backend="cpu", n_threads=1, mtp=True)
+    costs = measure(model, PoolConfig(n_ctx=8192, pool_tokens="auto"), mtp=True)
+    assert costs.batch_draft_per_slot > 0
+    sessions = [make_session(model, PoolConfig(n_ctx=8192, pool_tokens=1024), mtp=True) for _ in range(4)]
+    for s in sessions:
+        forward_in_steps(s, np.zeros(1024 + C, dtype=np.int32), 0)
+    decoder = _core.BatchDecoder(model)
+    decoder.step(sessions, [0] * 4)
+    steps = decoder.compute_bytes
+    decoder.mtp_draft(sessions, [0] * 4, 0)
+    assert 0 < decoder.compute_bytes - steps <= 4 * costs.batch_draft_per_slot
 
 
 def test_cpu_backend_keeps_the_engine_rule(smollm2):

@@ -37,6 +37,7 @@ class SlotCosts:
     # a server's batched step of the most rows it takes (one buffer for all its slots): fixed + per pool token
     batch_fixed: float = 0.0
     batch_per_token: float = 0.0
+    batch_draft_per_slot: float = 0.0   # the MTP head's batched draft step (BatchDecoder.mtp_draft), per slot
 
 
 def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
@@ -51,26 +52,31 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = F
             "pool": mem["pool_bytes"], "devices": mem["devices"],
             "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
             "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn,
-            "batch_step": _batched_step_bytes(model, session)}
+            **_batched_step_bytes(model, session)}
 
 
-def _batched_step_bytes(model: _core.Model, session: _core.Session) -> float:
-    """The compute buffer of a server's batched step of the most rows one takes (BatchDecoder.max_step_rows, its
-    slots' decode and verify rows together), from two steps of this session alone (1 and max_session_rows rows).
-    The buffer grows with the step's rows and not with the number of sessions (measured on the CPU, SmolLM2, pool
-    2048: 38.2 MiB for 4 x 32 rows, 19.1 for 2 x 32, 9.5 for 1 x 32 and for 4 x 8), so the two steps' line gives it;
-    a little above (the one-row step's fixed part counted once; its growth with the pool belongs to one session's
-    rows at a time, the line scales it to all: SmolLM2 at pool 4096, 4 x 32 rows: 40.6 MB taken, 40.9 counted).
-    0 for a session a batched step refuses (its slots would step alone)."""
+def _batched_step_bytes(model: _core.Model, session: _core.Session) -> dict:
+    """The compute buffers of a server's batched steps: "batch_step", a step of the most rows one takes
+    (BatchDecoder.max_step_rows, its slots' decode and verify rows together), from two steps of this session alone
+    (1 and max_session_rows rows); "batch_draft", the MTP head's draft step of one slot (its graph is a second one,
+    whose rows are the slots). The step's buffer grows with its rows and not with the number of sessions (measured
+    on the CPU, SmolLM2, pool 2048: 38.2 MiB for 4 x 32 rows, 19.1 for 2 x 32, 9.5 for 1 x 32 and for 4 x 8), so the
+    two steps' line gives it; a little above (the one-row step's fixed part counted once; its growth with the pool
+    belongs to one session's rows at a time, the line scales it to all: SmolLM2 at pool 4096, 4 x 32 rows: 40.6 MB
+    taken, 40.9 counted). 0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
     if decoder.ineligible(session) is not None:
-        return 0.0
+        return {"batch_step": 0.0, "batch_draft": 0.0}
     sizes = []
     for n in (1, _core.BatchDecoder.max_session_rows):
         decoder.step_rows([session], [[0] * n])
         sizes.append(decoder.compute_bytes)
     per_row = (sizes[1] - sizes[0]) / (_core.BatchDecoder.max_session_rows - 1)
-    return sizes[0] + per_row * (_core.BatchDecoder.max_step_rows - 1)
+    draft = 0.0
+    if session.mtp:
+        decoder.mtp_draft([session], [0], 0)
+        draft = decoder.compute_bytes - sizes[1]
+    return {"batch_step": sizes[0] + per_row * (_core.BatchDecoder.max_step_rows - 1), "batch_draft": draft}
 
 
 def _probes(model: _core.Model, pool: PoolConfig, mtp: bool) -> tuple[int, dict, dict]:
@@ -87,7 +93,8 @@ def _costs(pool: PoolConfig, lo: int, small: dict, large: dict, kv_per_token: fl
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), state=state,
                      layer_per_token=layer_per_token, compute_max=large["compute"],
                      exact_step=pool.exact_prefill_batch(small["flash"]), n_batch=pool.n_batch,
-                     batch_fixed=max(0.0, small["batch_step"] - batch_per_token * lo), batch_per_token=batch_per_token)
+                     batch_fixed=max(0.0, small["batch_step"] - batch_per_token * lo), batch_per_token=batch_per_token,
+                     batch_draft_per_slot=max(small["batch_draft"], large["batch_draft"]))
 
 
 def measure(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> SlotCosts:
@@ -106,9 +113,9 @@ def measure_devices(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> 
         if not (d_small["pool_bytes"] or d_large["compute_bytes"] or d_small["weight_bytes"]):
             continue
         share = d_small["pool_bytes"] / small["pool"] if small["pool"] else 0.0
-        # the batched step's buffer is one figure for all devices: counted whole on each (BatchDecoder.compute_bytes)
+        # the batched steps' buffers are one figure for all devices: counted whole on each (BatchDecoder.compute_bytes)
         out[d_small["name"]] = _costs(
-            pool, lo, {"compute": d_small["compute_bytes"], "flash": small["flash"], "batch_step": small["batch_step"]},
-            {"compute": d_large["compute_bytes"], "batch_step": large["batch_step"]}, small["kv_per_token"] * share,
+            pool, lo, dict(small, compute=d_small["compute_bytes"]), dict(large, compute=d_large["compute_bytes"]),
+            small["kv_per_token"] * share,
             small["layer_per_token"] if d_small["pool_bytes"] else 0.0, d_small["ring_bytes"] + d_small["recurrent_bytes"])
     return out
