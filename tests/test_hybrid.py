@@ -364,7 +364,7 @@ def test_speculating_slots_of_a_hybrid_verify_in_batched_steps(model_path, run_s
         def __init__(self, decoder):
             self.decoder = decoder
 
-        def step_rows(self, sessions, rows, keep):
+        def step_rows(self, sessions, rows, keep=None):
             rows_seen.append([len(r) for r in rows])
             return self.decoder.step_rows(sessions, rows, keep)
 

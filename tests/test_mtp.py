@@ -346,17 +346,25 @@ def test_serve_slots_draft_with_mtp_and_verify_batched(path, variant, run_schedu
         assert all(st["spec_accepted"] == st["spec_drafted"] > 0 for st in stats)
     else:
         assert all(st["spec_accepted"] < st["spec_drafted"] for st in stats)
+        # both slots rejected drafts in one round: their kept tokens ran again from the stash in one batched step
+        assert 2 in counted.again
 
 
 class CountedDrafts:
-    """A BatchDecoder that counts the sessions of each shared draft step (mtp_draft)."""
+    """A BatchDecoder that counts the sessions of each shared draft step (mtp_draft), and of each step that runs
+    rejecting slots' kept tokens again (step_rows without keep_queries)."""
 
     def __init__(self, decoder: _core.BatchDecoder) -> None:
-        self.decoder, self.sessions = decoder, []
+        self.decoder, self.sessions, self.again = decoder, [], []
 
     def mtp_draft(self, sessions, tokens, step):
         self.sessions.append(len(sessions))
         return self.decoder.mtp_draft(sessions, tokens, step)
+
+    def step_rows(self, sessions, rows, keep=None):
+        if keep is None:
+            self.again.append(len(sessions))
+        return self.decoder.step_rows(sessions, rows, keep)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)

@@ -63,6 +63,7 @@ class Generation:
         # speculation: tokens verified, not yet given, with their logprobs (if asked)
         self._queue: list[tuple[int, Optional[TokenLogprobs]]] = []
         self._pending: Optional[tuple] = None   # verify_rows() given, its rows not yet back: (drafts, q, n0)
+        self._judged: Optional[tuple] = None    # judge_verify() ran: (drafts or None, the records to give)
 
     def __iter__(self) -> "Generation":
         return self
@@ -213,36 +214,74 @@ class Generation:
             s.stash()   # a linear-attention state cannot drop the rejected drafts: come back here instead
         return [self.token, *drafts]
 
-    def advance_verify(self, rows: np.ndarray) -> GenerationRecord:
-        """The next record, the caller having fed verify_rows() to the session: rows are their logits [n, n_vocab]."""
+    def advance_verify(self, rows: Optional[np.ndarray]) -> GenerationRecord:
+        """The next record, the caller having fed verify_rows() to the session: rows are their logits [n, n_vocab].
+        None: judge_verify(rows) ran, and the tokens it asked to run again ran."""
         with self.engine._turn(self.owner):
-            if self._pending is None:
-                raise RuntimeError("advance_verify() without verify_rows()")
-            self._queue = self._verified(rows)
+            if rows is not None:
+                self._queue = self._verified(rows)
+            elif self._judged is None:
+                raise RuntimeError("advance_verify(None) without judge_verify()")
+            else:
+                self._queue = self._settled()
             return self._emit(*self._queue.pop(0))
+
+    def judge_verify(self, rows: np.ndarray) -> list[int]:
+        """advance_verify's first half, for a caller that runs several sessions' second steps together: the drafts
+        the model keeps (the rejected positions truncated). A linear-attention state that rejected drafts went back
+        to its stash: the tokens it must run again from there are returned (feed them at the session's n_tokens, every
+        row's logits: plain decoding's kernels, as run_again does), else []. Then advance_verify(None)."""
+        with self.engine._turn(self.owner):
+            return self._judge(rows)
+
+    def run_again(self, tokens: list[int]) -> None:
+        """Run judge_verify's tokens alone."""
+        with self.engine._turn(self.owner):
+            self._run_again(tokens)
+
+    def _run_again(self, tokens: list[int]) -> None:
+        s = self.engine.session
+        # every row's logits: a step that computes them runs plain decoding's kernels (Session: one-token kernels),
+        # so the K/V and state it writes are the one-token steps' too
+        s.forward(np.asarray(tokens, dtype=np.int32), s.n_tokens, all_logits=True)
 
     def _verified(self, rows: np.ndarray) -> list[tuple[int, Optional[TokenLogprobs]]]:
         """The drafts the model keeps and its own next token (each with its logprobs from its row, if asked), the
         rejected positions truncated."""
-        e, s = self.engine, self.engine.session
+        again = self._judge(rows)
+        if again:
+            self._run_again(again)
+        return self._settled()
+
+    def _judge(self, rows: np.ndarray) -> list[int]:
+        s = self.engine.session
+        if self._pending is None:
+            raise RuntimeError("advance_verify() without verify_rows()")
         (drafts, q, n0), self._pending = self._pending, None
         if not drafts:   # a plain decode step
-            e._after_decode()
-            return [self._choose(rows[0])]
+            self._judged = (None, [self._choose(rows[0])])
+            return []
         kept, own = accept(drafts, rows, q, self.sampler)
+        chosen = [*kept, own]   # token i was chosen from row i
+        self._judged = (len(drafts), [(t, None if self.n_logprobs is None else
+                                       token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)])
         if len(kept) < len(drafts) and s.has_recurrent_state:
             s.truncate(n0)   # the stash, then the kept tokens again (their K/V rewritten as they were)
-            # every row's logits: a step that computes them runs plain decoding's kernels (Session: one-token
-            # kernels), so the K/V and state it writes are the one-token steps' too
-            s.forward(np.asarray([self.token, *kept], dtype=np.int32), n0, all_logits=True)
-        elif len(kept) < len(drafts):
+            return [self.token, *kept]
+        if len(kept) < len(drafts):
             s.truncate(n0 + 1 + len(kept))
-        e.speculator.record(len(drafts), len(kept))
-        e._after_decode(1 + len(kept))
-        chosen = [*kept, own]   # token i was chosen from row i
-        if self.n_logprobs is None:
-            return [(t, None) for t in chosen]
-        return [(t, token_logprobs(rows[i], t, self.n_logprobs)) for i, t in enumerate(chosen)]
+        return []
+
+    def _settled(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
+        """The records of the judged verify step, the session holding its kept tokens now."""
+        (n_drafted, chosen), self._judged = self._judged, None
+        e = self.engine
+        if n_drafted is None:
+            e._after_decode()
+        else:
+            e.speculator.record(n_drafted, len(chosen) - 1)
+            e._after_decode(len(chosen))
+        return chosen
 
     def _verify_drafts(self) -> list[tuple[int, Optional[TokenLogprobs]]]:
         """One speculative step run here: verify_rows() through the session at once, then what it kept. Falls back

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -323,9 +324,12 @@ class Scheduler:
         self.n_batched_tokens += sum(len(r) for r in rows)
         self.batch_compute_bytes = self.decoder.compute_bytes + \
             (self.draft_decoder.compute_bytes if self.draft_decoder else 0)
+        judged = self._judged_together([(s, r) for s, v, r in zip(batch, verifies, out) if v])
         for slot, verify, result in zip(batch, verifies, out):
             gen = slot.records
-            if verify:
+            if slot.id in judged:
+                step = judged[slot.id]
+            elif verify:
                 step = lambda gen=gen, rows=result: gen.advance_verify(rows)
             elif greedy:
                 step = lambda gen=gen, token=result: gen.advance(token)
@@ -335,6 +339,37 @@ class Scheduler:
                 step = lambda gen=gen, rows=result: gen.advance(int(np.argmax(rows[0])))
             self._deliver(slot, step)
         return True
+
+    def _judged_together(self, verified: list[tuple[Slot, np.ndarray]]) -> dict[int, Callable[[], GenerationRecord]]:
+        """The drafts each hybrid slot of a batched verify step keeps (Generation.judge_verify); those that rejected
+        drafts went back to their stash and run their kept tokens again as one batched step (alone, if that fails).
+        By slot id: the step that gives each one's next record (or raises its error)."""
+        steps: dict[int, Callable[[], GenerationRecord]] = {}
+        again: list[tuple[Slot, list[int]]] = []
+        for slot, rows in verified:
+            if not slot.engine.session.has_recurrent_state:
+                continue   # drops its rejected drafts itself (advance_verify)
+            try:
+                tokens = slot.records.judge_verify(rows)
+            except Exception as e:   # noqa: BLE001 - its own request fails, in _deliver
+                steps[slot.id] = functools.partial(_raise, e)
+                continue
+            steps[slot.id] = functools.partial(slot.records.advance_verify, None)
+            if tokens:
+                again.append((slot, tokens))
+        if len(again) > 1:
+            try:
+                self.decoder.step_rows([slot.engine.session for slot, _ in again], [t for _, t in again])
+                return steps
+            except Exception:   # noqa: BLE001 - nothing changed: each runs alone and meets its own error
+                log.exception("slots %s: running their kept tokens again together failed; one by one",
+                              [slot.id for slot, _ in again])
+        for slot, tokens in again:
+            try:
+                slot.records.run_again(tokens)
+            except Exception as e:   # noqa: BLE001
+                steps[slot.id] = functools.partial(_raise, e)
+        return steps
 
     def _admit(self) -> None:
         while True:
@@ -417,3 +452,7 @@ class Scheduler:
         for r in self._pending:
             self._outbox.put(r, None)
         self._pending.clear()
+
+
+def _raise(error: BaseException) -> None:
+    raise error
