@@ -92,8 +92,10 @@ void register_batch(py::module_ & m) {
                                "conv + delta-rule calls per linear-attention layer in the last step: one per run of "
                                "consecutive arena lanes (a step of one token a session), else one per session (0: no "
                                "such layers)")
-        .def_property_readonly("compute_bytes", &BatchDecoder::compute_bytes,
+        .def_property_readonly("compute_bytes", [](const BatchDecoder & b) { return b.compute_bytes(); },
                                "device bytes of the batched step graphs' compute buffers (decode and verify steps, draft steps)")
+        .def("device_compute_bytes", &BatchDecoder::compute_bytes, py::arg("device"),
+             "compute_bytes on one device of the model's (its index in Model.devices)")
         .def_property_readonly("graph_nodes", &BatchDecoder::graph_nodes, "the last step graph's nodes")
         .def_property_readonly("graph_splits", &BatchDecoder::graph_splits,
                                "the last step graph's splits in ggml's scheduler (one per run of nodes on one backend)");

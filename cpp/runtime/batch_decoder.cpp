@@ -91,9 +91,9 @@ const PoolArena * BatchDecoder::shared_recurrent_arena(const std::vector<Session
     return arena;
 }
 
-int64_t BatchDecoder::compute_bytes() const {
+int64_t BatchDecoder::compute_bytes(int device) const {
     int64_t bytes = 0;
-    for (ggml_backend_sched_t sched : {sched_, draft_.sched}) bytes += sched ? sched_device_bytes(*model_, sched) : 0;
+    for (ggml_backend_sched_t sched : {sched_, draft_.sched}) bytes += sched ? sched_device_bytes(*model_, sched, device) : 0;
     return bytes;
 }
 

@@ -71,7 +71,8 @@ public:
     // sessions' draft chains (their next draft is a step 0).
     void mtp_draft(const std::vector<Session *> & sessions, const std::vector<int32_t> & tokens, int64_t step,
                    std::vector<float> & logits);
-    int64_t compute_bytes() const;   // the step graphs' compute buffers (decode and verify steps, draft steps)
+    // the step graphs' compute buffers (decode and verify steps, draft steps): on all devices, or on one of the model's
+    int64_t compute_bytes(int device = -1) const;
     // The last step graph's nodes, and its splits in ggml's scheduler (a run of nodes on one backend each).
     int64_t graph_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
     int64_t graph_splits() const { return sched_ ? ggml_backend_sched_get_n_splits(sched_) : 0; }

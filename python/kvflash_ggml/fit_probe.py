@@ -11,6 +11,7 @@ run the head too."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -42,8 +43,8 @@ class SlotCosts:
 
 def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
     n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
-    rows = _core.BatchDecoder.max_session_rows
-    session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, n + rows + 1)),
+    room = n + 1 + _core.BatchDecoder.max_session_rows   # and the batched steps' rows after it
+    session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, room)),
                            n_batch=pool.n_batch, mtp=mtp)
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
@@ -56,7 +57,8 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = F
 
 
 def _batched_step_bytes(model: _core.Model, session: _core.Session) -> dict:
-    """The compute buffers of a server's batched steps: "batch_step", a step of the most rows one takes
+    """The compute buffers of a server's batched steps, on each of the model's devices: "batch_step", a step of
+    the most rows one takes
     (BatchDecoder.max_step_rows, its slots' decode and verify rows together), from two steps of this session alone
     (1 and max_session_rows rows); "batch_draft", the MTP head's draft step of one slot (its graph is a second one,
     whose rows are the slots). The step's buffer grows with its rows and not with the number of sessions (measured
@@ -65,18 +67,20 @@ def _batched_step_bytes(model: _core.Model, session: _core.Session) -> dict:
     belongs to one session's rows at a time, the line scales it to all: SmolLM2 at pool 4096, 4 x 32 rows: 40.6 MB
     taken, 40.9 counted). 0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
+    devices = range(len(model.devices))
     if decoder.ineligible(session) is not None:
-        return {"batch_step": 0.0, "batch_draft": 0.0}
+        return {"batch_step": [0.0 for _ in devices], "batch_draft": [0.0 for _ in devices]}
     sizes = []
     for n in (1, _core.BatchDecoder.max_session_rows):
         decoder.step_rows([session], [[0] * n])
-        sizes.append(decoder.compute_bytes)
-    per_row = (sizes[1] - sizes[0]) / (_core.BatchDecoder.max_session_rows - 1)
-    draft = 0.0
+        sizes.append([decoder.device_compute_bytes(d) for d in devices])
+    steps = [one + (many - one) / (_core.BatchDecoder.max_session_rows - 1) * (_core.BatchDecoder.max_step_rows - 1)
+             for one, many in zip(*sizes)]
+    drafts = [0.0 for _ in devices]
     if session.mtp:
         decoder.mtp_draft([session], [0], 0)
-        draft = decoder.compute_bytes - sizes[1]
-    return {"batch_step": sizes[0] + per_row * (_core.BatchDecoder.max_step_rows - 1), "batch_draft": draft}
+        drafts = [decoder.device_compute_bytes(d) - before for d, before in zip(devices, sizes[1])]
+    return {"batch_step": steps, "batch_draft": drafts}
 
 
 def _probes(model: _core.Model, pool: PoolConfig, mtp: bool) -> tuple[int, dict, dict]:
@@ -86,15 +90,18 @@ def _probes(model: _core.Model, pool: PoolConfig, mtp: bool) -> tuple[int, dict,
 
 
 def _costs(pool: PoolConfig, lo: int, small: dict, large: dict, kv_per_token: float, layer_per_token: float,
-           state: float) -> SlotCosts:
+           state: float, device: Optional[int] = None) -> SlotCosts:
+    """device: one device's share of the batched steps (its index), None: all devices'."""
     per_token = max(0.0, (large["compute"] - small["compute"]) / lo)
-    batch_per_token = max(0.0, (large["batch_step"] - small["batch_step"]) / lo)
+    pick = (lambda figures: figures[device]) if device is not None else sum
+    small_step, large_step = pick(small["batch_step"]), pick(large["batch_step"])
+    batch_per_token = max(0.0, (large_step - small_step) / lo)
     return SlotCosts(kv_per_token=kv_per_token, compute_per_token=per_token,
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), state=state,
                      layer_per_token=layer_per_token, compute_max=large["compute"],
                      exact_step=pool.exact_prefill_batch(small["flash"]), n_batch=pool.n_batch,
-                     batch_fixed=max(0.0, small["batch_step"] - batch_per_token * lo), batch_per_token=batch_per_token,
-                     batch_draft_per_slot=max(small["batch_draft"], large["batch_draft"]))
+                     batch_fixed=max(0.0, small_step - batch_per_token * lo), batch_per_token=batch_per_token,
+                     batch_draft_per_slot=max(pick(small["batch_draft"]), pick(large["batch_draft"])))
 
 
 def measure(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> SlotCosts:
@@ -109,13 +116,12 @@ def measure_devices(model: _core.Model, pool: PoolConfig, mtp: bool = False) -> 
     exact prefill stages one layer's K/V of the prompt on each device that holds pooled layers (session_prefill.cpp)."""
     lo, small, large = _probes(model, pool, mtp)
     out = {}
-    for d_small, d_large in zip(small["devices"], large["devices"]):
+    for d, (d_small, d_large) in enumerate(zip(small["devices"], large["devices"])):
         if not (d_small["pool_bytes"] or d_large["compute_bytes"] or d_small["weight_bytes"]):
             continue
         share = d_small["pool_bytes"] / small["pool"] if small["pool"] else 0.0
-        # the batched steps' buffers are one figure for all devices: counted whole on each (BatchDecoder.compute_bytes)
         out[d_small["name"]] = _costs(
             pool, lo, dict(small, compute=d_small["compute_bytes"]), dict(large, compute=d_large["compute_bytes"]),
-            small["kv_per_token"] * share,
-            small["layer_per_token"] if d_small["pool_bytes"] else 0.0, d_small["ring_bytes"] + d_small["recurrent_bytes"])
+            small["kv_per_token"] * share, small["layer_per_token"] if d_small["pool_bytes"] else 0.0,
+            d_small["ring_bytes"] + d_small["recurrent_bytes"], device=d)
     return out

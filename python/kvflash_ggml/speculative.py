@@ -107,7 +107,7 @@ class DraftModel:
         """Make the draft session hold `history` (computing only what differs); its logits after the last token.
         unchanged: its first tokens that are the last call's too (within a generation: all that call saw), so
         only what follows them is compared."""
-        logits = self._run(self.catch_up(history, unchanged=unchanged))
+        logits = self.run_caught_up(self.catch_up(history, unchanged=unchanged))
         self._synced = len(history)
         return logits
 
@@ -130,7 +130,8 @@ class DraftModel:
         the pool places at once, not a prompt."""
         return len(new) <= _core.BatchDecoder.max_session_rows and self.session.step_tokens(len(new)) >= len(new)
 
-    def _run(self, new: np.ndarray) -> np.ndarray:
+    def run_caught_up(self, new: np.ndarray) -> np.ndarray:
+        """follow's second half, alone: catch_up's tokens from the session's n_tokens on; the logits after them."""
         s = self.session
         n_keep = s.n_tokens
         # Layer-major for new tokens the pool cannot hold (a prompt), never for a generation's few: it copies
@@ -192,8 +193,9 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder,
 def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], histories: Sequence[Sequence[int]],
                lengths: Sequence[int], unchanged: Sequence[Optional[int]]) -> list[Optional[np.ndarray]]:
     """Each drafter that drafts (lengths[j] > 0) made to hold its history (DraftModel.follow; unchanged[j]: as
-    there), its logits after it. Those whose catch-up is one step's few tokens (a verify step's kept drafts and the model's own token, as
-    usual) run it as one batched step (step_rows: each one's rows; its last row's logits); a prompt runs alone."""
+    there), its logits after it. Those whose catch-up is one step's few tokens (as usual: the model's token after
+    a verify step, and its last draft if it kept them all) run it as one batched step (step_rows: each one's rows;
+    its last row's logits); a prompt runs alone."""
     out: list[Optional[np.ndarray]] = [None] * len(drafters)
     together: list[tuple[int, np.ndarray]] = []
     for j, (d, h, k, u) in enumerate(zip(drafters, histories, lengths, unchanged)):
@@ -203,11 +205,11 @@ def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], hist
         if d.runs_in_one_step(new) and sum(len(n) for _, n in together) + len(new) <= _core.BatchDecoder.max_step_rows:
             together.append((j, new))
         else:
-            out[j] = d._run(new)
+            out[j] = d.run_caught_up(new)
             d.synced(h)
     if len(together) == 1:   # alone: the session's own step
         j, new = together[0]
-        out[j] = drafters[j]._run(new)
+        out[j] = drafters[j].run_caught_up(new)
     elif together:
         rows = decoder.step_rows([drafters[j].session for j, _ in together], [n.tolist() for _, n in together])
         for (j, _), r in zip(together, rows):
