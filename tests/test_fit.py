@@ -122,6 +122,10 @@ def test_measured_batched_step_covers_a_servers_largest_step(tiny_models):
         decoder.step_rows(sessions, [[0] * rows] * (_core.BatchDecoder.max_step_rows // rows))
         predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token
         assert 0 < decoder.compute_bytes <= predicted, (pool_tokens, decoder.compute_bytes, dataclasses.asdict(costs))
+    # each device's share (one device here: the CPU) sums to the whole; a device the model lacks is an error
+    assert sum(decoder.device_compute_bytes(d) for d in range(len(model.devices))) == decoder.compute_bytes
+    with pytest.raises(IndexError, match="device 1 of a model on 1 device"):
+        decoder.device_compute_bytes(1)
 
 
 def test_measured_batched_draft_step_covers_the_heads_shared_steps(tmp_path):

@@ -94,8 +94,13 @@ void register_batch(py::module_ & m) {
                                "such layers)")
         .def_property_readonly("compute_bytes", [](const BatchDecoder & b) { return b.compute_bytes(); },
                                "device bytes of the batched step graphs' compute buffers (decode and verify steps, draft steps)")
-        .def("device_compute_bytes", &BatchDecoder::compute_bytes, py::arg("device"),
-             "compute_bytes on one device of the model's (its index in Model.devices)")
+        .def("device_compute_bytes", [](const BatchDecoder & b, int device) {
+                 if (device < 0 || device >= b.n_devices()) {
+                     throw py::index_error("device " + std::to_string(device) + " of a model on " +
+                                           std::to_string(b.n_devices()) + " device(s)");
+                 }
+                 return b.compute_bytes(device);
+             }, py::arg("device"), "compute_bytes on one device of the model's (its index in Model.devices)")
         .def_property_readonly("graph_nodes", &BatchDecoder::graph_nodes, "the last step graph's nodes")
         .def_property_readonly("graph_splits", &BatchDecoder::graph_splits,
                                "the last step graph's splits in ggml's scheduler (one per run of nodes on one backend)");

@@ -73,6 +73,7 @@ public:
                    std::vector<float> & logits);
     // the step graphs' compute buffers (decode and verify steps, draft steps): on all devices, or on one of the model's
     int64_t compute_bytes(int device = -1) const;
+    int n_devices() const { return model_->n_devices(); }
     // The last step graph's nodes, and its splits in ggml's scheduler (a run of nodes on one backend each).
     int64_t graph_nodes() const { return graph_.gf ? ggml_graph_n_nodes(graph_.gf) : 0; }
     int64_t graph_splits() const { return sched_ ? ggml_backend_sched_get_n_splits(sched_) : 0; }
