@@ -57,15 +57,14 @@ def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = F
 
 
 def _batched_step_bytes(model: _core.Model, session: _core.Session) -> dict:
-    """The compute buffers of a server's batched steps, on each of the model's devices: "batch_step", a step of
-    the most rows one takes
-    (BatchDecoder.max_step_rows, its slots' decode and verify rows together), from two steps of this session alone
-    (1 and max_session_rows rows); "batch_draft", the MTP head's draft step of one slot (its graph is a second one,
-    whose rows are the slots). The step's buffer grows with its rows and not with the number of sessions (measured
-    on the CPU, SmolLM2, pool 2048: 38.2 MiB for 4 x 32 rows, 19.1 for 2 x 32, 9.5 for 1 x 32 and for 4 x 8), so the
-    two steps' line gives it; a little above (the one-row step's fixed part counted once; its growth with the pool
-    belongs to one session's rows at a time, the line scales it to all: SmolLM2 at pool 4096, 4 x 32 rows: 40.6 MB
-    taken, 40.9 counted). 0 for a session a batched step refuses (its slots would step alone)."""
+    """The compute buffers of a server's batched steps, on each of the model's devices: "batch_step", a step of the
+    most rows one takes (BatchDecoder.max_step_rows, its slots' decode and verify rows together), from two steps of
+    this session alone (1 and max_session_rows rows); "batch_draft", the MTP head's draft step of one slot (its graph
+    is a second one, whose rows are the slots). The step's buffer grows with its rows and not with the number of
+    sessions (measured on the CPU, SmolLM2, pool 2048: 38.2 MiB for 4 x 32 rows, 19.1 for 2 x 32, 9.5 for 1 x 32 and
+    for 4 x 8), so the two steps' line gives it; a little above (the one-row step's fixed part counted once; its
+    growth with the pool belongs to one session's rows at a time, the line scales it to all: SmolLM2 at pool 4096,
+    4 x 32 rows: 40.6 MB taken, 40.9 counted). 0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
     devices = range(len(model.devices))
     if decoder.ineligible(session) is not None:
