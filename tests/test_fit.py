@@ -110,12 +110,14 @@ def test_solve_counts_the_slots_batched_steps():
 
 def test_measured_batched_step_covers_a_servers_largest_step(tiny_models):
     """The batched step's buffer, measured from the probe sessions' steps of 1 and 32 rows, is not below what a
-    batched step of the most rows (4 slots x 32) over full pools of other sizes takes."""
+    batched step of the most rows (4 slots x 32) over full pools of other sizes takes, their pools their own or
+    lanes of one arena (a server's)."""
     model = tiny_models("llama", n_ctx_train=8192)
     costs = measure(model, PoolConfig(n_ctx=8192, pool_tokens="auto"))
     rows = _core.BatchDecoder.max_session_rows
-    for pool_tokens in (512, 4096):
-        sessions = [make_session(model, PoolConfig(n_ctx=8192, pool_tokens=pool_tokens)) for _ in range(4)]
+    for pool_tokens, arena in [(512, None), (4096, None), (4096, _core.PoolArena(4))]:
+        sessions = [make_session(model, PoolConfig(n_ctx=8192, pool_tokens=pool_tokens), arena=arena)
+                    for _ in range(4)]
         for s in sessions:
             forward_in_steps(s, np.zeros(pool_tokens + C, dtype=np.int32), 0)
         decoder = _core.BatchDecoder(model)
