@@ -331,6 +331,23 @@ def test_stats_report_the_drafts(tiny):
     assert 0.0 <= st["spec_acceptance"] <= 1.0
 
 
+def test_a_verify_step_out_of_order_is_refused(tiny):
+    # A server drives a verify step by halves (verify_rows, the forward, judge_verify, advance_verify(None)); the
+    # halves out of order are clear errors that change nothing: the generation then goes on as plain greedy's.
+    kw = dict(n_ctx=1024, pool_tokens=448, backend="cpu", n_threads=1, attention="matmul")
+    prompt = np.tile(np.arange(40, 70, dtype=np.int32), 8).tolist()
+    with Model(tiny("llama"), **kw, speculative="prompt_lookup") as spec, Model(tiny("llama"), **kw) as plain:
+        want = [r.token for r in plain.engine.generate(prompt, max_tokens=12, temperature=0.0) if r.token is not None]
+        gen = spec.engine.generate(prompt, max_tokens=12, temperature=0.0)
+        got = [next(gen).token]
+        with pytest.raises(RuntimeError, match="without judge_verify"):
+            gen.advance_verify(None)
+        with pytest.raises(RuntimeError, match="without verify_rows"):
+            gen.judge_verify(np.zeros((1, 8), dtype=np.float32))
+        got += [r.token for r in gen if r.token is not None]
+    assert got == want
+
+
 def test_bad_speculative_options_are_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="max_draft"):
         SpeculativeConfig(max_draft=0)

@@ -256,7 +256,7 @@ class Generation:
     def _judge(self, rows: np.ndarray) -> list[int]:
         s = self.engine.session
         if self._pending is None:
-            raise RuntimeError("advance_verify() without verify_rows()")
+            raise RuntimeError("a verify step's rows (advance_verify or judge_verify) without verify_rows()")
         (drafts, q, n0), self._pending = self._pending, None
         if not drafts:   # a plain decode step
             self._judged = (None, [self._choose(rows[0])])
