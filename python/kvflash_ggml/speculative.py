@@ -172,12 +172,7 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder,
     are each slot's own, but where two logits tie within float summation order (several columns of a product may
     sum in another order than one on the CPU); drafts only ever cost or save time, the model's verify step decides
     every token."""
-    models = [d.draft if isinstance(d, TextMappedDraft) else d for d in drafters]
-    own = [d.own_history(h, k) if isinstance(d, TextMappedDraft) and k > 0 else h
-           for d, h, k in zip(drafters, histories, lengths)]
-    lengths = [k if h is not None else 0 for h, k in zip(own, lengths)]   # a mapped history past its session: none
-    samplers = [d.greedy if isinstance(d, TextMappedDraft) else s for d, s in zip(drafters, samplers)]
-    unchanged = [d.unchanged if isinstance(d, TextMappedDraft) else None for d in drafters]
+    models, own, lengths, samplers, unchanged = zip(*map(_in_own_terms, drafters, histories, lengths, samplers))
     first = _caught_up(decoder, models, own, lengths, unchanged)
 
     def next_logits(i: int, who: list[int], drafts: list[list[int]]) -> Sequence[np.ndarray]:
@@ -188,6 +183,16 @@ def propose_with_draft_model_together(decoder: _core.BatchDecoder,
     proposals = draft_in_steps(lengths, samplers, next_logits)
     return [d.mapped_back(p[0], k) if isinstance(d, TextMappedDraft) and k > 0 else p
             for d, p, k in zip(drafters, proposals, lengths)]
+
+
+def _in_own_terms(d: Union[DraftModel, TextMappedDraft], history: Sequence[int], k: int, sampler: Sampler) -> tuple:
+    """What a drafter's draft model drafts from: (the model, its history, its draft length, its sampler, its unchanged
+    prefix as DraftModel.follow takes it). A TextMappedDraft's in its own tokens (no drafts when they would not fit
+    its session), greedily."""
+    if not isinstance(d, TextMappedDraft):
+        return d, history, k, sampler, None
+    own = d.own_history(history, k) if k > 0 else None
+    return d.draft, own, k if own is not None else 0, d.greedy, d.unchanged
 
 
 def _caught_up(decoder: _core.BatchDecoder, drafters: Sequence[DraftModel], histories: Sequence[Sequence[int]],
