@@ -51,8 +51,8 @@
 #                  (MG_DEPTHS, default 0,4096,131072; MG_FULL_UP_TO, default 4096; MG_REPS, default 3; PREFILL)
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
-#                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call; lists run each pair, or
-#                  PROFILE_PAIRS only the pairs it lists, e.g. "0:1 32:8"), GPU
+#                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call, 0 the default; lists run
+#                  each pair, or PROFILE_PAIRS only the pairs it lists, e.g. "0:0 0:1": a call per 64 MiB block), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     prefill-memory  experiments/prefill_memory.py: the exact prefill's device memory (driver) after the Engine, after
 #                  the bench's warm-up prompt and at the prompt's peak, with and without that warm-up (MEMORY_LENGTHS)
@@ -270,7 +270,7 @@ for phase in "$@"; do
         pairs=${PROFILE_PAIRS:-}
         if [ -z "$pairs" ]; then
             for block_mib in ${ATTN_BLOCK_MIB:-0}; do
-                for per_call in ${BLOCKS_PER_CALL:-1}; do pairs="$pairs $block_mib:$per_call"; done
+                for per_call in ${BLOCKS_PER_CALL:-0}; do pairs="$pairs $block_mib:$per_call"; done
             done
         fi
         for len in ${PROFILE_LENGTHS:-32768}; do

@@ -166,8 +166,9 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=4096)
     ap.add_argument("--n-batch", type=int, default=512, help="our step (libllama: ubatch 512)")
     ap.add_argument("--exact-batch", type=int, default=0, help="the exact prefill's step (0: --n-batch)")
-    ap.add_argument("--blocks-per-call", type=int, default=1,
-                    help="exact: blocks of queries per flash attention call, as its sequences (1: a call per block)")
+    ap.add_argument("--blocks-per-call", type=int, default=0,
+                    help="exact: blocks of queries per flash attention call, as its sequences (0: the default, calls "
+                         "of up to 512 queries over F16 K/V; 1: a call per block)")
     ap.add_argument("--attention-block-mib", type=int, default=0,
                     help="the exact prefill's attention block (0: the default); at 32K keys 64 MiB = 1024 queries")
     ap.add_argument("--top", type=int, default=12)

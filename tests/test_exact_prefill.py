@@ -186,26 +186,41 @@ def test_blocks_of_queries_sharing_a_flash_call_attend_as_they_do_apart(tiny, ar
     # block is the last of a group) and every chunk's K/V as with a call per block. (On tiny-gemma4 only the latest
     # block's output reaches the logits: its one global layer with K/V feeds shared-K/V layers that run the last
     # token alone; llama and qwen35 check the other blocks' masks.)
+    # The default (blocks_per_call 0) groups as many blocks as make a call of up to 512 queries: all four here.
     model = tiny(arch, **overrides)
     tokens, split = prompt(model, 1000, seed=5), 603
     runs = []
-    for per_call in (1, 4):
+    for per_call in ({"blocks_per_call": 1}, {"blocks_per_call": 4}, {}):
         sess = session(model, POOL, attention="flash")
-        sess.prefill_exact(tokens[:split], 0, attention_block_bytes=1, blocks_per_call=per_call)
-        logits, attention_to = sess.prefill_exact(tokens[split:], split, attention_block_bytes=1, blocks_per_call=per_call)
+        sess.prefill_exact(tokens[:split], 0, attention_block_bytes=1, **per_call)
+        logits, attention_to = sess.prefill_exact(tokens[split:], split, attention_block_bytes=1, **per_call)
         runs.append((sess, logits, attention_to))
-    (apart, logits_apart, attention_apart), (grouped, logits, attention_to) = runs
-    np.testing.assert_array_equal(logits, logits_apart)
-    np.testing.assert_array_equal(attention_to, attention_apart)
-    grouped.pager.check_invariants()
-    for c in range(len(tokens) // C):
-        assert chunk_bytes(grouped, c) == chunk_bytes(apart, c), f"chunk {c}"
+    (apart, logits_apart, attention_apart), *grouped_runs = runs
+    assert apart.timings.n_prefill_shared_calls == 0
+    for grouped, logits, attention_to in grouped_runs:
+        assert grouped.timings.n_prefill_shared_calls > 0
+        np.testing.assert_array_equal(logits, logits_apart)
+        np.testing.assert_array_equal(attention_to, attention_apart)
+        grouped.pager.check_invariants()
+        for c in range(len(tokens) // C):
+            assert chunk_bytes(grouped, c) == chunk_bytes(apart, c), f"chunk {c}"
 
 
-def test_blocks_per_call_must_be_positive(tiny):
+def test_blocks_share_calls_only_over_f16_keys(tiny):
+    # ggml-cuda would convert a quantized pool's K/V to F16 for every sequence of a shared call: q8_0 blocks stay
+    # a call each, and a sparse prefill's blocks choose their own keys.
+    model = tiny("llama")
+    tokens = prompt(model, 1000, seed=5)
+    for kv_type, sparse in (("q8_0", 0), ("f16", 4)):
+        sess = session(model, POOL, attention="flash", kv_type=kv_type)
+        sess.prefill_exact(tokens, 0, attention_block_bytes=1, sparse_top_chunks=sparse)
+        assert sess.timings.n_prefill_shared_calls == 0, (kv_type, sparse)
+
+
+def test_blocks_per_call_must_not_be_negative(tiny):
     sess = session(tiny("llama"), POOL, attention="flash")
     with pytest.raises(ValueError, match="blocks_per_call"):
-        sess.prefill_exact(prompt(tiny("llama"), 500), 0, blocks_per_call=0)
+        sess.prefill_exact(prompt(tiny("llama"), 500), 0, blocks_per_call=-1)
     assert sess.n_tokens == 0
 
 

@@ -108,7 +108,8 @@ void bind_config_and_timings(py::module_ & m) {
         .def_readonly("t_prefill_graph_ms", &SessionTimings::t_prefill_graph_ms)
         .def_readonly("t_prefill_io_ms", &SessionTimings::t_prefill_io_ms)
         .def_readonly("n_prefill_graph_changes", &SessionTimings::n_prefill_graph_changes)
-        .def_readonly("n_prefill_paired_blocks", &SessionTimings::n_prefill_paired_blocks);
+        .def_readonly("n_prefill_paired_blocks", &SessionTimings::n_prefill_paired_blocks)
+        .def_readonly("n_prefill_shared_calls", &SessionTimings::n_prefill_shared_calls);
 }
 
 
@@ -129,18 +130,19 @@ void bind_session_prefill(py::class_<Session> & session) {
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
              py::arg("attention_block_bytes") = 0, py::arg("sparse_top_chunks") = 0,
              py::arg("sparse_local_chunks") = SparseParams{}.local_chunks, py::arg("checkpoint_before_last") = false,
-             py::arg("blocks_per_call") = 1,
+             py::arg("blocks_per_call") = 0,
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
-             "attention_block_bytes (0: 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
+             "attention_block_bytes (0: 32 MiB where blocks share calls, else 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
              "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers). "
              "sparse_top_chunks > 0: a sparse prefill (each block of queries attends the sink, the window of "
              "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept). "
              "checkpoint_before_last: keep the linear-attention state before the last token as a checkpoint "
-             "(checkpoint() there), that token still run inside the pass. blocks_per_call > 1 (flash attention): up "
-             "to that many blocks of queries share one attention call as its sequences (opt-in: no faster at 256K on an H200, R117)")
+             "(checkpoint() there), that token still run inside the pass. blocks_per_call (flash attention over F16 K/V, "
+             "dense): up to that many blocks of queries share one attention call as its sequences; 0: calls of up to 512 "
+             "queries; 1: a call per block")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                        int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks,
                                        bool checkpoint_before_last, int64_t blocks_per_call) {
@@ -150,7 +152,7 @@ void bind_session_prefill(py::class_<Session> & session) {
                  return without_gil([&] { return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, o); });
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
              py::arg("sparse_top_chunks") = 0, py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
-             py::arg("checkpoint_before_last") = false, py::arg("blocks_per_call") = 1, py::keep_alive<0, 1>(),
+             py::arg("checkpoint_before_last") = false, py::arg("blocks_per_call") = 0, py::keep_alive<0, 1>(),
              "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
              "is open the session refuses every other call but timings() and memory()")
         .def("prefill_coverage", [](const Session & s) { return without_gil([&] { return s.prefill_coverage(); }); },
@@ -263,6 +265,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
     bind_config_and_timings(m);
     m.attr("CHUNK_TOKENS") = k_chunk_tokens;
     m.attr("ATTENTION_BLOCK_BYTES") = k_attention_block_bytes;
+    m.attr("GROUPED_BLOCK_BYTES") = k_grouped_block_bytes;
     m.attr("CAPTURE_TOKENS") = k_capture_tokens;
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python

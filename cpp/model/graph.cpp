@@ -310,9 +310,6 @@ void capture_flash(GraphCtx & g, ggml_tensor * qp, ggml_tensor * kp, ggml_tensor
 }
 
 constexpr int64_t k_min_query_block = 32;   // at least the scorers' captured queries (k_capture_tokens)
-// At most llama.cpp's ubatch: ggml-cuda's flash attention took 18% longer for 1024-query calls than for twice as many
-// 512-query calls over the same keys (R91: H100, 8B shape, 32K exact prefill, 1.22 s vs 1.04 s).
-constexpr int64_t k_max_query_block = 512;
 constexpr int64_t k_min_key_block = 64;
 
 struct QueryBlock {
@@ -440,9 +437,10 @@ size_t blocks_in_group(const GraphCtx & g, const PooledKV & kv, const KvStepInpu
 // Blocks [row0 + b n_rows, row0 + (b + 1) n_rows) for b < n_blocks of a band step's queries q [head_dim_k, n_head, n]
 // in one flash attention call, the blocks along ne3 (the latest first, as CausalBand::group_mask's mask), over kp / vp
 // [head_dim, n_kv, n_head_kv] (the keys the latest block sees; an earlier block's mask hides the rest). ggml-cuda then
-// runs as many tiles as in one call of n_blocks x n_rows queries: at 256K on the H100 512-query calls took 67.7 s of
-// flash attention where 128-query ones took 70.1, and the mask of a 512-query call would need a 256 MiB table (R115).
-// Measured so (R117, H200): no faster at 256K than a call per block (0.94x llama-bench against 0.96x).
+// runs the tiles of one call of n_blocks x n_rows queries over one block's rows of mask table: at 256K on the H100,
+// 8 blocks of 64 queries a call took 67.9 s of flash attention, libllama's 512-query calls 67.8 and a call per
+// 128-query block 71.9 (R124), where a 512-query call of its own would need a 256 MiB table (R115). 1024-query calls
+// (8 x 128, R117) were no faster than a call per block: hence at most k_max_query_block queries a call.
 // Returns [head_dim_v * n_head, n_blocks * n_rows], in position order.
 ggml_tensor * attend_block_group(ggml_context * ctx, const CausalBand & band, ggml_tensor * q, ggml_tensor * kp,
                                  ggml_tensor * vp, int64_t row0, int64_t n_rows, int64_t n_blocks, int64_t first_pos,
@@ -559,6 +557,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
                 o = attend_block_group(ctx, *in.band, q, kp, kv_views.v, b.row0, b.n, (int64_t) n_group,
                                        in.first_pos + b.row0, mr.n_kv, kq_scale);
                 i += n_group - 1;
+                g.n_shared_calls++;
             } else if (index && pair_queries(g, kv, kl, mr.n_kv, head_dim_k, head_dim_v)) {
                 o = flash_attn_pairs(ctx, qb, kp, kv_views.v, mr.mask, kq_scale);
                 g.n_paired_blocks++;

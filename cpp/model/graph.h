@@ -21,6 +21,14 @@ namespace kvf {
 // H100, 8B shape, 1024-token steps (experiments/prefill_blocks.py): 32 MiB split a 32K prompt's steps in two
 // and cost 4% of its speed; 64 MiB keeps them whole there, and at 128K (four blocks) was as fast as one block.
 constexpr int64_t k_attention_block_bytes = 64ll << 20;
+// Most queries one flash attention call of a layer-major step takes (llama.cpp's ubatch): ggml-cuda took 18% longer
+// for 1024-query calls than for twice as many 512-query ones over the same keys (R91: H100, 8B shape, 32K).
+constexpr int64_t k_max_query_block = 512;
+// Where a step's blocks of queries share flash attention calls (F16 K/V, dense: ExactPrefillOptions::blocks_per_call),
+// each block's mask holds this much: at 256K, blocks of 64 queries eight to a call took 67.9 s of flash attention,
+// libllama's 512-query calls 67.8, and a call per 128-query block (64 MiB) 71.9 (R124: H100, 8B shape). Half the
+// mask table, too.
+constexpr int64_t k_grouped_block_bytes = 32ll << 20;
 
 // Queries per attention call of a layer-major prefill's step over a pool of n_slots keys: as many as block_bytes
 // holds at bytes_per_key (attention_bytes_per_key) per query and key, between 32 and 512 (llama.cpp's ubatch).
@@ -89,6 +97,7 @@ struct GraphCtx {
     // attention those keys hold, F32 [1, n_attn_tokens, n_head] (outputs; none where the block saw every key).
     std::vector<ggml_tensor *> coverage;
     int64_t n_paired_blocks = 0;   // blocks of queries attended a pair at a time (graph.cpp: pair_queries says why)
+    int64_t n_shared_calls = 0;    // flash attention calls that several blocks of queries share (attend_block_group)
     // A batched step of several sessions (runtime/batch_decoder.h): lane i is session i's tokens [t0, t0 + n) of
     // the step (one for a decode step, several for a verify step), which attend only that session's pool, under
     // its own inputs. Empty: the graph runs one sequence (kv, in.kv).

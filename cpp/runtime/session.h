@@ -77,12 +77,13 @@ struct AttentionCapture {
 // How a layer-major prefill runs (Session::prefill_exact, begin_prefill_exact).
 struct ExactPrefillOptions {
     int64_t n_batch = 0;                 // tokens per step (0: the session's)
-    // What each attention call's mask (and, without flash attention, its attention matrix) may hold; a step attends
-    // its queries in blocks that fit (0: k_attention_block_bytes).
+    // What each block of queries' mask (and, without flash attention, its attention matrix) may hold; a step attends
+    // its queries in blocks that fit (0: k_grouped_block_bytes where blocks share calls, else k_attention_block_bytes).
     int64_t attention_block_bytes = 0;
-    // With flash attention, up to this many blocks of queries share one call as its sequences (graph.cpp:
-    // attend_block_group), at most a step's worth. 1: a call per block. Opt-in: no faster at 256K on an H200 (R117).
-    int64_t blocks_per_call = 1;
+    // With flash attention over F16 K/V (a dense pass), up to this many blocks of queries share one call as its
+    // sequences (graph.cpp: attend_block_group), at most a step's worth. 0: as many as make a call of up to
+    // k_max_query_block queries; 1: a call per block.
+    int64_t blocks_per_call = 0;
     SparseParams sparse;                 // a sparse prefill's choice of keys (model/sparse_attention.h; top_chunks 0: exact)
     // Keep the linear-attention state (and the MTP carry) as it stands before the prompt's last token as a
     // checkpoint (what checkpoint() there keeps: the next turn or a resend restarts there), while that token still
@@ -141,6 +142,8 @@ struct SessionTimings {
     // layer-major prefill: blocks of queries attended a pair at a time, so that ggml-cuda reads a quantized pool's
     // keys without an F16 copy of them (a sparse prefill's dense last step; model/graph.cpp: pair_queries)
     int64_t n_prefill_paired_blocks = 0;
+    // layer-major prefill: flash attention calls that several blocks of queries shared (ExactPrefillOptions::blocks_per_call)
+    int64_t n_prefill_shared_calls = 0;
 };
 
 // Held by one thread: the session's mutex and, unless taken for bookkeeping only, its model's.

@@ -152,6 +152,11 @@ public:
     size_t steps_run() const { return k_; }
 
 private:
+    // Whether a step's blocks of queries share flash attention calls: a dense pass over F16 K/V (ggml-cuda converts
+    // quantized K/V for every sequence of a call) unless blocks_per_call is 1.
+    static bool groups_blocks(const Session & s, const ExactPrefillOptions & o) {
+        return s.flash_attn_ && !o.sparse.on() && s.cfg_.kv_type == "f16" && o.blocks_per_call != 1;
+    }
     struct LayerKind {
         bool mtp, swa, recurrent, has_kv, pooled;
         int64_t pl;   // the layer's row in the pool (or its ring, or its state)
@@ -193,7 +198,9 @@ private:
     const Model & m_;
     const ModelHparams & hp_;
     const int32_t * tokens_;
-    const int64_t n_, start_, end_, C_, n_batch_, attention_block_bytes_;
+    const int64_t n_, start_, end_, C_, n_batch_;
+    const bool groups_;   // blocks of queries share flash attention calls (groups_blocks)
+    const int64_t attention_block_bytes_;
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
     RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
@@ -237,7 +244,9 @@ private:
 Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start,
                                             const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
-      C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), attention_block_bytes_(o.attention_block_bytes),
+      C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), groups_(groups_blocks(s, o)),
+      attention_block_bytes_(o.attention_block_bytes ? o.attention_block_bytes
+                                                      : groups_ ? k_grouped_block_bytes : k_attention_block_bytes),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
       checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
@@ -259,7 +268,8 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     for (int il = 1; il < (int) hp_.n_layer; ++il) fewest_heads = std::min(fewest_heads, hp_.n_head_of(il));
     const int64_t block_rows = std::min({n_batch_, n_, attention_block_rows(spc_.pool_tokens, attention_bytes_per_key(
                                                            s_.flash_attn_, fewest_heads), attention_block_bytes_)});
-    const int64_t group = s_.flash_attn_ && !sparse_.on() ? std::clamp<int64_t>(n_batch_ / block_rows, 1, o.blocks_per_call) : 1;
+    const int64_t per_call = o.blocks_per_call ? o.blocks_per_call : std::min(n_batch_, k_max_query_block) / block_rows;
+    const int64_t group = groups_ ? std::clamp<int64_t>(n_batch_ / block_rows, 1, per_call) : 1;
     for (int d = 0; d < m_.n_devices(); ++d) bands_.push_back(std::make_unique<CausalBand>(m_.device_backend(d), spc_.pool_tokens,
                                                                                            block_rows, s_.kv_pad_, group));
     if (sparse_.on()) make_sparse_index();
@@ -495,6 +505,7 @@ void Session::ExactPrefillPass::run_step(size_t k) {
     StepGraph sg = build_graph(k, order.n_kv, false);
     GraphCtx & g = sg.g;
     s_.timings_.n_prefill_paired_blocks += g.n_paired_blocks;
+    s_.timings_.n_prefill_shared_calls += g.n_shared_calls;
     if (!final_step && !before_last) {   // the layer's reservation (reserve_layer) holds only for graphs of as many nodes and leafs
         const std::pair<int, int> shape = graph_shape(g.gf);
         if (k == 0 || steps_[k - 1].layer != il) layer_shape_ = shape;
@@ -790,8 +801,7 @@ std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int
     if (o.n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
     if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
-    if (o.attention_block_bytes == 0) o.attention_block_bytes = k_attention_block_bytes;
-    if (o.blocks_per_call < 1) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 1");
+    if (o.blocks_per_call < 0) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 0 (0: calls of up to 512 queries)");
     o.sparse.check(cfg_.chunk_tokens);
     if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));

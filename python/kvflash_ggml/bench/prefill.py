@@ -100,7 +100,9 @@ def time_prefill(model, tokenizer, length: int, pool: PoolConfig, prefill: str, 
            # steps whose graph made ggml reserve again (each a wait for the device): should stay 0
            "prefill_graph_changes": timings.n_prefill_graph_changes,
            # blocks of queries attended a pair per call (a sparse dense last step over a quantized pool: no F16 copy)
-           "prefill_paired_blocks": timings.n_prefill_paired_blocks}
+           "prefill_paired_blocks": timings.n_prefill_paired_blocks,
+           # flash attention calls that several blocks of queries shared (F16 K/V, exact: calls of up to 512 queries)
+           "prefill_shared_calls": timings.n_prefill_shared_calls}
     if free_before is not None:
         out["device_bytes_taken"] = taken   # by the session (pool, buffers, workspace): weights were loaded before
     engine.close()
@@ -195,8 +197,9 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
             e = r[m]
             stage, peak = e.get("device_prefill_staging_bytes", 0), e.get("device_prefill_peak_bytes", 0)
             print(f"{m} prefill workspace at {r['length']}: {mib(peak)} MiB = staging {mib(stage)} MiB (one layer's "
-                  f"K/V of the prompt) + {mib(peak - stage)} MiB (step compute buffer, attention blocks of at most "
-                  f"{mib(_core.ATTENTION_BLOCK_BYTES)} MiB, hidden-state tiles, the mask table"
+                  f"K/V of the prompt) + {mib(peak - stage)} MiB (step compute buffer, attention blocks' masks of at "
+                  f"most {mib(_core.ATTENTION_BLOCK_BYTES)} MiB ({mib(_core.GROUPED_BLOCK_BYTES)} where blocks share "
+                  f"calls), hidden-state tiles, the mask table"
                   + (", the chunks' mean keys)" if m == "sparse" else ")"))
             if e.get("prefill_graph_changes") and m == "exact":
                 print(f"exact prefill at {r['length']}: {e['prefill_graph_changes']} steps built another graph than "
