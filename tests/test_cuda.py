@@ -595,9 +595,10 @@ def test_batched_verify_steps_of_sessions_with_the_head_on_cuda(tmp_path, arena)
 
 
 def test_measured_batched_step_covers_a_servers_largest_step_on_cuda(model_path):
-    """The fit's figure for a server's batched steps (fit_probe: a probe session's steps of 1 and 32 rows, on
-    each device) is not below what a batched step of the most rows takes on the GPU: 4 slots x 32 rows over full
-    pools, each its own or lanes of one arena (the CPU's twin: test_fit.py)."""
+    """The fit's figure for a server's batched steps (fit_probe: a probe session's steps of 1 and 32 rows and a
+    second session's lane, on each device) is not below what a batched step of the most rows takes on the GPU: 4
+    slots x 32 rows over full pools, each its own or lanes of one arena (the CPU's twin: test_fit.py). Before the
+    lanes were counted the tiny llama's step at pool 512 took 1,140 bytes more than the figure (R124)."""
     from kvflash_ggml.engine_parts import make_session
     from kvflash_ggml.fit import measure
     from kvflash_ggml.options import PoolConfig
@@ -605,14 +606,16 @@ def test_measured_batched_step_covers_a_servers_largest_step_on_cuda(model_path)
     model = _core.Model(model_path("llama-q4_0"), backend="cuda", n_threads=1)
     costs = measure(model, PoolConfig(n_ctx=MAX_TOKENS * 8, pool_tokens="auto", allow_beyond_train_ctx=True))
     rows = _core.BatchDecoder.max_session_rows
+    n_slots = _core.BatchDecoder.max_step_rows // rows   # 4 sessions of 32 rows
     for pool_tokens, arena in [(512, None), (2048, None), (2048, _core.PoolArena(4))]:
         pool = PoolConfig(n_ctx=MAX_TOKENS * 8, pool_tokens=pool_tokens, allow_beyond_train_ctx=True)
-        sessions = [make_session(model, pool, arena=arena) for _ in range(4)]
+        sessions = [make_session(model, pool, arena=arena) for _ in range(n_slots)]
         for s in sessions:
             forward_in_steps(s, np.zeros(pool_tokens + 64, dtype=np.int32), 0)
         decoder = _core.BatchDecoder(model)
-        decoder.step_rows(sessions, [[0] * rows] * (_core.BatchDecoder.max_step_rows // rows))
-        predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token
+        decoder.step_rows(sessions, [[0] * rows] * n_slots)
+        predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token + \
+            n_slots * (costs.batch_lane_fixed + pool_tokens * costs.batch_lane_per_token)
         report(f"CUDA-BATCH-BUFFER pool {pool_tokens}{' arena' if arena else ''}: {decoder.compute_bytes} bytes taken, "
                f"{predicted:.0f} counted")
         assert 0 < decoder.compute_bytes <= predicted

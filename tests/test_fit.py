@@ -94,11 +94,12 @@ def test_measured_costs_cover_a_real_session(smollm2):
 
 def test_solve_counts_the_slots_batched_steps():
     # Several slots: the server's batched decoder holds its own compute buffers beside the sessions' (once; the
-    # MTP head's shared draft step, one row a slot).
-    batched = dataclasses.replace(COSTS, batch_fixed=40 * MIB, batch_per_token=300, batch_draft_per_slot=2 * MIB)
+    # MTP head's shared draft step, one row a slot; each slot's lane inputs).
+    batched = dataclasses.replace(COSTS, batch_fixed=40 * MIB, batch_per_token=300, batch_draft_per_slot=2 * MIB,
+                                  batch_lane_fixed=0.5 * MIB, batch_lane_per_token=20)
     pool, n_ctx = 4096, 131072
     exact = need(COSTS, pool, 8, n_ctx) + batched.batch_fixed + pool * batched.batch_per_token + \
-        8 * batched.batch_draft_per_slot
+        8 * (batched.batch_draft_per_slot + batched.batch_lane_fixed + pool * batched.batch_lane_per_token)
     fits = solve(batched, free=math.ceil(exact) + 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
     assert fits.pool_tokens == pool and "batched steps" in fits.reason
     short = solve(batched, free=math.floor(exact) - 1, total=0, n_slots=8, n_ctx=n_ctx, min_pool=448)
@@ -115,14 +116,16 @@ def test_measured_batched_step_covers_a_servers_largest_step(tiny_models):
     model = tiny_models("llama", n_ctx_train=8192)
     costs = measure(model, PoolConfig(n_ctx=8192, pool_tokens="auto"))
     rows = _core.BatchDecoder.max_session_rows
+    n_slots = _core.BatchDecoder.max_step_rows // rows   # 4 sessions of 32 rows
     for pool_tokens, arena in [(512, None), (4096, None), (4096, _core.PoolArena(4))]:
         sessions = [make_session(model, PoolConfig(n_ctx=8192, pool_tokens=pool_tokens), arena=arena)
-                    for _ in range(4)]
+                    for _ in range(n_slots)]
         for s in sessions:
             forward_in_steps(s, np.zeros(pool_tokens + C, dtype=np.int32), 0)
         decoder = _core.BatchDecoder(model)
-        decoder.step_rows(sessions, [[0] * rows] * (_core.BatchDecoder.max_step_rows // rows))
-        predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token
+        decoder.step_rows(sessions, [[0] * rows] * n_slots)
+        predicted = costs.batch_fixed + pool_tokens * costs.batch_per_token + \
+            n_slots * (costs.batch_lane_fixed + pool_tokens * costs.batch_lane_per_token)
         assert 0 < decoder.compute_bytes <= predicted, (pool_tokens, decoder.compute_bytes, dataclasses.asdict(costs))
     # each device's share (one device here: the CPU) sums to the whole; a device the model lacks is an error
     assert sum(decoder.device_compute_bytes(d) for d in range(len(model.devices))) == decoder.compute_bytes

@@ -70,8 +70,8 @@ def _capacity(room: Room, main: Optional[SlotCosts], draft: Optional[SlotCosts],
     # One exact prefill runs at a time (the server computes one prompt at once; a draft model follows it after).
     prefill = max(_exact_prefill_bytes(c, n_ctx) for c in sessions)
     # Several slots step together: a batched decoder of each model beside the sessions (server/scheduler.py).
-    batched = [(c.batch_fixed + n_slots * c.batch_draft_per_slot, c.batch_per_token) for c in sessions] \
-        if n_slots > 1 else []
+    batched = [(c.batch_fixed + n_slots * (c.batch_draft_per_slot + c.batch_lane_fixed),
+                c.batch_per_token + n_slots * c.batch_lane_per_token) for c in sessions] if n_slots > 1 else []
     fixed = n_slots * sum(c.compute_fixed + c.state for c in sessions) + prefill + sum(f for f, _ in batched) + \
         room.headroom
     per_token = n_slots * sum(c.kv_per_token + c.compute_per_token for c in sessions) + sum(t for _, t in batched)

@@ -11,7 +11,7 @@ run the head too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -38,48 +38,67 @@ class SlotCosts:
     # a server's batched step of the most rows it takes (one buffer for all its slots): fixed + per pool token
     batch_fixed: float = 0.0
     batch_per_token: float = 0.0
+    # and what each slot's lane adds to it besides its rows (its own small inputs): fixed + per pool token, per slot
+    batch_lane_fixed: float = 0.0
+    batch_lane_per_token: float = 0.0
     batch_draft_per_slot: float = 0.0   # the MTP head's batched draft step (BatchDecoder.mtp_draft), per slot
 
 
 def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
     n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
-    room = n + 1 + _core.BatchDecoder.max_session_rows   # and the batched steps' rows after it
-    session = make_session(model, dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, room)),
-                           n_batch=pool.n_batch, mtp=mtp)
+    room = n + 2 + _core.BatchDecoder.max_session_rows   # and the batched steps' rows after it
+    config = dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, room))
+    session = make_session(model, config, n_batch=pool.n_batch, mtp=mtp)
     tokens = np.zeros(n, dtype=np.int32)
     forward_in_steps(session, tokens, 0)
     mem = session.memory()
+
+    def twin() -> _core.Session:   # a second session holding the prompt: another lane of a batched step
+        other = make_session(model, config, n_batch=pool.n_batch, mtp=mtp)
+        if mem["ring_bytes"] + mem["recurrent_bytes"]:   # adopt copies pooled chunks only
+            forward_in_steps(other, tokens, 0)
+        else:
+            other.adopt(session, n)
+        return other
+
     return {"compute": mem["compute_bytes"], "state": mem["ring_bytes"] + mem["recurrent_bytes"],
             "pool": mem["pool_bytes"], "devices": mem["devices"],
             "kv_per_token": session.kv.chunk_bytes / _core.CHUNK_TOKENS,
             "layer_per_token": session.kv.layer_chunk_bytes / _core.CHUNK_TOKENS, "flash": session.flash_attn,
-            **_batched_step_bytes(model, session)}
+            **_batched_step_bytes(model, session, twin)}
 
 
-def _batched_step_bytes(model: _core.Model, session: _core.Session) -> dict:
+def _batched_step_bytes(model: _core.Model, session: _core.Session, make_twin: Callable[[], _core.Session]) -> dict:
     """The compute buffers of a server's batched steps, on each of the model's devices: "batch_step", a step of the
     most rows one takes (BatchDecoder.max_step_rows, its slots' decode and verify rows together), from two steps of
     this session alone (1 and max_session_rows rows); "batch_draft", the MTP head's draft step of one slot (its graph
-    is a second one, whose rows are the slots). The step's buffer grows with its rows and not with the number of
+    is a second one, whose rows are the slots). The step's buffer grows with its rows, hardly with the number of
     sessions (measured on the CPU, SmolLM2, pool 2048: 38.2 MiB for 4 x 32 rows, 19.1 for 2 x 32, 9.5 for 1 x 32 and
-    for 4 x 8), so the two steps' line gives it; a little above (the one-row step's fixed part counted once; its
-    growth with the pool belongs to one session's rows at a time, the line scales it to all: SmolLM2 at pool 4096,
-    4 x 32 rows: 40.6 MB taken, 40.9 counted). 0 for a session a batched step refuses (its slots would step alone)."""
+    for 4 x 8), so the two steps' line gives it; a little above on the CPU (the one-row step's fixed part counted
+    once; its growth with the pool belongs to one session's rows at a time, the line scales it to all: SmolLM2 at
+    pool 4096, 4 x 32 rows: 40.6 MB taken, 40.9 counted). "batch_lane": what each further session's lane adds besides
+    its rows (its own small inputs), from a step of one row each of this session and a twin holding its tokens: on
+    the H100 the tiny llama's 4 x 32-row step took 1,140 bytes more than the line (R124), which counts one session's.
+    0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
     devices = range(len(model.devices))
     if decoder.ineligible(session) is not None:
-        return {"batch_step": [0.0 for _ in devices], "batch_draft": [0.0 for _ in devices]}
+        return {key: [0.0 for _ in devices] for key in ("batch_step", "batch_draft", "batch_lane")}
+    rows = _core.BatchDecoder.max_session_rows
     sizes = []
-    for n in (1, _core.BatchDecoder.max_session_rows):
+    for n in (1, rows):
         decoder.step_rows([session], [[0] * n])
         sizes.append([decoder.device_compute_bytes(d) for d in devices])
-    steps = [one + (many - one) / (_core.BatchDecoder.max_session_rows - 1) * (_core.BatchDecoder.max_step_rows - 1)
-             for one, many in zip(*sizes)]
+    per_row = [(many - one) / (rows - 1) for one, many in zip(*sizes)]
+    steps = [one + row * (_core.BatchDecoder.max_step_rows - 1) for one, row in zip(sizes[0], per_row)]
     drafts = [0.0 for _ in devices]
     if session.mtp:
         decoder.mtp_draft([session], [0], 0)
         drafts = [decoder.device_compute_bytes(d) - before for d, before in zip(devices, sizes[1])]
-    return {"batch_step": steps, "batch_draft": drafts}
+    pair = _core.BatchDecoder(model)
+    pair.step_rows([session, make_twin()], [[0], [0]])
+    lanes = [max(0.0, pair.device_compute_bytes(d) - one - row) for d, one, row in zip(devices, sizes[0], per_row)]
+    return {"batch_step": steps, "batch_draft": drafts, "batch_lane": lanes}
 
 
 def _probes(model: _core.Model, pool: PoolConfig, mtp: bool) -> tuple[int, dict, dict]:
@@ -95,11 +114,14 @@ def _costs(pool: PoolConfig, lo: int, small: dict, large: dict, kv_per_token: fl
     pick = (lambda figures: figures[device]) if device is not None else sum
     small_step, large_step = pick(small["batch_step"]), pick(large["batch_step"])
     batch_per_token = max(0.0, (large_step - small_step) / lo)
+    small_lane, large_lane = pick(small["batch_lane"]), pick(large["batch_lane"])
+    lane_per_token = max(0.0, (large_lane - small_lane) / lo)
     return SlotCosts(kv_per_token=kv_per_token, compute_per_token=per_token,
                      compute_fixed=max(0.0, small["compute"] - per_token * lo), state=state,
                      layer_per_token=layer_per_token, compute_max=large["compute"],
                      exact_step=pool.exact_prefill_batch(small["flash"]), n_batch=pool.n_batch,
                      batch_fixed=max(0.0, small_step - batch_per_token * lo), batch_per_token=batch_per_token,
+                     batch_lane_fixed=max(0.0, small_lane - lane_per_token * lo), batch_lane_per_token=lane_per_token,
                      batch_draft_per_slot=max(pick(small["batch_draft"]), pick(large["batch_draft"])))
 
 
