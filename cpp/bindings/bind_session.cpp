@@ -134,15 +134,16 @@ void bind_session_prefill(py::class_<Session> & session) {
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
-             "attention_block_bytes (0: 32 MiB where blocks share calls, else 64 MiB); between() runs after each layer (and each step that ran to its end) and may "
-             "raise (the session then holds its first `start` tokens again). Returns (logits [n_vocab], attention "
+             "attention_block_bytes (0: 32 MiB where blocks share calls, else 64 MiB); between() runs after each "
+             "layer (and each step that ran to its end) and may raise (the session then holds its first `start` "
+             "tokens again). Returns (logits [n_vocab], attention "
              "[n_tokens]: the last prompt tokens' attention to every position, max over heads and layers). "
              "sparse_top_chunks > 0: a sparse prefill (each block of queries attends the sink, the window of "
              "sparse_local_chunks chunks and its top chunks; every position's K/V is still kept). "
              "checkpoint_before_last: keep the linear-attention state before the last token as a checkpoint "
-             "(checkpoint() there), that token still run inside the pass. blocks_per_call (flash attention over F16 K/V, "
-             "dense): up to that many blocks of queries share one attention call as its sequences; 0: calls of up to 512 "
-             "queries; 1: a call per block")
+             "(checkpoint() there), that token still run inside the pass. blocks_per_call (flash attention over "
+             "F16 K/V, dense): up to that many blocks of queries share one attention call as its sequences; 0: "
+             "calls of up to 512 queries; 1: a call per block")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                        int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks,
                                        bool checkpoint_before_last, int64_t blocks_per_call) {

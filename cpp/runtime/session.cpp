@@ -221,6 +221,24 @@ void Session::execute(const Plan & plan) {
     if (plan.moves_bytes()) timings_.t_paging_ms += ms_since(t0);
 }
 
+void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
+    // The pager places every new position chunk by chunk, evicting as a pooled prefill would; a new chunk
+    // that is paged out again before the prompt ends only reserves its host image (nothing computed yet).
+    const auto t0 = std::chrono::steady_clock::now();
+    // A chunk the held tokens end inside keeps those rows: it counts as computed (its page-out copies them).
+    const int64_t C = cfg_.chunk_tokens, end = start + n;
+    for (int64_t p = start; p < end;) {
+        const int64_t step = std::min(C - p % C, end - p);   // up to the next chunk boundary
+        const Plan plan = pager_->plan_alloc(p, step);
+        kv_->execute(plan, (start + C - 1) / C);
+        pager_->apply(plan);
+        p += step;
+    }
+    tokens_.insert(tokens_.end(), tokens, tokens + n);
+    kv_->synchronize();   // held chunks' page-outs have read their blocks before any block is rewritten
+    timings_.t_paging_ms += ms_since(t0);
+}
+
 SessionLock Session::lock(bool device, bool during_run) const {
     SessionLock held;
     held.session = std::unique_lock<std::recursive_mutex>(mutex_);

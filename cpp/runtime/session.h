@@ -142,7 +142,8 @@ struct SessionTimings {
     // layer-major prefill: blocks of queries attended a pair at a time, so that ggml-cuda reads a quantized pool's
     // keys without an F16 copy of them (a sparse prefill's dense last step; model/graph.cpp: pair_queries)
     int64_t n_prefill_paired_blocks = 0;
-    // layer-major prefill: flash attention calls that several blocks of queries shared (ExactPrefillOptions::blocks_per_call)
+    // layer-major prefill: flash attention calls that several blocks of queries shared
+    // (ExactPrefillOptions::blocks_per_call)
     int64_t n_prefill_shared_calls = 0;
 };
 

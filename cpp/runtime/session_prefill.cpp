@@ -23,13 +23,12 @@
 // A step attends under a causal mask that is a view of a table made once per prefill (CausalBand, one per device: such
 // a view cannot cross devices), which also holds the counts its positions and slot rows view, so a step uploads
 // nothing, never waits for the one before and makes no mask; a step's whole mask would grow with the keys (n_kv x step
-// F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks (at most 512, llama.cpp's ubatch, which
-// ggml-cuda's flash attention runs faster than 1024: R91) whose mask, and on the mul_mat path whose attention matrix,
-// fit k_attention_block_bytes (64 MiB), each attending only the keys up to its last position. A pooled layer's largest
-// step graph is reserved before its first step, so the scheduler never grows its buffer mid-layer (growing waits for
-// the device). A sliding-window layer needs no staging: it runs the prompt through its own ring (steps of at most
-// max_step), from the ring as it stood before the prompt; a linear-attention layer runs its steps in order through its
-// state, copied first so that a failure can put it back.
+// F16: 256 MiB at 128K x 1024), so attention takes the step's queries in blocks whose mask (and on the mul_mat path
+// attention matrix) fits k_attention_block_bytes, each attending only the keys up to its last position; over F16 K/V
+// with flash attention blocks of k_grouped_block_bytes share calls of up to 512 queries (graph.h says why). A pooled
+// layer's largest step graph is reserved before its first step, so the scheduler never grows its buffer mid-layer
+// (growing waits for the device). A sliding-window layer needs no staging: it runs the prompt through its own ring;
+// a linear-attention layer runs its steps in order through its state, copied first so that a failure can put it back.
 // The last step of each layer captures what the prompt's last k_capture_tokens attend to (max over heads, layers,
 // queries): the post-prompt reselect scores chunks from it.
 //
@@ -117,24 +116,6 @@ std::pair<int, int> graph_shape(ggml_cgraph * gf) {
 
 }  // namespace
 
-void Session::place_prompt(const int32_t * tokens, int64_t n, int64_t start) {
-    // The pager places every new position chunk by chunk, evicting as a pooled prefill would; a new chunk
-    // that is paged out again before the prompt ends only reserves its host image (nothing computed yet).
-    const auto t0 = std::chrono::steady_clock::now();
-    // A chunk the held tokens end inside keeps those rows: it counts as computed (its page-out copies them).
-    const int64_t C = cfg_.chunk_tokens, end = start + n;
-    for (int64_t p = start; p < end;) {
-        const int64_t step = std::min(C - p % C, end - p);   // up to the next chunk boundary
-        const Plan plan = pager_->plan_alloc(p, step);
-        kv_->execute(plan, (start + C - 1) / C);
-        pager_->apply(plan);
-        p += step;
-    }
-    tokens_.insert(tokens_.end(), tokens, tokens + n);
-    kv_->synchronize();   // held chunks' page-outs have read their blocks before any block is rewritten
-    timings_.t_paging_ms += ms_since(t0);
-}
-
 // One layer-major exact prefill of a session (top of this file): the workspace is allocated when it is made,
 // before any state changes; run() stages each layer, runs its steps, writes its new K/V back, and on any
 // exception rolls the session back to what it held. A nested class of Session: it works on the session's own
@@ -152,11 +133,6 @@ public:
     size_t steps_run() const { return k_; }
 
 private:
-    // Whether a step's blocks of queries share flash attention calls: a dense pass over F16 K/V (ggml-cuda converts
-    // quantized K/V for every sequence of a call) unless blocks_per_call is 1.
-    static bool groups_blocks(const Session & s, const ExactPrefillOptions & o) {
-        return s.flash_attn_ && !o.sparse.on() && s.cfg_.kv_type == "f16" && o.blocks_per_call != 1;
-    }
     struct LayerKind {
         bool mtp, swa, recurrent, has_kv, pooled;
         int64_t pl;   // the layer's row in the pool (or its ring, or its state)
@@ -199,7 +175,9 @@ private:
     const ModelHparams & hp_;
     const int32_t * tokens_;
     const int64_t n_, start_, end_, C_, n_batch_;
-    const bool groups_;   // blocks of queries share flash attention calls (groups_blocks)
+    // A step's blocks of queries share flash attention calls: a dense pass over F16 K/V (ggml-cuda would convert
+    // quantized K/V for every sequence of a call) unless blocks_per_call is 1.
+    const bool groups_;
     const int64_t attention_block_bytes_;
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
     RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
@@ -244,7 +222,7 @@ private:
 Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens, int64_t n, int64_t start,
                                             const ExactPrefillOptions & o, const std::function<void()> & between)
     : s_(s), m_(*s.model_), hp_(m_.hparams()), tokens_(tokens), n_(n), start_(start), end_(start + n),
-      C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), groups_(groups_blocks(s, o)),
+      C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), groups_(s.flash_attn_ && !o.sparse.on() && s.cfg_.kv_type == "f16" && o.blocks_per_call != 1),
       attention_block_bytes_(o.attention_block_bytes ? o.attention_block_bytes
                                                       : groups_ ? k_grouped_block_bytes : k_attention_block_bytes),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
@@ -801,7 +779,7 @@ std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int
     if (o.n_batch < 0) throw std::invalid_argument("prefill_exact: n_batch must be >= 0 (0: the session's)");
     if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
     if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
-    if (o.blocks_per_call < 0) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 0 (0: calls of up to 512 queries)");
+    if (o.blocks_per_call < 0) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 0 (0: auto)");
     o.sparse.check(cfg_.chunk_tokens);
     if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));
