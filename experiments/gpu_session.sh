@@ -71,7 +71,8 @@
 #                  time of decode steps under ncu: ours (full cache, depth 0) and llama-bench (depth 0)
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
-# pure-Python packages the machine lacks: gguf), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
+# pure-Python packages the machine lacks or has too old: gguf >= 0.19, as pyproject.toml asks; the machines
+# carry 0.17.1: `pip download --no-deps gguf==0.19.0 -d .devcarry/whl`), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
 # Q4_0 weights, written here in seconds; SHAPE: another random_gguf preset for it, e.g. qwen35-27b), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
 # this depth), PREFILL (bench: exact or pooled).
 # KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
