@@ -421,14 +421,10 @@ ggml_tensor * repeat_along_ne3(ggml_context * ctx, ggml_tensor * t, int64_t n) {
 }
 
 // How many of a band step's blocks of queries from blocks[i] on share one flash attention call (attend_block_group):
-// whole blocks of the band's rows, up to its group, over F16 K/V (ggml-cuda would convert quantized ones for every
-// sequence of the call); 1 where they do not.
-size_t blocks_in_group(const GraphCtx & g, const PooledKV & kv, const KvStepInputs & in, int64_t kl, const ggml_tensor * q,
-                       const std::vector<QueryBlock> & blocks, size_t i) {
-    if (!g.flash_attn || !in.band || in.band->max_group() < 2 || g.sparse.index || !ggml_is_contiguous(q) ||
-        kv.k(kl)->type != GGML_TYPE_F16 || kv.v(kl)->type != GGML_TYPE_F16 || blocks[i].n != in.band->max_rows()) {
-        return 1;
-    }
+// whole blocks of the band's rows, up to its group (1 unless the pass groups: flash attention, F16 K/V, dense;
+// session_prefill.cpp); 1 where they do not.
+size_t blocks_in_group(const KvStepInputs & in, const ggml_tensor * q, const std::vector<QueryBlock> & blocks, size_t i) {
+    if (!in.band || in.band->max_group() < 2 || !ggml_is_contiguous(q) || blocks[i].n != in.band->max_rows()) return 1;
     size_t n = 1;
     while (i + n < blocks.size() && n < (size_t) in.band->max_group() && blocks[i + n].n == blocks[i].n) ++n;
     return n;
@@ -531,7 +527,7 @@ ggml_tensor * attend(GraphCtx & g, const PooledKV & kv, const KvStepInputs & in,
                                                         one_token && !f16_products, sparse ? sparse->params().block_rows : 0);
     for (size_t i = 0; i < blocks.size(); ++i) {
         const QueryBlock & b = blocks[i];
-        const size_t n_group = blocks_in_group(g, kv, in, kl, q, blocks, i);
+        const size_t n_group = blocks_in_group(in, q, blocks, i);
         const QueryBlock & latest = blocks[i + n_group - 1];   // b, unless blocks after it share its call
         ggml_tensor * qb = rows(b.row0, b.n);
         if (sparse) {
