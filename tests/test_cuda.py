@@ -598,7 +598,8 @@ def test_measured_batched_step_covers_a_servers_largest_step_on_cuda(model_path)
     """The fit's figure for a server's batched steps (fit_probe: a probe session's steps of 1 and 32 rows and a
     second session's lane, on each device) is not below what a batched step of the most rows takes on the GPU: 4
     slots x 32 rows over full pools, each its own or lanes of one arena (the CPU's twin: test_fit.py). Before the
-    lanes were counted the tiny llama's step at pool 512 took 1,140 bytes more than the figure (R124)."""
+    lanes were counted the tiny llama's step at pool 512 took 1,140 bytes more than the figure (R124), and with
+    lanes of one row each still 645 more (R126): the lanes are measured at the most rows too."""
     from kvflash_ggml.engine_parts import make_session
     from kvflash_ggml.fit import measure
     from kvflash_ggml.options import PoolConfig

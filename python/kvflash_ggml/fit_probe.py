@@ -77,8 +77,9 @@ def _batched_step_bytes(model: _core.Model, session: _core.Session, make_twin: C
     for 4 x 8), so the two steps' line gives it; a little above on the CPU (the one-row step's fixed part counted
     once; its growth with the pool belongs to one session's rows at a time, the line scales it to all: SmolLM2 at
     pool 4096, 4 x 32 rows: 40.6 MB taken, 40.9 counted). "batch_lane": what each further session's lane adds besides
-    its rows (its own small inputs), from a step of one row each of this session and a twin holding its tokens: on
-    the H100 the tiny llama's 4 x 32-row step took 1,140 bytes more than the line (R124), which counts one session's.
+    its rows (its own small inputs), from steps of this session beside a twin holding its tokens, one row each and the most
+    rows each (the larger): on the H100 the tiny llama's 4 x 32-row step took 1,140 bytes more than the line
+    (R124), which counts one session's, and still 645 more with the one-row lane alone (R126).
     0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
     devices = range(len(model.devices))
@@ -95,9 +96,12 @@ def _batched_step_bytes(model: _core.Model, session: _core.Session, make_twin: C
     if session.mtp:
         decoder.mtp_draft([session], [0], 0)
         drafts = [decoder.device_compute_bytes(d) - before for d, before in zip(devices, sizes[1])]
-    pair = _core.BatchDecoder(model)
-    pair.step_rows([session, make_twin()], [[0], [0]])
-    lanes = [max(0.0, pair.device_compute_bytes(d) - one - row) for d, one, row in zip(devices, sizes[0], per_row)]
+    twin, pair = make_twin(), _core.BatchDecoder(model)
+    lanes = [0.0 for _ in devices]
+    for n, alone in ((1, sizes[0]), (rows, sizes[1])):
+        pair.step_rows([session, twin], [[0] * n, [0] * n])
+        lanes = [max(lane, pair.device_compute_bytes(d) - size - n * row)
+                 for d, lane, size, row in zip(devices, lanes, alone, per_row)]
     return {"batch_step": steps, "batch_draft": drafts, "batch_lane": lanes}
 
 
