@@ -267,6 +267,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
     m.attr("CHUNK_TOKENS") = k_chunk_tokens;
     m.attr("ATTENTION_BLOCK_BYTES") = k_attention_block_bytes;
     m.attr("GROUPED_BLOCK_BYTES") = k_grouped_block_bytes;
+    m.attr("FFN_PART_ROWS") = k_ffn_part_rows;
     m.attr("CAPTURE_TOKENS") = k_capture_tokens;
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python

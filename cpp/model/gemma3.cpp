@@ -53,8 +53,10 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     x = ggml_add(ctx, rms_norm(g, attn, w.attn_post_norm, hp.rms_eps), x);
 
     h = rms_norm(g, x, w.ffn_norm, hp.rms_eps);
-    ggml_tensor * ffn = ggml_mul_mat(ctx, w.ffn_down,
-                                     ggml_geglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, h), ggml_mul_mat(ctx, w.ffn_up, h)));
+    ggml_tensor * ffn = in_row_parts(g, h, [&](ggml_tensor * part) {
+        return ggml_mul_mat(ctx, w.ffn_down,
+                            ggml_geglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, part), ggml_mul_mat(ctx, w.ffn_up, part)));
+    });
     return ggml_add(ctx, rms_norm(g, ffn, w.ffn_post_norm, hp.rms_eps), x);
 }
 

@@ -184,13 +184,15 @@ ggml_tensor * experts(GraphCtx & g, const ModelHparams & hp, const LayerWeights 
 }
 
 // The FFN block of residual stream x: the dense GeGLU FFN, or on a MoE layer that FFN and the experts, each
-// normed before and after; not yet post-normed.
+// normed before and after; not yet post-normed. In row parts (in_row_parts).
 ggml_tensor * ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
-    ggml_tensor * dense = ffn_geglu(g, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps));
-    if (!w.ffn_gate_inp) return dense;
-    dense = rms_norm(g, dense, w.ffn_post_norm_1, hp.rms_eps);
-    ggml_tensor * routed = experts(g, hp, w, rms_norm(g, x, w.ffn_pre_norm_2, hp.rms_eps), x);
-    return ggml_add(g.ctx, dense, rms_norm(g, routed, w.ffn_post_norm_2, hp.rms_eps));
+    return in_row_parts(g, x, [&](ggml_tensor * part) {
+        ggml_tensor * dense = ffn_geglu(g, w, rms_norm(g, part, w.ffn_norm, hp.rms_eps));
+        if (!w.ffn_gate_inp) return dense;
+        dense = rms_norm(g, dense, w.ffn_post_norm_1, hp.rms_eps);
+        ggml_tensor * routed = experts(g, hp, w, rms_norm(g, part, w.ffn_pre_norm_2, hp.rms_eps), part);
+        return ggml_add(g.ctx, dense, rms_norm(g, routed, w.ffn_post_norm_2, hp.rms_eps));
+    });
 }
 
 // Layer il's per-layer input [n_embd_per_layer, n_tokens]: its slice of the token's per-layer embedding

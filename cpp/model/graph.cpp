@@ -709,7 +709,20 @@ ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor *
 }
 
 ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
-    return w.ffn_gate_inp ? ffn_moe(g, hp, w, x) : ffn_swiglu(g, w, x);
+    return in_row_parts(g, x, [&](ggml_tensor * part) {
+        return w.ffn_gate_inp ? ffn_moe(g, hp, w, part) : ffn_swiglu(g, w, part);
+    });
+}
+
+ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f) {
+    const int64_t rows = x->ne[1];
+    if (rows <= k_ffn_part_rows) return f(x);
+    ggml_tensor * joined = nullptr;
+    for (int64_t r = 0; r < rows; r += k_ffn_part_rows) {
+        ggml_tensor * part = f(ggml_view_2d(g.ctx, x, x->ne[0], std::min(k_ffn_part_rows, rows - r), x->nb[1], r * x->nb[1]));
+        joined = joined ? ggml_concat(g.ctx, joined, part, 1) : part;
+    }
+    return joined;
 }
 
 ggml_tensor * build_stack(GraphCtx & g, const Model & m) {

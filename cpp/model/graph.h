@@ -10,6 +10,7 @@
 #include "model/model.h"
 #include "model/sparse_attention.h"
 
+#include <functional>
 #include <map>
 #include <utility>
 
@@ -29,6 +30,10 @@ constexpr int64_t k_max_query_block = 512;
 // libllama's 512-query calls 67.8, and a call per 128-query block (64 MiB) 71.9 (R124: H100, 8B shape). Half the
 // mask table, too.
 constexpr int64_t k_grouped_block_bytes = 32ll << 20;
+// Most rows a feed-forward takes at once (llama.cpp's ubatch): a larger step (the exact prefill's 1024 rows) runs its
+// FFN in parts of this many, one after the other, so the graph holds one part's intermediates (the 8B shape's F32 gate,
+// up and product: 3 x 56 MiB at 1024 rows) and each part's matrix products take a full cache's shapes.
+constexpr int64_t k_ffn_part_rows = 512;
 
 // Queries per attention call of a layer-major prefill's step over a pool of n_slots keys: as many as block_bytes
 // holds at bytes_per_key (attention_bytes_per_key) per query and key, between 32 and 512 (llama.cpp's ubatch).
@@ -225,8 +230,11 @@ ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
 // `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);
-// The layer's feed-forward: its experts when it has a router (ffn_moe), else SwiGLU.
+// The layer's feed-forward: its experts when it has a router (ffn_moe), else SwiGLU; in row parts (in_row_parts).
 ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
+// f of x [n, rows], computed on parts of at most k_ffn_part_rows rows and joined along the rows: f must treat each
+// row alone (a feed-forward). The graph runs a part's ops before the next part's, so its allocator reuses them.
+ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f);
 
 // The whole stack of a step: the family's embed, then each of its layers; [n_embd, n_outputs].
 ggml_tensor * build_stack(GraphCtx & g, const Model & m);

@@ -33,7 +33,7 @@
 // queries): the post-prompt reselect scores chunks from it.
 //
 // Device memory: weights + pool + staging (one layer's K/V of the context) + one layer's compute buffer (a step's
-// activations and one attention block), freed after the prompt. On a split each device that runs a staged layer
+// activations, its FFN's of one part of k_ffn_part_rows rows, and one attention block), freed after the prompt. On a split each device that runs a staged layer
 // has its own staging pool (one layer's K/V of the context each), so a layer attends keys on its own device: with
 // one staging pool on the output device, every step of another device's layers copied the keys it attends across
 // devices (two H100s, 8B shape, 32K: 0.70x one GPU's exact prefill, R72). The hidden-state tiles stay on the
