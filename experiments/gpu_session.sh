@@ -75,6 +75,11 @@
 # carry 0.17.1: `pip download --no-deps gguf==0.19.0 -d .devcarry/whl`), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
 # Q4_0 weights, written here in seconds; SHAPE: another random_gguf preset for it, e.g. qwen35-27b), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
 # this depth), PREFILL (bench: exact or pooled).
+# A chain longer than one device command (lent machines are also taken back mid-call): start it detached with an
+# OUT of its own, and copy OUT back in each call until the script's last line, "done", appears:
+#   mkdir -p /tmp/gs; (OUT=/tmp/gs setsid nohup bash experiments/gpu_session.sh PHASE... > /tmp/gs/chain.log 2>&1 &)
+#   for i in $(seq 57); do sleep 10; cp -r /tmp/gs/. $OUT/; grep -q '] done$' /tmp/gs/session.log && break; done
+# (`pgrep -f gpu_session.sh` as the test finds the polling command itself and never stops.)
 # KVF_SRC/KVF_DIR: copy the tree at KVF_SRC into KVF_DIR file by file where the bytes differ (touched files
 # only get a new mtime, so a kept build folder recompiles only what changed), then run from KVF_DIR.
 set -uo pipefail
