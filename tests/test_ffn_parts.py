@@ -2,9 +2,9 @@
 
 The exact prefill's steps take 1024 rows; their FFN's F32 intermediates (gate, up, their product) were the largest
 part of its step buffer (the 8B shape: 3 x 56 MiB). In parts of 512 rows the graph holds one part's, and the rows
-come out as a step of 512 computes them: on the CPU's mul_mat attention path every row is its own, so one step of
-1100 rows gives a full cache the logits of steps of 512 byte for byte where the context is one cache; with
-sliding-window rings the ring's width follows the step (more masked slots), so those agree within float sums.
+come out as a step of 512 computes them: on the CPU's mul_mat attention path every row is its own, so a full cache
+that takes 1100 rows in one step computes the logits it computes in steps of 512, byte for byte; where
+sliding-window rings widen with the step (more masked slots) the two agree within float sums.
 """
 from __future__ import annotations
 

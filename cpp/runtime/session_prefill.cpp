@@ -33,14 +33,14 @@
 // queries): the post-prompt reselect scores chunks from it.
 //
 // Device memory: weights + pool + staging (one layer's K/V of the context) + one layer's compute buffer (a step's
-// activations, its FFN's of one part of k_ffn_part_rows rows, and one attention block), freed after the prompt. On a split each device that runs a staged layer
-// has its own staging pool (one layer's K/V of the context each), so a layer attends keys on its own device: with
-// one staging pool on the output device, every step of another device's layers copied the keys it attends across
-// devices (two H100s, 8B shape, 32K: 0.70x one GPU's exact prefill, R72). The hidden-state tiles stay on the
-// output layer's device (a step's rows cross once per device boundary). With a full cache's step the bytes equal
-// its; with a larger step or smaller query blocks they are equal within summation order on the flash path and
-// byte-equal on the mul_mat path (each query's row alone). An exception (Ctrl-C between layers included) forgets the
-// new positions: the session holds what it held.
+// activations, its FFN's for k_ffn_part_rows of its rows at a time, and one attention block), freed after the prompt.
+// On a split each device that runs a staged layer has its own staging pool (one layer's K/V of the context each), so
+// a layer attends keys on its own device: with one staging pool on the output device, every step of another device's
+// layers copied the keys it attends across devices (two H100s, 8B shape, 32K: 0.70x one GPU's exact prefill, R72).
+// The hidden-state tiles stay on the output layer's device (a step's rows cross once per device boundary). With a
+// full cache's step the bytes equal its; with a larger step or smaller query blocks they are equal within summation
+// order on the flash path and byte-equal on the mul_mat path (each query's row alone). An exception (Ctrl-C between
+// layers included) forgets the new positions: the session holds what it held.
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"

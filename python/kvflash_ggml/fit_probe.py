@@ -77,9 +77,9 @@ def _batched_step_bytes(model: _core.Model, session: _core.Session, make_twin: C
     for 4 x 8), so the two steps' line gives it; a little above on the CPU (the one-row step's fixed part counted
     once; its growth with the pool belongs to one session's rows at a time, the line scales it to all: SmolLM2 at
     pool 4096, 4 x 32 rows: 40.6 MB taken, 40.9 counted). "batch_lane": what each further session's lane adds besides
-    its rows (its own small inputs), from steps of this session beside a twin holding its tokens, one row each and the most
-    rows each (the larger): on the H100 the tiny llama's 4 x 32-row step took 1,140 bytes more than the line
-    (R124), which counts one session's, and still 645 more with the one-row lane alone (R126).
+    its rows (its own small inputs), from steps of this session beside a twin holding its tokens, one row each and
+    the most rows each (the larger): on the H100 the tiny llama's 4 x 32-row step took 1,140 bytes more than the
+    line (R124), which counts one session's, and still 645 more with the one-row lane alone (R126).
     0 for a session a batched step refuses (its slots would step alone)."""
     decoder = _core.BatchDecoder(model)
     devices = range(len(model.devices))
