@@ -46,7 +46,7 @@ class SlotCosts:
 
 def _probe(model: _core.Model, pool: PoolConfig, pool_tokens: int, mtp: bool = False) -> dict:
     n = pool_tokens + _core.CHUNK_TOKENS   # past the pool: paging runs too
-    room = n + 2 + _core.BatchDecoder.max_session_rows   # and the batched steps' rows after it
+    room = n + 2 + 2 * (1 + _core.BatchDecoder.max_session_rows)   # the batched steps' rows: alone, then in pairs
     config = dataclasses.replace(pool, pool_tokens=pool_tokens, n_ctx=max(pool.n_ctx, room))
     session = make_session(model, config, n_batch=pool.n_batch, mtp=mtp)
     tokens = np.zeros(n, dtype=np.int32)
