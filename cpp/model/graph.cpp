@@ -421,8 +421,8 @@ ggml_tensor * repeat_along_ne3(ggml_context * ctx, ggml_tensor * t, int64_t n) {
 }
 
 // How many of a band step's blocks of queries from blocks[i] on share one flash attention call (attend_block_group):
-// whole blocks of the band's rows, up to its group (1 unless the pass groups: flash attention, F16 K/V, dense;
-// session_prefill.cpp); 1 where they do not.
+// whole blocks of the band's rows, up to the band's group (which the pass sets above 1 only for flash attention over
+// F16 K/V in a dense pass: session_prefill.cpp); else 1.
 size_t blocks_in_group(const KvStepInputs & in, const ggml_tensor * q, const std::vector<QueryBlock> & blocks, size_t i) {
     if (!in.band || in.band->max_group() < 2 || !ggml_is_contiguous(q) || blocks[i].n != in.band->max_rows()) return 1;
     size_t n = 1;
