@@ -7,7 +7,8 @@
 #                  a pytest -k expression, e.g. "paging or adopt")
 #     model        write MODEL (SHAPE) now, so the next call's phases find it
 #     bench-small  kvflash bench decode on the 8B shape at depths 0,4096 (fails fast before the grid)
-#     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN)
+#     bench        kvflash bench decode on the 8B shape, the issue's grid (DEPTHS, N_GEN; BENCH_ARGS: more flags, e.g.
+#                  "--kv-type q8_0 --no-llama-bench" for 1M; BENCH_TAG: a suffix for its JSON)
 #     prefill      kvflash bench prefill on the 8B shape: full / exact / pooled vs llama-bench -p N, with the
 #                  device memory each held (PREFILL_LENGTHS, PREFILL_REPS, POOL)
 #     sparse       issue 37 item 2: kvflash bench prefill, exact and sparse beside llama-bench -p N (SPARSE_LENGTHS,
@@ -151,8 +152,8 @@ for phase in "$@"; do
     bench)
         need_model
         python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
-            --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} \
-            --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+            --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} ${BENCH_ARGS:-} \
+            --json "$OUT/decode${BENCH_TAG:-}.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
     mg-logits|mg-decode|mg-prefill)
         need_model
         devs=${MG_DEVICES:-$(python3 -c 'from kvflash_ggml import _core; print(",".join(f"cuda{i}" for i in range(len(_core.gpu_devices()))))')}
