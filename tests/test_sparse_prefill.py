@@ -175,6 +175,36 @@ def test_every_positions_kv_is_computed_and_kept(tiny):
     assert any(chunk_bytes(sparse, c)[layer:] != chunk_bytes(exact, c)[layer:] for c in range(len(tokens) // C))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_an_interrupted_sparse_prefill_leaves_what_was_held(tiny, arch):
+    # A sparse prompt extending a held prefix, stopped after its first layer (Ctrl-C): the session holds the prefix
+    # as before, byte for byte, and the retry equals a run never stopped (qwen35: its recurrent state came back too).
+    model = tiny(arch)
+    tokens = prompt(model, 1500, seed=8)
+    held = 4 * C
+    kw = dict(n_batch=256, sparse_top_chunks=3, sparse_local_chunks=2)
+    sess = session(model)
+    sess.prefill_exact(tokens[:held], 0)
+    before = [chunk_bytes(sess, c) for c in range(held // C)]
+
+    def stop():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sess.prefill_exact(tokens[held:], held, between=stop, **kw)
+    assert sess.n_tokens == held and list(sess.tokens) == tokens[:held].tolist()
+    sess.pager.check_invariants()
+    assert [chunk_bytes(sess, c) for c in range(held // C)] == before
+    logits, _ = sess.prefill_exact(tokens[held:], held, **kw)
+    other = session(model)
+    other.prefill_exact(tokens[:held], 0)
+    expected, _ = other.prefill_exact(tokens[held:], held, **kw)
+    assert len(other.prefill_coverage()) > 0   # it ran sparse
+    np.testing.assert_array_equal(logits, expected)
+    for c in range(len(tokens) // C):
+        assert chunk_bytes(sess, c) == chunk_bytes(other, c), f"chunk {c}"
+
+
 def test_bad_sparse_settings_are_refused_and_change_nothing(tiny):
     model = tiny("llama")
     tokens = prompt(model, 700)
