@@ -18,6 +18,8 @@
 #                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
 #                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
 #                  "--attention flash" (SmolLM2 is 98 MB: over one call's carry, send it in parts)
+#     decode-1m    issue 37 item 3: pooled decode at 4K and 1,048,576 tokens, q8_0 K/V (a 68 GiB host store), ours only
+#                  (llama.cpp's f16 K/V at 1M would be 128 GiB); the 1M prompt prefilled pooled: about 4 minutes
 #     resend       experiments/resend_latency.py on the 8B shape: a resend of a long prompt answered from the held
 #                  prompt vs its last token run again (RESEND_LENGTHS, default 32768,131072; POOL)
 #     order        pooled decode with and without the position-ordered K/V copy (what ordering costs)
@@ -199,6 +201,11 @@ for phase in "$@"; do
         python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths 1048576 --modes sparse --kvflash "$POOL" \
             --kv-type "${SPARSE_1M_KV:-q8_0}" --reps 1 --no-llama-bench --json "$OUT/prefill-1m.json" \
             2>&1 | tee -a "$OUT/sparse.log" ;;
+    decode-1m)
+        need_model
+        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 4096,1048576 --kvflash "$POOL" --kv-type q8_0 \
+            --prefill pooled --full-up-to 0 --n-gen 64 --reps 3 --no-llama-bench --json "$OUT/decode-1m.json" \
+            --plot "" 2>&1 | tee -a "$OUT/bench.log" ;;
     resend)
         need_model
         python3 experiments/resend_latency.py --model "$MODEL" --lengths "${RESEND_LENGTHS:-32768,131072}" \
