@@ -128,6 +128,16 @@ need_model() {
     [ -f "$MODEL" ] || python3 -m kvflash_ggml.testing.random_gguf "$MODEL" --shape "${SHAPE:-llama3-8b}" --type q4_0 2>&1 | tee -a "$OUT/session.log"
 }
 
+# kvflash bench decode on MODEL with the pool POOL: $1 its JSON's name, $2 the depths, $3 the plot ("": none), then
+# the phase's own flags.
+decode_bench() {
+    local name=$1 depths=$2 plot=$3
+    shift 3
+    need_model
+    python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$depths" --kvflash "$POOL" "$@" \
+        --json "$OUT/$name.json" --plot "$plot" 2>&1 | tee -a "$OUT/bench.log"
+}
+
 for phase in "$@"; do
     log "phase $phase"
     case $phase in
@@ -148,14 +158,10 @@ for phase in "$@"; do
     model)
         need_model ;;
     bench-small)
-        need_model
-        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 0,4096 --kvflash "$POOL" --n-gen 32 \
-            --json "$OUT/decode-small.json" --plot "" 2>&1 | tee -a "$OUT/bench.log" ;;
+        decode_bench decode-small 0,4096 "" --n-gen 32 ;;
     bench)
-        need_model
-        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths "$DEPTHS" --kvflash "$POOL" --n-gen "$N_GEN" \
-            --reps "$REPS" ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} ${BENCH_ARGS:-} \
-            --json "$OUT/decode${BENCH_TAG:-}.json" --plot "$OUT/decode.png" 2>&1 | tee -a "$OUT/bench.log" ;;
+        decode_bench "decode${BENCH_TAG:-}" "$DEPTHS" "$OUT/decode.png" --n-gen "$N_GEN" --reps "$REPS" \
+            ${FULL_UP_TO:+--full-up-to "$FULL_UP_TO"} ${PREFILL:+--prefill "$PREFILL"} ${BENCH_ARGS:-} ;;
     mg-logits|mg-decode|mg-prefill)
         need_model
         devs=${MG_DEVICES:-$(python3 -c 'from kvflash_ggml import _core; print(",".join(f"cuda{i}" for i in range(len(_core.gpu_devices()))))')}
@@ -202,10 +208,8 @@ for phase in "$@"; do
             --kv-type "${SPARSE_1M_KV:-q8_0}" --reps 1 --no-llama-bench --json "$OUT/prefill-1m.json" \
             2>&1 | tee -a "$OUT/sparse.log" ;;
     decode-1m)
-        need_model
-        python3 -m kvflash_ggml bench decode --model "$MODEL" --depths 4096,1048576 --kvflash "$POOL" --kv-type q8_0 \
-            --prefill pooled --full-up-to 0 --n-gen 64 --reps 3 --no-llama-bench --json "$OUT/decode-1m.json" \
-            --plot "" 2>&1 | tee -a "$OUT/bench.log" ;;
+        decode_bench decode-1m 4096,1048576 "" --kv-type q8_0 --prefill pooled --full-up-to 0 --n-gen 64 --reps 3 \
+            --no-llama-bench ;;
     resend)
         need_model
         python3 experiments/resend_latency.py --model "$MODEL" --lengths "${RESEND_LENGTHS:-32768,131072}" \
