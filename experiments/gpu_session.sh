@@ -33,7 +33,8 @@
 #                  each of SERVE_CONTEXTS, --kvflash SERVE_POOL (default auto), beside the llama-server the build
 #                  phase installed (LLAMA_SERVER: another binary, or none: ours only); SERVE_FLAGS: more flags for
 #                  ours (e.g. "--policy quest"), SERVE_TAG: a suffix for its JSON and log folder; SERVE_GEN: tokens a
-#                  stream (default 512; the 27B shape's continuations start seconds apart: 2048 for a longer window)
+#                  stream (default 512; the 27B shape's continuations start seconds apart: 2048 for a longer window);
+#                  SERVE_ARGS: more bench flags (e.g. "--interference": S - 1 streams decode while a long prompt arrives)
 #     serve-profile  experiments/serve_batching.py --profile on the GPU: where the server's decode time goes (the core's
 #                  calls vs the rest, the sessions' timers) for PROFILE_CONFIGS (default lru,quest), SERVE_STREAMS
 #                  slots (one number, default 8) of SERVE_CONTEXTS (one, default 32768), SERVE_POOL (default 4096);
@@ -226,7 +227,7 @@ for phase in "$@"; do
             python3 -m kvflash_ggml bench serve --model "$MODEL" --streams "${SERVE_STREAMS:-1,4,8}" --context "$ctx" \
                 --gen "${SERVE_GEN:-512}" --kvflash "${SERVE_POOL:-auto}" --ours-flags "--backend cuda ${SERVE_FLAGS:-}" \
                 ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} --logs "$OUT/serve${SERVE_TAG:-}" \
-                --out "$OUT/serve${SERVE_TAG:-}-$ctx.json" 2>&1 | tee -a "$OUT/serve.log"
+                --out "$OUT/serve${SERVE_TAG:-}-$ctx.json" ${SERVE_ARGS:-} 2>&1 | tee -a "$OUT/serve.log"
         done ;;
     serve-profile)
         need_model
@@ -295,9 +296,9 @@ for phase in "$@"; do
             for pair in $pairs; do
                 GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
                     --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${pair%%:*}" \
-                    --blocks-per-call "${pair##*:}" --top 6 2>&1 | tee -a "$OUT/prefill-profile.log"
+                    --blocks-per-call "${pair##*:}" --top "${PROFILE_TOP:-6}" 2>&1 | tee -a "$OUT/prefill-profile.log"
             done
-            python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top 6 2>&1 | \
+            python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top "${PROFILE_TOP:-6}" 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"
         done ;;
     prefill-memory)
