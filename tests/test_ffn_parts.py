@@ -1,4 +1,4 @@
-"""A step of more rows than _core.FFN_PART_ROWS runs its feed-forward in parts (graph.h: in_row_parts).
+"""A step of more rows than _core.FFN_PART_ROWS runs its feed-forward in parts (graph.h: add_in_row_parts).
 
 The exact prefill's steps take 1024 rows; their FFN's F32 intermediates (gate, up, their product) were the largest
 part of its step buffer (the 8B shape: 3 x 56 MiB). In parts of 512 rows the graph holds one part's, and the rows

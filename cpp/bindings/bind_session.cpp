@@ -1,5 +1,6 @@
 #include "bindings/bindings.h"
 
+#include "model/ffn.h"
 #include "runtime/session.h"
 
 #include <pybind11/numpy.h>

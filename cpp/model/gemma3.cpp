@@ -2,6 +2,7 @@
 // their own ring and only the global layers are pooled). Per-head RMS norms on q and k, NeoX RoPE with its
 // own base on sliding-window layers, queries pre-scaled (query_pre_attn_scalar), norms after attention and
 // after the FFN as well as before, GeGLU FFN, embeddings scaled by sqrt(n_embd), tied output.
+#include "model/ffn.h"
 #include "model/graph.h"
 #include "model/gguf_meta.h"
 
@@ -52,12 +53,11 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
     }
     x = ggml_add(ctx, rms_norm(g, attn, w.attn_post_norm, hp.rms_eps), x);
 
-    h = rms_norm(g, x, w.ffn_norm, hp.rms_eps);
-    ggml_tensor * ffn = in_row_parts(g, h, [&](ggml_tensor * part) {
-        return ggml_mul_mat(ctx, w.ffn_down,
-                            ggml_geglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, part), ggml_mul_mat(ctx, w.ffn_up, part)));
+    return add_in_row_parts(g, x, rms_norm(g, x, w.ffn_norm, hp.rms_eps), [&](ggml_tensor * part) {
+        ggml_tensor * ffn = ggml_mul_mat(ctx, w.ffn_down, ggml_geglu_split(ctx, ggml_mul_mat(ctx, w.ffn_gate, part),
+                                                                             ggml_mul_mat(ctx, w.ffn_up, part)));
+        return rms_norm(g, ffn, w.ffn_post_norm, hp.rms_eps);
     });
-    return ggml_add(ctx, rms_norm(g, ffn, w.ffn_post_norm, hp.rms_eps), x);
 }
 
 }  // namespace

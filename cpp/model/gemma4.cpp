@@ -5,6 +5,7 @@
 // width, beside routed GeGLU experts on MoE layers (the dense FFN then acts as the shared expert); per-layer
 // token embeddings (PLE) added after the FFN; an optional per-layer output scale; soft-capped tied logits.
 // The last attention.shared_kv_layers layers have no K/V of their own and attend an earlier layer's.
+#include "model/ffn.h"
 #include "model/graph.h"
 #include "model/gguf_meta.h"
 

@@ -30,10 +30,6 @@ constexpr int64_t k_max_query_block = 512;
 // libllama's 512-query calls 67.8, and a call per 128-query block (64 MiB) 71.9 (R124: H100, 8B shape). Half the
 // mask table, too.
 constexpr int64_t k_grouped_block_bytes = 32ll << 20;
-// Most rows a feed-forward takes at once (llama.cpp's ubatch): a larger step (the exact prefill's 1024 rows) runs its
-// FFN in parts of this many, one after the other, so the graph holds one part's intermediates (the 8B shape's F32 gate,
-// up and product: 3 x 56 MiB at 1024 rows) and each part's matrix products take a full cache's shapes.
-constexpr int64_t k_ffn_part_rows = 512;
 
 // Queries per attention call of a layer-major prefill's step over a pool of n_slots keys: as many as block_bytes
 // holds at bytes_per_key (attention_bytes_per_key) per query and key, between 32 and 512 (llama.cpp's ubatch).
@@ -175,11 +171,6 @@ ggml_tensor * rms_norm(GraphCtx & g, ggml_tensor * x, ggml_tensor * weight, floa
 // several tokens, which go through quant_mul_mat (model/quant_matmul.h: ggml's sums, several tokens per pass)
 // where it is usable.
 ggml_tensor * mul_mat_weights(GraphCtx & g, ggml_tensor * w, ggml_tensor * x);
-// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
-ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);
-// Mixture-of-experts feed-forward (qwen3moe, qwen35moe): the top n_expert_used SwiGLU experts by softmax
-// router probability, weighted by those renormalised; plus the sigmoid-gated shared expert when the layer has one.
-ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
 // q, k, v: [head_dim, n_head(_kv), n_tokens], q and k already RoPE'd. Writes k and v where layer il keeps
 // its K/V (the pool, or a sliding-window layer's ring: GraphCtx::layer_kv) with cpy_k / cpy_v, attends over
 // the slots of the step (get_k / get_v) under the step's mask, applies wo. k and v nullptr: a layer without
@@ -230,11 +221,6 @@ ggml_tensor * embed_tokens(GraphCtx & g, const Model & m);
 // `attention` is the family-specific part: it maps the normed input of layer il to the block output.
 using AttentionFn = ggml_tensor * (*)(GraphCtx & g, const Model & m, int il, ggml_tensor * x);
 ggml_tensor * decoder_layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x, AttentionFn attention);
-// The layer's feed-forward: its experts when it has a router (ffn_moe), else SwiGLU; in row parts (in_row_parts).
-ggml_tensor * layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
-// f of x [n, rows], computed on parts of at most k_ffn_part_rows rows and joined along the rows: f must treat each
-// row alone (a feed-forward). The graph runs a part's ops before the next part's, so its allocator reuses them.
-ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f);
 
 // The whole stack of a step: the family's embed, then each of its layers; [n_embd, n_outputs].
 ggml_tensor * build_stack(GraphCtx & g, const Model & m);

@@ -14,6 +14,7 @@
 // RMS norm gated by silu(z), then ssm_out.
 // Multi-token prediction (MtpArch, run by model/mtp.cpp): the first nextn layer after the trunk is a full-attention
 // block like the trunk's (its FFN the family's: dense or experts), loaded only for a session that drafts with it.
+#include "model/ffn.h"
 #include "model/graph.h"
 #include "model/gguf_meta.h"
 #include "kv/pool_arena.h"
@@ -312,7 +313,7 @@ ggml_tensor * mtp_block(GraphCtx & g, const Model & m, ggml_tensor * x) {
     gated_kv(g, m, hp.n_layer, w, xn, k, v);
     ggml_tensor * attn = pool_attend(g, g.mtp_kv_layer, qg.q, k, v, attention_scale(hp));
     x = ggml_add(g.ctx, x, gated_output(g, w, attn, qg.gate));
-    return ggml_add(g.ctx, x, layer_ffn(g, hp, w, rms_norm(g, x, w.ffn_norm, hp.rms_eps)));
+    return add_layer_ffn(g, hp, w, x);
 }
 
 const MtpArch mtp_qwen35 = {load_mtp, mtp_write_kv, mtp_block};
