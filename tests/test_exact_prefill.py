@@ -547,15 +547,21 @@ def test_a_reserved_host_store_is_the_one_a_prompt_then_fills(tiny):
     held = warm.reserve_host(len(tokens))
     needed = (-(-len(tokens) // C) - POOL // C) * warm.kv.chunk_bytes   # the prompt's evicted chunks
     assert held >= -(-len(tokens) // C) * warm.kv.chunk_bytes and warm.memory()["host_store_bytes"] == held
-    assert warm.reserve_host(len(tokens)) == held   # a second call makes nothing more
+    rows = len(tokens) * model.hparams.n_embd * 4   # and the hidden-state rows of an exact prefill that long
+    assert warm.memory()["prefill_rows_bytes"] == rows
+    assert warm.reserve_host(len(tokens)) == held and warm.reserve_host(10) == held   # nothing more, nothing less
+    assert warm.memory()["prefill_rows_bytes"] == rows
     logits_cold, _ = cold.prefill_exact(tokens, 0)
     logits_warm, _ = warm.prefill_exact(tokens, 0)
     assert warm.memory()["host_store_bytes"] == held and warm.kv.host_bytes == needed
+    # the prompt took the kept rows: its own host buffers are the cold one's less them
+    assert cold.memory()["prefill_host_bytes"] - warm.memory()["prefill_host_bytes"] == rows
     np.testing.assert_array_equal(logits_warm, logits_cold)
     for c in range(len(tokens) // C):
         assert chunk_bytes(warm, c) == chunk_bytes(cold, c), f"chunk {c}"
     warm.reset()   # the store stays, empty
     assert warm.memory()["host_store_bytes"] == held and warm.kv.host_bytes == 0
-    assert session(model, 0).reserve_host(len(tokens)) == 0   # a full cache has no host store
+    full = session(model, 0)
+    assert full.reserve_host(len(tokens)) == 0 and full.memory()["prefill_rows_bytes"] == 0   # a full cache: no store
     with pytest.raises(ValueError, match="n_tokens"):
         warm.reserve_host(-1)

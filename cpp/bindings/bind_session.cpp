@@ -172,6 +172,7 @@ void bind_session_prefill(py::class_<Session> & session) {
                  d["prefill_staging_bytes"] = m.prefill_staging_bytes;
                  d["prefill_host_bytes"] = m.prefill_host_bytes;
                  d["host_store_bytes"] = m.host_store_bytes;
+                 d["prefill_rows_bytes"] = m.prefill_rows_bytes;
                  py::list devices;
                  for (const DeviceMemory & dm : m.devices) {
                      py::dict e;

@@ -7,13 +7,15 @@
 namespace kvf {
 
 HiddenStates::HiddenStates(ggml_backend_t backend, int64_t n_embd, int64_t start, int64_t n_prompt,
-                           std::vector<Step> steps, bool pin)
-    : host_((size_t) (n_prompt * n_embd) * sizeof(float), pin), n_embd_(n_embd), start_(start),
+                           std::vector<Step> steps, bool pin, std::shared_ptr<HostMemory> kept)
+    : host_(kept && kept->size() >= (size_t) (n_prompt * n_embd) * sizeof(float)
+                ? std::move(kept) : std::make_shared<HostMemory>((size_t) (n_prompt * n_embd) * sizeof(float), pin)),
+      own_rows_(host_.use_count() == 1), n_embd_(n_embd), start_(start),
       steps_(std::move(steps)), backend_(backend) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     ggml_backend_dev_props props;
     ggml_backend_dev_get_props(dev, &props);
-    if (!host_.pinned() || !props.caps.async || !props.caps.events) return;   // the host path
+    if (!host_->pinned() || !props.caps.async || !props.caps.events) return;   // the host path
     int64_t max_n = 0;
     for (const Step & s : steps_) max_n = std::max(max_n, s.n);
     ggml_init_params ip = {2 * ggml_tensor_overhead(), nullptr, true};
@@ -36,7 +38,7 @@ ggml_tensor * HiddenStates::input(ggml_context * ctx, size_t k, bool measure) {
     if (s.layer == 0) return nullptr;
     if (!copy_) {
         ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd_, s.n);
-        if (ggml_backend_tensor_alloc(host_.buffer(), t, rows(s)) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_tensor_alloc(host_->buffer(), t, rows(s)) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("could not place a tensor in host memory");
         }
         return t;
@@ -81,7 +83,7 @@ void HiddenStates::synchronize_copies() const {
 }
 
 float * HiddenStates::rows(const Step & s) const {
-    return reinterpret_cast<float *>(host_.data()) + (s.p0 - start_) * n_embd_;
+    return reinterpret_cast<float *>(host_->data()) + (s.p0 - start_) * n_embd_;
 }
 
 ggml_tensor * HiddenStates::tile_view(ggml_context * ctx, size_t k) {

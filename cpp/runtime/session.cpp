@@ -635,6 +635,11 @@ int64_t Session::reserve_host(int64_t n_tokens) {
     // images (the pager's clean copies). A full cache pages nothing.
     const int64_t C = cfg_.chunk_tokens, n_images = full_cache_ ? 0 : (n_tokens + C - 1) / C;
     kv_->add_slabs(kv_->make_slabs(kv_->host_slots_short(n_images)));
+    const size_t rows_bytes = full_cache_ ? 0 : (size_t) n_tokens * (size_t) model_->hparams().n_embd * sizeof(float);
+    if (rows_bytes > 0 && (!prefill_rows_ || prefill_rows_->size() < rows_bytes)) {
+        prefill_rows_.reset();   // a prefill still running keeps the rows it took
+        prefill_rows_ = std::make_shared<HostMemory>(rows_bytes, can_pin_for(model_->backend()));
+    }
     return kv_->host_store_bytes();
 }
 
@@ -669,6 +674,7 @@ SessionMemory Session::memory() const {
     mem.prefill_staging_bytes = prefill_staging_bytes_;
     mem.prefill_host_bytes = prefill_host_bytes_;
     mem.host_store_bytes = kv_->host_store_bytes();
+    mem.prefill_rows_bytes = prefill_rows_ ? (int64_t) prefill_rows_->size() : 0;
     for (int d = 0; d < model_->n_devices(); ++d) {
         ggml_backend_t b = model_->device_backend(d);
         DeviceMemory dm;

@@ -15,6 +15,7 @@
 // caller that holds Python's GIL must release it before calling in: a compute may log through Python.
 #pragma once
 
+#include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
 #include "kv/pool_arena.h"
 #include "kv/pooled_kv.h"
@@ -121,6 +122,7 @@ struct SessionMemory {
     int64_t prefill_staging_bytes = 0; // ... of which the staging K/V (one layer's of the prompt)
     int64_t prefill_host_bytes = 0;    // ... and its host buffers (hidden states, bounce), largest so far
     int64_t host_store_bytes = 0;      // the host store's capacity (held images and free slots: reserve_host)
+    int64_t prefill_rows_bytes = 0;    // the exact prefill's hidden-state rows kept between prompts (reserve_host)
 };
 
 // A scheduler's compute buffers on the model's devices (device: that one; -1: all of them).
@@ -248,8 +250,10 @@ public:
     void reset();
     // Make the host store hold the images of a context of n_tokens positions (all its chunks: paged-in ones keep theirs) now, as
     // llama.cpp makes its KV cache when a context is created: a first long prompt then pins nothing (pinning runs
-    // at ~8 GiB/s and held the first layer of a 32K exact prefill on an H100 for 0.3 s, R93). Returns the store's
-    // bytes. The store keeps its slabs until the session goes (reset() empties it but keeps them).
+    // at ~8 GiB/s and held the first layer of a 32K exact prefill on an H100 for 0.3 s, R93); and the hidden-state
+    // rows of an exact prefill of up to n_tokens (4 bytes x n_embd a token: an eighth of the 8B shape's f16 images),
+    // kept for every exact prefill to come. Returns the store's bytes. The store keeps its slabs and the rows stay
+    // until the session goes (reset() empties the store but keeps both).
     int64_t reserve_host(int64_t n_tokens);
 
     // How many of n_remaining tokens the next forward step takes: at most n_batch and what the pager can
@@ -435,6 +439,7 @@ private:
     int64_t prefill_peak_bytes_ = 0;   // its largest device workspace (SessionMemory::prefill_peak_bytes)
     int64_t prefill_staging_bytes_ = 0;   // ... of which staging
     int64_t prefill_host_bytes_ = 0;   // ... and host buffers
+    std::shared_ptr<HostMemory> prefill_rows_;   // hidden-state rows kept for the exact prefills to come (reserve_host)
     std::vector<float> prefill_coverage_;   // the last layer-major prefill's, when sparse (prefill_coverage)
     std::vector<uint8_t> input_scratch_, ring_scratch_;
     ggml_backend_buffer_t logits_host_ = nullptr;   // GPU only: pinned staging for the logits read

@@ -239,7 +239,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
     stage_pager_ = std::make_unique<KvPager>(spc_);
     const bool pin = can_pin_for(backend_);
     plan_steps();
-    hidden_ = std::make_unique<HiddenStates>(backend_, hp_.n_embd, start_, n_, steps_, pin);
+    hidden_ = std::make_unique<HiddenStates>(backend_, hp_.n_embd, start_, n_, steps_, pin, s_.prefill_rows_);
     bounce_buf_ = std::make_unique<HostMemory>((size_t) (s_.pager_->n_blocks() * lcb_), pin);
     // The band's table holds the largest block of queries any layer asks a mask for: the layer with the fewest heads.
     int64_t fewest_heads = hp_.n_head_of(0);
@@ -690,7 +690,8 @@ void Session::ExactPrefillPass::account() {
         s_.prefill_peak_bytes_ = workspace;
         s_.prefill_staging_bytes_ = staging_bytes;
     }
-    s_.prefill_host_bytes_ = std::max(s_.prefill_host_bytes_, (int64_t) (hidden_->host().size() + bounce_buf_->size()));
+    const size_t own_rows = hidden_->own_rows() ? hidden_->host().size() : 0;   // kept rows: prefill_rows_bytes
+    s_.prefill_host_bytes_ = std::max(s_.prefill_host_bytes_, (int64_t) (own_rows + bounce_buf_->size()));
 }
 
 ExactPrefill Session::prefill_exact(const int32_t * tokens, int64_t n, int64_t start, const ExactPrefillOptions & options,

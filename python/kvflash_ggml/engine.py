@@ -151,9 +151,10 @@ class Engine:
 
     def reserve_host(self, n_tokens: Optional[int] = None) -> int:
         """Pin the host store for a context of `n_tokens` positions (default n_ctx) now, as llama.cpp makes its
-        KV cache with its context: an image per chunk (evicted chunks have one, paged-in ones keep theirs), so a
-        long prompt pins nothing on its critical path (about 8 GiB/s on the H100 machines). Returns the store's bytes
-        (stats()["host_store_bytes"]). The store keeps them until close(); on the CPU it is plain memory."""
+        KV cache with its context: an image per chunk (evicted chunks have one, paged-in ones keep theirs), and the
+        exact prefill's hidden-state rows for a prompt that long (stats()["host_prefill_rows_bytes"]), so a long
+        prompt pins nothing on its critical path (about 8 GiB/s on the H100 machines). Returns the store's bytes
+        (stats()["host_store_bytes"]). Both stay until close(); on the CPU they are plain memory."""
         n_tokens = self.pool.n_ctx if n_tokens is None else n_tokens
         if not 0 <= n_tokens <= self.pool.n_ctx:
             raise ValueError(f"reserve_host: {n_tokens} positions, outside 0..n_ctx={self.pool.n_ctx}")
@@ -526,6 +527,7 @@ class Engine:
             max(mem["compute_bytes"], mem["prefill_peak_bytes"]) + drafter,
             "host_prefill_peak_bytes": mem["prefill_host_bytes"],
             "host_store_bytes": mem["host_store_bytes"],   # the host store's capacity (host_kv_bytes: what it holds)
+            "host_prefill_rows_bytes": mem["prefill_rows_bytes"],   # the exact prefill's rows kept (reserve_host)
             # per device of the model's split: its weights and this session's pool, rings, state and compute buffers
             # (the exact prefill's workspace and a second model's bytes are in the sums above, not here)
             "devices": mem["devices"],

@@ -208,12 +208,14 @@ def print_table(report: dict, modes: Sequence[str]) -> None:
         for m in modes:
             e = r[m]
             if e.get("host_reserve_s") is not None and e.get("host_store_bytes"):
-                print(f"host store at {r['length']} ({m}): {e['host_store_bytes'] / 2**30:.2f} GiB pinned in "
-                      f"{e['host_reserve_s']:.2f} s before the timing")
+                rows = e.get("host_prefill_rows_bytes", 0) / 2**30
+                print(f"host store at {r['length']} ({m}): {e['host_store_bytes'] / 2**30:.2f} GiB (+ {rows:.2f} GiB "
+                      f"of the exact prefill's rows) pinned in {e['host_reserve_s']:.2f} s before the timing")
     print(f"tok/s: median of {report['reps']} prefills from an empty session, after one untimed prompt of up to "
           f"{WARM_UP_TOKENS} tokens (llama-bench -p N -n 0, best of flash attention on/off) and "
           + ("no host store made before (--cold-host)" if report.get("cold_host") else
-             "the host store pinned for the prompt (Engine.reserve_host), as llama-bench makes its KV cache first")
+             "the host store and the exact prefill's rows pinned for the prompt (Engine.reserve_host), as "
+             "llama-bench makes its KV cache first")
           + "; device MiB besides the weights: on a GPU the driver's free memory sampled while the prompt ran, else "
           "stats()' pool + compute buffers + prefill workspace")
 
