@@ -59,11 +59,13 @@ def test_split_logits_equal_one_device(smollm2, smollm2_vocab, split_model, atte
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["matmul", "flash"])
-def test_split_exact_prefill_equals_one_device(smollm2, smollm2_vocab, split_model, attention):
+@pytest.mark.parametrize("n_batch", [512, 1024])
+def test_split_exact_prefill_equals_one_device(smollm2, smollm2_vocab, split_model, attention, n_batch):
     # A prompt of twice the pool, layer-major: each layer on its device attends the staging pool on the output
     # layer's device through its own device's causal band (a band on another device broke ggml's scheduler).
+    # Steps of 1024 rows run the FFN in parts added into the residual in place (ffn.h: add_in_row_parts).
     tokens = prose_tokens(smollm2_vocab, 1100, seed=24)
-    cfg = _core.SessionConfig(max_tokens=2048, pool_tokens=512, attention=attention, n_batch=512)
+    cfg = _core.SessionConfig(max_tokens=2048, pool_tokens=512, attention=attention, n_batch=n_batch)
     (local, local_att), (split, split_att) = (_core.Session(m, cfg).prefill_exact(tokens, 0) for m in (smollm2, split_model))
     diff = float(np.abs(local - split).max())
     print(f"exact prefill, split vs cpu, attention={attention}: max |logit diff| {diff}")
