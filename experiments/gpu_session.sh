@@ -56,7 +56,8 @@
 #     mg-prefill   kvflash bench prefill (exact) of the split beside llama-bench -p (MG_PREFILL_LENGTHS, default 32768)
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
 #                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call, 0 the default; lists run
-#                  each pair, or PROFILE_PAIRS only the pairs it lists, e.g. "0:0 0:1": a call per 64 MiB block), GPU
+#                  each pair, or PROFILE_PAIRS only the pairs it lists, e.g. "0:0 0:1": a call per 64 MiB block;
+#                  FFN_PART_ROWS: the FFN's rows at once, 0 the default 512, 1024 a step's whole; PROFILE_TOP), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     prefill-memory  experiments/prefill_memory.py: the exact prefill's device memory (driver) after the Engine, after
 #                  the bench's warm-up prompt and at the prompt's peak, with and without that warm-up (MEMORY_LENGTHS)
@@ -296,7 +297,8 @@ for phase in "$@"; do
             for pair in $pairs; do
                 GGML_SCHED_DEBUG_REALLOC=1 python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" \
                     --modes exact --pool "$POOL" --exact-batch "${EXACT_BATCH:-1024}" --attention-block-mib "${pair%%:*}" \
-                    --blocks-per-call "${pair##*:}" --top "${PROFILE_TOP:-6}" 2>&1 | tee -a "$OUT/prefill-profile.log"
+                    --blocks-per-call "${pair##*:}" --ffn-part-rows "${FFN_PART_ROWS:-0}" --top "${PROFILE_TOP:-6}" 2>&1 | \
+                    tee -a "$OUT/prefill-profile.log"
             done
             python3 experiments/profile_prefill.py --model "$MODEL" --length "$len" --modes llama --top "${PROFILE_TOP:-6}" 2>&1 | \
                 tee -a "$OUT/prefill-profile.log"

@@ -171,6 +171,9 @@ def main() -> int:
                          "of up to 512 queries over F16 K/V; 1: a call per block)")
     ap.add_argument("--attention-block-mib", type=int, default=0,
                     help="the exact prefill's attention block (0: the default); at 32K keys 64 MiB = 1024 queries")
+    ap.add_argument("--ffn-part-rows", type=int, default=0,
+                    help="exact: most rows of a step its FFN takes at once (0: the default, 512; the step's: all, "
+                         "SiLU and the product in place)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cold-host", action="store_true",
                     help="do not pin the host store before the traced prompt (as kvflash bench prefill --cold-host)")
@@ -195,7 +198,7 @@ def main() -> int:
             sess = _core.Session(model, cfg)
             step = sess.forward if mode == "full" else (lambda t, s: sess.prefill_exact(
                 t, s, n_batch=args.exact_batch, attention_block_bytes=args.attention_block_mib << 20,
-                blocks_per_call=args.blocks_per_call))
+                blocks_per_call=args.blocks_per_call, ffn_part_rows=args.ffn_part_rows))
             step(prompt[:256], 0)
             sess.reset()
             if not args.cold_host:
@@ -207,6 +210,9 @@ def main() -> int:
             t = sess.timings
             print(f"   timings: compute {t.t_compute_ms / 1e3:.2f} s, paging {t.t_paging_ms / 1e3:.2f} s, "
                   f"graphs {t.t_prefill_graph_ms / 1e3:.2f} s, io {t.t_prefill_io_ms / 1e3:.2f} s")
+            mem = sess.memory()
+            print(f"   workspace (our counters): {mem['prefill_peak_bytes'] / 2**20:.0f} MiB, of which staging "
+                  f"{mem['prefill_staging_bytes'] / 2**20:.0f}; compute buffer {mem['compute_bytes'] / 2**20:.0f} MiB")
             del sess
         else:
             del ref

@@ -45,3 +45,25 @@ def test_a_step_holds_one_parts_ffn_intermediates(tiny_models):
     # twice the rows, the same FFN intermediates: the buffer grows by the step's other rows (attention, hidden states)
     assert held[PARTS] > one_part_ffn
     assert held[2 * PARTS] - held[PARTS] < one_part_ffn / 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_an_exact_prefill_takes_a_steps_ffn_whole_when_asked(tiny_models, arch, attention):
+    # ffn_part_rows of a step's rows: its FFN over all of them at once, SiLU and the product in the gate's memory (the
+    # fused GLU is never run in place), so the step holds two intermediates of its rows where parts held three of a
+    # part's; the logits are those of the parts, byte for byte
+    model = tiny_models(arch, n_ff=8192) if arch == "llama" else tiny_models(arch)
+    tokens = np.random.default_rng(2).integers(0, model.hparams.n_vocab, N).astype(np.int32)
+    logits, held = {}, {}
+    for rows in (0, 2 * PARTS):
+        s = _core.Session(model, _core.SessionConfig(max_tokens=2 * N, pool_tokens=512, n_batch=2 * PARTS, attention=attention))
+        logits[rows], _ = s.prefill_exact(tokens, 0, n_batch=2 * PARTS, ffn_part_rows=rows)
+        held[rows] = s.memory()["prefill_peak_bytes"]
+    np.testing.assert_array_equal(logits[2 * PARTS], logits[0])
+    if arch == "llama":   # n_ff 8192: a part's F32 intermediate is 16 MiB
+        one_part = 8192 * PARTS * 4
+        assert one_part * 0.9 <= held[2 * PARTS] - held[0] <= one_part * 1.1
+    with pytest.raises(ValueError, match="ffn_part_rows"):
+        s.prefill_exact(tokens[:8], N, ffn_part_rows=-1)
+    assert s.n_tokens == N   # refused before anything changed

@@ -25,11 +25,13 @@ py::array_t<float> float_array(const std::vector<float> & v) {
 
 // prefill_exact's keywords as the session takes them (sparse top 0: exact); checked by the session.
 ExactPrefillOptions prefill_options(int64_t n_batch, int64_t attention_block_bytes, int64_t top_chunks,
-                                    int64_t local_chunks, bool checkpoint_before_last, int64_t blocks_per_call) {
+                                    int64_t local_chunks, bool checkpoint_before_last, int64_t blocks_per_call,
+                                    int64_t ffn_part_rows) {
     ExactPrefillOptions o;
     o.n_batch = n_batch;
     o.attention_block_bytes = attention_block_bytes;
     o.blocks_per_call = blocks_per_call;
+    o.ffn_part_rows = ffn_part_rows;
     o.sparse.top_chunks = top_chunks;
     o.sparse.local_chunks = local_chunks;
     o.checkpoint_before_last = checkpoint_before_last;
@@ -120,18 +122,20 @@ void bind_session_prefill(py::class_<Session> & session) {
     session
         .def("prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                  std::optional<py::function> between, int64_t attention_block_bytes, int64_t sparse_top_chunks,
-                                 int64_t sparse_local_chunks, bool checkpoint_before_last, int64_t blocks_per_call) {
+                                 int64_t sparse_local_chunks, bool checkpoint_before_last, int64_t blocks_per_call,
+                                 int64_t ffn_part_rows) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
                  std::function<void()> cb;
                  if (between) cb = [f = *between] { py::gil_scoped_acquire gil; f(); };
                  const ExactPrefillOptions o = prefill_options(n_batch, attention_block_bytes, sparse_top_chunks,
-                                                               sparse_local_chunks, checkpoint_before_last, blocks_per_call);
+                                                               sparse_local_chunks, checkpoint_before_last, blocks_per_call,
+                                                               ffn_part_rows);
                  ExactPrefill r = without_gil([&] { return s.prefill_exact(t.data(), (int64_t) t.size(), start, o, cb); });
                  return py::make_tuple(float_array(r.logits), float_array(r.attention));
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("between") = py::none(),
              py::arg("attention_block_bytes") = 0, py::arg("sparse_top_chunks") = 0,
              py::arg("sparse_local_chunks") = SparseParams{}.local_chunks, py::arg("checkpoint_before_last") = false,
-             py::arg("blocks_per_call") = 0,
+             py::arg("blocks_per_call") = 0, py::arg("ffn_part_rows") = 0,
              "layer-major exact prefill: append the tokens at `start` (= n_tokens) with the K/V a "
              "full-cache run writes, in device memory set by the pool, in steps of n_batch tokens (0: the "
              "session's), each step's queries attended in blocks whose mask (and attention matrix) fit "
@@ -144,17 +148,20 @@ void bind_session_prefill(py::class_<Session> & session) {
              "checkpoint_before_last: keep the linear-attention state before the last token as a checkpoint "
              "(checkpoint() there), that token still run inside the pass. blocks_per_call (flash attention over "
              "F16 K/V, dense): up to that many blocks of queries share one attention call as its sequences; 0: "
-             "calls of up to 512 queries; 1: a call per block")
+             "calls of up to 512 queries; 1: a call per block. ffn_part_rows: most rows of a step the feed-forward "
+             "takes at once (0: 512; a step's or more: all, SiLU and the product in place)")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                        int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks,
-                                       bool checkpoint_before_last, int64_t blocks_per_call) {
+                                       bool checkpoint_before_last, int64_t blocks_per_call, int64_t ffn_part_rows) {
                  const std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
                  const ExactPrefillOptions o = prefill_options(n_batch, attention_block_bytes, sparse_top_chunks,
-                                                               sparse_local_chunks, checkpoint_before_last, blocks_per_call);
+                                                               sparse_local_chunks, checkpoint_before_last, blocks_per_call,
+                                                               ffn_part_rows);
                  return without_gil([&] { return s.begin_prefill_exact(t.data(), (int64_t) t.size(), start, o); });
              }, py::arg("tokens"), py::arg("start"), py::kw_only(), py::arg("n_batch") = 0, py::arg("attention_block_bytes") = 0,
              py::arg("sparse_top_chunks") = 0, py::arg("sparse_local_chunks") = SparseParams{}.local_chunks,
-             py::arg("checkpoint_before_last") = false, py::arg("blocks_per_call") = 0, py::keep_alive<0, 1>(),
+             py::arg("checkpoint_before_last") = false, py::arg("blocks_per_call") = 0, py::arg("ffn_part_rows") = 0,
+             py::keep_alive<0, 1>(),
              "prefill_exact as a resumable run (ExactPrefillRun): nothing changes until its first advance(); while it "
              "is open the session refuses every other call but timings() and memory()")
         .def("prefill_coverage", [](const Session & s) { return without_gil([&] { return s.prefill_coverage(); }); },

@@ -5,9 +5,20 @@
 
 namespace kvf {
 
+namespace {
+
+int64_t part_rows(const GraphCtx & g) { return g.ffn_part_rows > 0 ? g.ffn_part_rows : k_ffn_part_rows; }
+
+}  // namespace
+
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x) {
     ggml_tensor * gate = mul_mat_weights(g, w.ffn_gate, x);
     ggml_tensor * up = mul_mat_weights(g, w.ffn_up, x);
+    // ggml-alloc never runs the fused GLU in place: over more rows than a part, SiLU and the product take the gate's
+    // memory, so the graph holds two F32 intermediates of the rows, not three.
+    if (x->ne[1] > k_ffn_part_rows) {
+        return mul_mat_weights(g, w.ffn_down, ggml_mul_inplace(g.ctx, ggml_silu_inplace(g.ctx, gate), up));
+    }
     return mul_mat_weights(g, w.ffn_down, ggml_swiglu_split(g.ctx, gate, up));
 }
 
@@ -69,15 +80,15 @@ ggml_tensor * add_layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWe
 
 ggml_tensor * add_in_row_parts(GraphCtx & g, ggml_tensor * residual, ggml_tensor * x,
                                const std::function<ggml_tensor *(ggml_tensor *)> & f) {
-    const int64_t rows = x->ne[1];
-    if (rows <= k_ffn_part_rows) return ggml_add(g.ctx, residual, f(x));
+    const int64_t rows = x->ne[1], per_part = part_rows(g);
+    if (rows <= per_part) return ggml_add(g.ctx, residual, f(x));
     GGML_ASSERT(residual->ne[1] == rows && ggml_is_contiguous(residual));
     const size_t row_bytes = residual->nb[1];
     // Each part's rows are viewed from the sum of the part before, so the graph holds (and runs) every part's add.
     ggml_tensor * sum = residual;
     int64_t sum_row = 0;   // sum's first row
-    for (int64_t r = 0; r < rows; r += k_ffn_part_rows) {
-        const int64_t n = std::min(k_ffn_part_rows, rows - r);
+    for (int64_t r = 0; r < rows; r += per_part) {
+        const int64_t n = std::min(per_part, rows - r);
         ggml_tensor * part = f(ggml_view_2d(g.ctx, x, x->ne[0], n, x->nb[1], r * x->nb[1]));
         sum = ggml_add_inplace(g.ctx, ggml_view_2d(g.ctx, sum, residual->ne[0], n, row_bytes, (r - sum_row) * row_bytes), part);
         sum_row = r;
@@ -87,11 +98,11 @@ ggml_tensor * add_in_row_parts(GraphCtx & g, ggml_tensor * residual, ggml_tensor
 }
 
 ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f) {
-    const int64_t rows = x->ne[1];
-    if (rows <= k_ffn_part_rows) return f(x);
+    const int64_t rows = x->ne[1], per_part = part_rows(g);
+    if (rows <= per_part) return f(x);
     ggml_tensor * joined = nullptr;
-    for (int64_t r = 0; r < rows; r += k_ffn_part_rows) {
-        ggml_tensor * part = f(ggml_view_2d(g.ctx, x, x->ne[0], std::min(k_ffn_part_rows, rows - r), x->nb[1], r * x->nb[1]));
+    for (int64_t r = 0; r < rows; r += per_part) {
+        ggml_tensor * part = f(ggml_view_2d(g.ctx, x, x->ne[0], std::min(per_part, rows - r), x->nb[1], r * x->nb[1]));
         joined = joined ? ggml_concat(g.ctx, joined, part, 1) : part;
     }
     return joined;

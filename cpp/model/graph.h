@@ -87,6 +87,8 @@ struct GraphCtx {
     // What one attention call of a step whose mask is made per block of queries (KvStepInputs::band) may hold
     // for that block's mask and, on the mul_mat path, its attention matrix (graph.cpp: query_blocks).
     int64_t attention_block_bytes = k_attention_block_bytes;
+    // Most rows of a step its feed-forward takes at once (ffn.h: add_in_row_parts; 0: k_ffn_part_rows).
+    int64_t ffn_part_rows = 0;
     // A sparse prefill's step (model/sparse_attention.h; index nullptr: attention is exact): its pooled layers attend
     // blocks of queries over the chunks each block chooses.
     SparseStep sparse;

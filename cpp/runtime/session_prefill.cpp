@@ -179,6 +179,7 @@ private:
     // quantized K/V for every sequence of a call) unless blocks_per_call is 1.
     const bool groups_;
     const int64_t attention_block_bytes_;
+    const int64_t ffn_part_rows_;   // ExactPrefillOptions::ffn_part_rows
     const int64_t checkpoint_at_;   // the position checkpoint_before_last keeps the state at (-1: none)
     RecurrentState::Copy checkpoint_;   // sized for the state, filled layer by layer (keep_checkpoint_part)
     const std::function<void()> & between_;
@@ -225,6 +226,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
       C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), groups_(s.flash_attn_ && !o.sparse.on() && s.cfg_.kv_type == "f16" && o.blocks_per_call != 1),
       attention_block_bytes_(o.attention_block_bytes ? o.attention_block_bytes
                                                       : groups_ ? k_grouped_block_bytes : k_attention_block_bytes),
+      ffn_part_rows_(o.ffn_part_rows),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
       checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
@@ -375,6 +377,7 @@ Session::ExactPrefillPass::StepGraph Session::ExactPrefillPass::build_graph(size
     g.n_outputs = last_layer ? 1 : mt;
     g.flash_attn = s_.flash_attn_;
     g.attention_block_bytes = attention_block_bytes_;
+    g.ffn_part_rows = ffn_part_rows_;
     if (sparse_.on() && attends_staging(il)) {   // a layer's first step summarizes every chunk held before the prompt too
         const bool layer_first = k == 0 || steps_[k - 1].layer != il;
         g.sparse = {sparse_index_[stage_device(il)].get(), layer_first ? 0 : p0 / C_, final_step};
@@ -781,6 +784,7 @@ std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int
     if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
     if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (o.blocks_per_call < 0) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 0 (0: auto)");
+    if (o.ffn_part_rows < 0) throw std::invalid_argument("prefill_exact: ffn_part_rows must be >= 0 (0: 512)");
     o.sparse.check(cfg_.chunk_tokens);
     if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));
