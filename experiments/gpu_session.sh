@@ -77,7 +77,9 @@
 #
 # Environment: OUT (logs; default ./gpu-out), CARRY (folder with llama.cpp.tar.xz and whl/*.whl, wheels of
 # pure-Python packages the machine lacks or has too old: gguf >= 0.19, as pyproject.toml asks; the machines
-# carry 0.17.1: `pip download --no-deps gguf==0.19.0 -d .devcarry/whl`), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
+# carry 0.17.1: `pip download --no-deps gguf==0.19.0 -d .devcarry/whl`; the serve phases need the server's, which the H100
+# machines lack (uvicorn): `pip download -d .devcarry/whl --python-version 3.12 --platform manylinux2014_x86_64
+# --only-binary=:all: fastapi uvicorn sse-starlette prometheus-client`), MODEL (default /tmp/l8b.gguf: llama3-8b shape, random
 # Q4_0 weights, written here in seconds; SHAPE: another random_gguf preset for it, e.g. qwen35-27b), DEPTHS, N_GEN, REPS, POOL, FULL_UP_TO (bench: our full cache only up to
 # this depth), PREFILL (bench: exact or pooled).
 # A chain longer than one device command (lent machines are also taken back mid-call): start it detached with an
