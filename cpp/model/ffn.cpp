@@ -97,15 +97,4 @@ ggml_tensor * add_in_row_parts(GraphCtx & g, ggml_tensor * residual, ggml_tensor
     return ggml_view_2d(g.ctx, sum, residual->ne[0], rows, row_bytes, (size_t) 0 - (size_t) sum_row * row_bytes);
 }
 
-ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f) {
-    const int64_t rows = x->ne[1], per_part = part_rows(g);
-    if (rows <= per_part) return f(x);
-    ggml_tensor * joined = nullptr;
-    for (int64_t r = 0; r < rows; r += per_part) {
-        ggml_tensor * part = f(ggml_view_2d(g.ctx, x, x->ne[0], std::min(per_part, rows - r), x->nb[1], r * x->nb[1]));
-        joined = joined ? ggml_concat(g.ctx, joined, part, 1) : part;
-    }
-    return joined;
-}
-
 }  // namespace kvf

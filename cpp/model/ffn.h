@@ -20,13 +20,12 @@ ggml_tensor * ffn_moe(GraphCtx & g, const ModelHparams & hp, const LayerWeights 
 // x + the layer's feed-forward of rms_norm(x): its experts when it has a router (ffn_moe), else SwiGLU; in row parts
 // added into x's rows (add_in_row_parts).
 ggml_tensor * add_layer_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x);
-// residual + f(x) for x [n, rows] and residual [m, rows] (a tensor of this graph's own, which it changes), f computed
-// on parts of at most k_ffn_part_rows rows as in_row_parts and each part added into the residual's rows in place: no
-// join copies the parts (concats of 30 ms in a 32K prefill's 3.8 s on the H100, R131).
+// residual + f(x) for x [n, rows] and residual [m, rows] (a tensor of this graph's own, which it changes; it may be x),
+// f computed on parts of at most GraphCtx::ffn_part_rows rows (0: k_ffn_part_rows), one after the other so that the
+// graph's allocator reuses a part's intermediates for the next, and each part added into the residual's rows in place:
+// f must treat each row alone (a feed-forward), and no join copies the parts (concats of 30 ms in a 32K prefill's
+// 3.8 s on the H100, R131).
 ggml_tensor * add_in_row_parts(GraphCtx & g, ggml_tensor * residual, ggml_tensor * x,
                                const std::function<ggml_tensor *(ggml_tensor *)> & f);
-// f of x [n, rows], computed on parts of at most k_ffn_part_rows rows and joined along the rows: f must treat each
-// row alone (a feed-forward). The graph runs a part's ops before the next part's, so its allocator reuses them.
-ggml_tensor * in_row_parts(GraphCtx & g, ggml_tensor * x, const std::function<ggml_tensor *(ggml_tensor *)> & f);
 
 }  // namespace kvf

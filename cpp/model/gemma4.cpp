@@ -184,15 +184,17 @@ ggml_tensor * experts(GraphCtx & g, const ModelHparams & hp, const LayerWeights 
     return k == 1 ? ggml_cont(ctx, sum) : sum;
 }
 
-// The FFN block of residual stream x: the dense GeGLU FFN, or on a MoE layer that FFN and the experts, each
-// normed before and after; not yet post-normed. In row parts (in_row_parts).
-ggml_tensor * ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
-    return in_row_parts(g, x, [&](ggml_tensor * part) {
-        ggml_tensor * dense = ffn_geglu(g, w, rms_norm(g, part, w.ffn_norm, hp.rms_eps));
-        if (!w.ffn_gate_inp) return dense;
-        dense = rms_norm(g, dense, w.ffn_post_norm_1, hp.rms_eps);
-        ggml_tensor * routed = experts(g, hp, w, rms_norm(g, part, w.ffn_pre_norm_2, hp.rms_eps), part);
-        return ggml_add(g.ctx, dense, rms_norm(g, routed, w.ffn_post_norm_2, hp.rms_eps));
+// x + the post-normed FFN block of residual stream x: the dense GeGLU FFN, or on a MoE layer that FFN and the
+// experts, each normed before and after. In row parts added into x's rows (add_in_row_parts).
+ggml_tensor * add_ffn(GraphCtx & g, const ModelHparams & hp, const LayerWeights & w, ggml_tensor * x) {
+    return add_in_row_parts(g, x, x, [&](ggml_tensor * part) {
+        ggml_tensor * out = ffn_geglu(g, w, rms_norm(g, part, w.ffn_norm, hp.rms_eps));
+        if (w.ffn_gate_inp) {
+            ggml_tensor * routed = experts(g, hp, w, rms_norm(g, part, w.ffn_pre_norm_2, hp.rms_eps), part);
+            out = ggml_add(g.ctx, rms_norm(g, out, w.ffn_post_norm_1, hp.rms_eps),
+                           rms_norm(g, routed, w.ffn_post_norm_2, hp.rms_eps));
+        }
+        return rms_norm(g, out, w.ffn_post_norm, hp.rms_eps);
     });
 }
 
@@ -226,7 +228,7 @@ ggml_tensor * layer(GraphCtx & g, const Model & m, int il, ggml_tensor * x) {
         x = select_outputs(g, x);
     }
     x = ggml_add(ctx, rms_norm(g, attn, w.attn_post_norm, hp.rms_eps), x);
-    x = ggml_add(ctx, rms_norm(g, ffn(g, hp, w, x), w.ffn_post_norm, hp.rms_eps), x);
+    x = add_ffn(g, hp, w, x);
     if (hp.n_embd_per_layer > 0) {
         ggml_tensor * in = per_layer_input(g, m, il);
         if (last) in = select_outputs(g, in);

@@ -10,7 +10,7 @@ HiddenStates::HiddenStates(ggml_backend_t backend, int64_t n_embd, int64_t start
                            std::vector<Step> steps, bool pin, std::shared_ptr<HostMemory> kept)
     : host_(kept && kept->size() >= (size_t) (n_prompt * n_embd) * sizeof(float)
                 ? std::move(kept) : std::make_shared<HostMemory>((size_t) (n_prompt * n_embd) * sizeof(float), pin)),
-      own_rows_(host_.use_count() == 1), n_embd_(n_embd), start_(start),
+      n_embd_(n_embd), start_(start),
       steps_(std::move(steps)), backend_(backend) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     ggml_backend_dev_props props;

@@ -37,7 +37,7 @@ public:
     HiddenStates & operator=(const HiddenStates &) = delete;
 
     const HostMemory & host() const { return *host_; }
-    bool own_rows() const { return own_rows_; }   // false: the rows are the session's kept ones
+    bool own_rows() const { return host_.use_count() == 1; }   // false: the session keeps them too (kept)
     bool overlaps() const { return copy_ != nullptr; }   // false: every step runs to its end before the next
     int64_t device_bytes() const { return buf_ ? (int64_t) ggml_backend_buffer_get_size(buf_) : 0; }
 
@@ -67,7 +67,6 @@ private:
     void release();
 
     std::shared_ptr<HostMemory> host_;
-    bool own_rows_;
     int64_t n_embd_, start_;
     std::vector<Step> steps_;
     ggml_context * ctx_ = nullptr;
