@@ -13,7 +13,8 @@
 #                  device memory each held (PREFILL_LENGTHS, PREFILL_REPS, POOL)
 #     sparse       issue 37 item 2: kvflash bench prefill, exact and sparse beside llama-bench -p N (SPARSE_LENGTHS,
 #                  default 32768,262144; POOL; SPARSE_MODES, SPARSE_ARGS: more flags, e.g. "--kv-type q8_0
-#                  --no-llama-bench"; SPARSE_TAG: a suffix for its JSON)
+#                  --no-llama-bench"; SPARSE_TAG: a suffix for its JSON; KVF_CMD: how kvflash runs, e.g.
+#                  "python3 experiments/with_knobs.py" with FFN_PART_ROWS=1024)
 #     sparse-1m    the sparse prefill of 1,048,576 tokens alone (llama.cpp's f16 K/V would be 128 GiB), SPARSE_1M_KV
 #                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
 #                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
@@ -118,6 +119,7 @@ DEPTHS=${DEPTHS:-0,4096,32768,65536,131072}
 N_GEN=${N_GEN:-64}
 REPS=${REPS:-5}
 POOL=${POOL:-4096}
+KVF_CMD=${KVF_CMD:-python3 -m kvflash_ggml}
 mkdir -p "$OUT"
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/session.log"; }
@@ -203,7 +205,7 @@ for phase in "$@"; do
             --kvflash "$POOL" --reps "${PREFILL_REPS:-2}" --json "$OUT/prefill.json" 2>&1 | tee -a "$OUT/bench.log" ;;
     sparse)
         need_model
-        python3 -m kvflash_ggml bench prefill --model "$MODEL" --lengths "${SPARSE_LENGTHS:-32768,262144}" \
+        $KVF_CMD bench prefill --model "$MODEL" --lengths "${SPARSE_LENGTHS:-32768,262144}" \
             --modes "${SPARSE_MODES:-exact,sparse}" --kvflash "$POOL" --reps "${PREFILL_REPS:-1}" ${SPARSE_ARGS:-} \
             --json "$OUT/prefill-sparse${SPARSE_TAG:-}.json" 2>&1 | tee -a "$OUT/sparse.log" ;;
     sparse-1m)

@@ -197,7 +197,7 @@ def test_bench_decode_refuses_a_budget_below_the_minimum(tiny, tmp_path, capsys)
     assert rc == 2 and report is None and "max_device_bytes=1024 (0.000 GiB) is below the weights on CPU" in err
     rc, report = run_bench(tiny, tmp_path, "--max-device-memory", "70M")
     err = capsys.readouterr().err
-    assert rc == 2 and report is None and "do not fit CPU's memory" in err and "at least 448 tokens" in err
+    assert rc == 2 and report is None and "do not fit CPU's memory" in err and "at least 256 tokens" in err
     with pytest.raises(SystemExit) as e:   # RPC devices: no driver figures to read for them
         run_bench(tiny, tmp_path, "--max-device-memory", "24G", "--rpc", "127.0.0.1:50052")
     assert e.value.code == 2 and "not RPC devices" in capsys.readouterr().err

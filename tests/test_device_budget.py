@@ -59,7 +59,7 @@ def test_a_budget_below_the_weights_or_the_minimum_pool_is_refused(tiny):
     with pytest.raises(ValueError, match=r"max_device_bytes=1000 .* below the weights on CPU \(\d+ bytes"):
         load(tiny, max_device_bytes=1000)
     with pytest.raises(ValueError, match=r"do not fit CPU's memory \(max_device_bytes 0\.0\d+ GiB less .* MiB of "
-                                         r"weights.*at least 448 tokens"):
+                                         r"weights.*at least 256 tokens"):
         load(tiny, max_device_bytes=70 * MIB)
     with pytest.raises(ValueError, match="max_device_bytes must be a positive"):
         PoolConfig(max_device_bytes=0)

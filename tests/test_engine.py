@@ -50,13 +50,28 @@ def test_text_stream_holds_back_partial_stop_and_split_utf8():
 def test_pool_config_resolution_and_errors():
     assert PoolConfig(pool_tokens=None).resolved_pool_tokens() == 0
     assert PoolConfig(n_ctx=8192, pool_tokens="auto").resolved_pool_tokens() == 4096
-    assert PoolConfig(n_ctx=100, pool_tokens="auto").resolved_pool_tokens() == 448   # the minimum
+    # the minimum: sink, head chunk, one tail chunk (a quarter of 4 chunks) and one chunk for evidence
+    assert PoolConfig(n_ctx=100, pool_tokens="auto").resolved_pool_tokens() == 256
     # prefill steps: n_batch for the full cache, 1/8 of a pool (whole chunks, >= 1) capped at n_batch
     assert [PoolConfig(n_ctx=8192, pool_tokens=p).prefill_batch() for p in (None, 448, 1024, 4096, 8192)] == \
         [512, 64, 128, 512, 512]
     assert PoolConfig(pool_tokens=1024, n_batch=32).prefill_batch() == 32
     with pytest.raises(ValueError, match="pool_tokens"):
         PoolConfig(pool_tokens=-3).resolved_pool_tokens()
+    # the protected tail: a quarter of the pool's chunks, 1 to 4, unless given
+    assert [PoolConfig(n_ctx=8192, pool_tokens=p).resolved_tail_chunks(p) for p in (256, 448, 512, 768, 1024, 4096)] == \
+        [1, 1, 2, 3, 4, 4]
+    assert PoolConfig(n_ctx=8192, pool_tokens=512, tail_chunks=4).resolved_tail_chunks(512) == 4
+    for bad in (-1, "some", 2.5):
+        with pytest.raises(ValueError, match="tail_chunks must be an integer >= 0 or 'auto'"):
+            PoolConfig(tail_chunks=bad)
+    with pytest.raises(ValueError, match="tail_chunks"):   # the core's rule: sink + tail + 2 chunks at least
+        PoolConfig(n_ctx=8192, pool_tokens=256, tail_chunks=4)
+
+
+def test_a_session_takes_the_pools_tail(tiny_gguf):
+    with kvf.Model(tiny_gguf(), n_ctx=2048, pool_tokens=512, n_threads=1) as m:
+        assert m.engine.session.pager.config().tail_chunks == 2
 
 
 # -- the model API on SmolLM2 ---------------------------------------------------------------------
@@ -179,7 +194,7 @@ def test_bad_requests_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="exceeds n_ctx"):
         llm.create_completion(list(range(10, 2100)), max_tokens=1)
     with pytest.raises(ValueError, match="minimum"):
-        kvf.Model("smollm2", n_ctx=2048, pool_tokens=256)
+        kvf.Model("smollm2", n_ctx=2048, pool_tokens=192)
     with pytest.raises(ValueError, match="policy"):
         kvf.Model("smollm2", policy="nonsense")
     with pytest.raises(ValueError, match="prefill must be one of"):

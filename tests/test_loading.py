@@ -50,7 +50,7 @@ def test_model_serve_and_bench_load_the_same_model_and_pool(tiny_gguf, four_core
     budget_flags = ["--max-device-memory", str(budget)] if budget else []
     with kvf.Model(path, n_ctx=256, backend="cpu", n_threads=8, max_device_bytes=budget) as m:
         model_facts, model_pool = core_facts(m._core_model), m.pool
-        assert model_facts["n_threads"] == CORES and model_pool.pool_tokens == 448
+        assert model_facts["n_threads"] == CORES and model_pool.pool_tokens == 256   # the whole context
     engines, why = served(path, "-c", "256", "--backend", "cpu", "-t", "8", "-np", "1", *budget_flags)
     try:
         assert core_facts(engines[0].model) == model_facts

@@ -71,7 +71,7 @@ def test_a_split_model_loads_with_the_default_pool(tiny_gguf):
     # number ('auto' fits one local GPU's memory); on a split 'auto' is the CPU's rule, min(n_ctx, 4096), as the
     # CLI resolves it
     with kvf.Model(tiny_gguf(), n_ctx=256, devices=["cpu"], n_threads=1) as m:
-        assert m.stats()["pool_tokens"] == kvf.PoolConfig(n_ctx=256, pool_tokens="auto").resolved_pool_tokens() == 448
+        assert m.stats()["pool_tokens"] == kvf.PoolConfig(n_ctx=256, pool_tokens="auto").resolved_pool_tokens() == 256
         assert m.create_completion("hello", **GREEDY)["usage"]["completion_tokens"] >= 1
 
 

@@ -149,7 +149,7 @@ void bind_session_prefill(py::class_<Session> & session) {
              "(checkpoint() there), that token still run inside the pass. blocks_per_call (flash attention over "
              "F16 K/V, dense): up to that many blocks of queries share one attention call as its sequences; 0: "
              "calls of up to 512 queries; 1: a call per block. ffn_part_rows: most rows of a step the feed-forward "
-             "takes at once (0: 512; a step's or more: all, SiLU and the product in place)")
+             "takes at once (0: 1024, the default step's whole; above 512 SiLU and the product run in place)")
         .def("begin_prefill_exact", [](Session & s, const Tokens & tokens, int64_t start, int64_t n_batch,
                                        int64_t attention_block_bytes, int64_t sparse_top_chunks, int64_t sparse_local_chunks,
                                        bool checkpoint_before_last, int64_t blocks_per_call, int64_t ffn_part_rows) {
@@ -277,6 +277,7 @@ void register_session(py::module_ & m, py::module_ & testing) {
     m.attr("ATTENTION_BLOCK_BYTES") = k_attention_block_bytes;
     m.attr("GROUPED_BLOCK_BYTES") = k_grouped_block_bytes;
     m.attr("FFN_PART_ROWS") = k_ffn_part_rows;
+    m.attr("EXACT_FFN_PART_ROWS") = k_exact_ffn_part_rows;
     m.attr("CAPTURE_TOKENS") = k_capture_tokens;
 
     // Every method that locks the session runs with the GIL released (bindings.h: without_gil); Python

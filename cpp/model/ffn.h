@@ -11,6 +11,11 @@ namespace kvf {
 // FFN in parts of this many, one after the other, so the graph holds one part's intermediates (the 8B shape's F32 gate,
 // up and product: 3 x 56 MiB at 1024 rows) and each part's matrix products take a full cache's shapes.
 constexpr int64_t k_ffn_part_rows = 512;
+// The exact prefill's (ExactPrefillOptions::ffn_part_rows 0): its default step's 1024 rows at once, SiLU and the product
+// in the gate's memory, so each layer's FFN weights are read once a step for two F32 intermediates of the step's rows
+// where parts held three of a part's (H100, 8B shape, R134: 32K 0.99x -> 1.00x llama-bench, 128K 1.00x -> 1.01x, for
+// 28-30 MiB more; a larger step still runs in parts of this many).
+constexpr int64_t k_exact_ffn_part_rows = 1024;
 
 // SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 ggml_tensor * ffn_swiglu(GraphCtx & g, const LayerWeights & w, ggml_tensor * x);

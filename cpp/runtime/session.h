@@ -85,8 +85,8 @@ struct ExactPrefillOptions {
     // sequences (graph.cpp: attend_block_group), at most a step's worth. 0: as many as make a call of up to
     // k_max_query_block queries; 1: a call per block.
     int64_t blocks_per_call = 0;
-    // Most rows of a step its feed-forward takes at once (0: k_ffn_part_rows, llama.cpp's ubatch; n_batch: a step's
-    // rows at once, SiLU and the product in place of the gate: one part's F32 intermediates fewer than parts).
+    // Most rows of a step its feed-forward takes at once (0: k_exact_ffn_part_rows, the default step's whole, SiLU and
+    // the product in place of the gate; k_ffn_part_rows: llama.cpp's ubatch, one F32 intermediate of a part more).
     int64_t ffn_part_rows = 0;
     SparseParams sparse;                 // a sparse prefill's choice of keys (model/sparse_attention.h; top_chunks 0: exact)
     // Keep the linear-attention state (and the MTP carry) as it stands before the prompt's last token as a

@@ -33,7 +33,8 @@
 // queries): the post-prompt reselect scores chunks from it.
 //
 // Device memory: weights + pool + staging (one layer's K/V of the context) + one layer's compute buffer (a step's
-// activations, its FFN's for k_ffn_part_rows of its rows at a time, and one attention block), freed after the prompt.
+// activations, its FFN's for k_exact_ffn_part_rows of its rows at a time, and one attention block), freed after the
+// prompt.
 // On a split each device that runs a staged layer has its own staging pool (one layer's K/V of the context each), so
 // a layer attends keys on its own device: with one staging pool on the output device, every step of another device's
 // layers copied the keys it attends across devices (two H100s, 8B shape, 32K: 0.70x one GPU's exact prefill, R72).
@@ -44,6 +45,7 @@
 #include "runtime/session.h"
 #include "common/host_memory.h"
 #include "kv/kv_step_inputs.h"
+#include "model/ffn.h"
 #include "model/graph.h"
 #include "runtime/hidden_states.h"
 #include "model/mtp.h"
@@ -226,7 +228,7 @@ Session::ExactPrefillPass::ExactPrefillPass(Session & s, const int32_t * tokens,
       C_(s.cfg_.chunk_tokens), n_batch_(o.n_batch), groups_(s.flash_attn_ && !o.sparse.on() && s.cfg_.kv_type == "f16" && o.blocks_per_call != 1),
       attention_block_bytes_(o.attention_block_bytes ? o.attention_block_bytes
                                                       : groups_ ? k_grouped_block_bytes : k_attention_block_bytes),
-      ffn_part_rows_(o.ffn_part_rows),
+      ffn_part_rows_(o.ffn_part_rows ? o.ffn_part_rows : k_exact_ffn_part_rows),
       checkpoint_at_(o.checkpoint_before_last && s.recurrent_ && n >= 2 ? start + n - 1 : -1),
       checkpoint_(checkpoint_at_ >= 0 ? s.recurrent_->blank(checkpoint_at_) : RecurrentState::Copy{}), between_(between),
       backend_(m_.backend()), n_stack_((int) hp_.n_layer + (s.cfg_.mtp ? 1 : 0)), spc_(s.pager_->config()),
@@ -784,7 +786,7 @@ std::unique_ptr<Session::ExactPrefillRun> Session::begin_prefill_exact(const int
     if (o.n_batch == 0) o.n_batch = cfg_.n_batch;
     if (o.attention_block_bytes < 0) throw std::invalid_argument("prefill_exact: attention_block_bytes must be >= 0");
     if (o.blocks_per_call < 0) throw std::invalid_argument("prefill_exact: blocks_per_call must be >= 0 (0: auto)");
-    if (o.ffn_part_rows < 0) throw std::invalid_argument("prefill_exact: ffn_part_rows must be >= 0 (0: 512)");
+    if (o.ffn_part_rows < 0) throw std::invalid_argument("prefill_exact: ffn_part_rows must be >= 0 (0: 1024)");
     o.sparse.check(cfg_.chunk_tokens);
     if (o.sparse.on() && !flash_attn_) throw std::invalid_argument("sparse prefill: needs flash attention (flash_attn=True)");
     return std::unique_ptr<ExactPrefillRun>(new ExactPrefillRun(*this, tokens, n, start, o, std::move(between)));

@@ -28,10 +28,11 @@ def make_session(model: _core.Model, pool: PoolConfig, *, track_summaries: bool 
     """n_batch: tokens per forward step (default: the pool's own, PoolConfig.prefill_batch). arena: keep the
     pool in a lane of it (a server's slots: their batched decode steps then attend all pools at once). mtp: run
     the model's multi-token-prediction head too (its K/V in the pool; the drafter of draft="mtp")."""
+    pool_tokens = pool.resolved_pool_tokens()
     config = _core.SessionConfig(
-        max_tokens=pool.n_ctx, pool_tokens=pool.resolved_pool_tokens(), kv_type=pool.kv_type,
+        max_tokens=pool.n_ctx, pool_tokens=pool_tokens, kv_type=pool.kv_type,
         attention=pool.attention, n_batch=n_batch or pool.prefill_batch(), sink_chunks=pool.sink_chunks,
-        tail_chunks=pool.tail_chunks, allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
+        tail_chunks=pool.resolved_tail_chunks(pool_tokens), allow_beyond_train_ctx=pool.allow_beyond_train_ctx,
         track_summaries=track_summaries, mtp=mtp)
     session = _core.Session(model, config, arena=arena)
     warning = pool_alignment_warning(model.backend_name, session.flash_attn, session.pager.config().pool_tokens)

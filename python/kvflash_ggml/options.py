@@ -36,6 +36,12 @@ SPARSE_FROM_TOKENS = 65536
 SPARSE_TOP_CHUNKS = 31
 SPARSE_LOCAL_CHUNKS = 16
 KV_TYPES = ("f16", "q8_0", "q4_0")
+# tail_chunks="auto": the protected tail window (the head chunk and tail_chunks before it, cpp/pager/kv_pager.h I4)
+# takes at most a quarter of the pool's chunks, 1 to TAIL_CHUNKS. At pool 512 (8 chunks) a tail of 4 left 2 chunks for
+# evidence; 2 kept the full cache's figures on SmolLM2 RULER at 8K, 50 cases a task: multiquery 0.195 -> 0.250 and
+# multivalue 0.245 -> 0.285 (the full cache's 0.265 / 0.305), niah, multikey, vt, cwe and passkeys equal or better
+# (docs/RESULTS.md R130, R133, R134). Pools of 1024 and up keep 4, as measured.
+TAIL_CHUNKS = 4
 # How the post-prompt reselect scores chunks after an exact prefill: "attention", the attention the prompt's
 # last tokens paid each chunk, captured during the prefill (the target model's own attention: no second
 # model), or "policy", the residency policy's scores. "auto": attention for the built-in policies, the
@@ -60,7 +66,10 @@ class PoolConfig:
 
     max_host_bytes: a cap on the host store, the K/V the sessions' pools send to host memory (at most an image per
     chunk of n_ctx); None: the memory the host has available when the sessions are made. Sessions whose context
-    could outgrow it are refused when made (host_store.py), not ended by the OOM killer part way."""
+    could outgrow it are refused when made (host_store.py), not ended by the OOM killer part way.
+
+    sink_chunks / tail_chunks: the chunks never evicted besides the pinned: the first sink_chunks, and the tail window
+    (the head chunk and tail_chunks before it); tail_chunks "auto": a quarter of the pool's chunks, 1 to TAIL_CHUNKS."""
 
     n_ctx: int = 4096
     pool_tokens: Union[None, int, str] = "auto"
@@ -68,7 +77,7 @@ class PoolConfig:
     attention: str = "auto"        # "auto" | "flash" | "matmul"
     n_batch: int = 512
     sink_chunks: int = 1
-    tail_chunks: int = 4
+    tail_chunks: Union[int, str] = "auto"
     allow_beyond_train_ctx: bool = False
     max_device_bytes: Optional[int] = None
     max_host_bytes: Optional[int] = None
@@ -77,8 +86,12 @@ class PoolConfig:
         # Checked here, by name: the core would report a bad n_ctx as its own max_tokens.
         for name in ("n_ctx", "n_batch", "sink_chunks", "tail_chunks"):
             value = getattr(self, name)
+            if name == "tail_chunks" and value == "auto":
+                continue
             if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                what = "an integer >= 0" + (" or 'auto'" if name == "tail_chunks" else "") if name.endswith("chunks") \
+                    else "a positive integer"
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         for name in ("max_device_bytes", "max_host_bytes"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
@@ -90,7 +103,13 @@ class PoolConfig:
 
     def _pager_config(self, pool_tokens: int) -> _core.PagerConfig:
         return _core.PagerConfig(chunk_tokens=_core.CHUNK_TOKENS, pool_tokens=pool_tokens, max_tokens=self.n_ctx,
-                                 sink_chunks=self.sink_chunks, tail_chunks=self.tail_chunks)
+                                 sink_chunks=self.sink_chunks, tail_chunks=self.resolved_tail_chunks(pool_tokens))
+
+    def resolved_tail_chunks(self, pool_tokens: int) -> int:
+        """The tail window's chunks besides the head chunk for a pool of pool_tokens (0: the smallest pool's)."""
+        if self.tail_chunks != "auto":
+            return self.tail_chunks
+        return min(TAIL_CHUNKS, max(1, pool_tokens // _core.CHUNK_TOKENS // 4))
 
     def resolved_pool_tokens(self) -> int:
         """0 for full cache, else the pool size in tokens (a multiple of the chunk size)."""
