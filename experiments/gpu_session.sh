@@ -14,7 +14,7 @@
 #     sparse       issue 37 item 2: kvflash bench prefill, exact and sparse beside llama-bench -p N (SPARSE_LENGTHS,
 #                  default 32768,262144; POOL; SPARSE_MODES, SPARSE_ARGS: more flags, e.g. "--kv-type q8_0
 #                  --no-llama-bench"; SPARSE_TAG: a suffix for its JSON; KVF_CMD: how kvflash runs, e.g.
-#                  "python3 experiments/with_knobs.py" with FFN_PART_ROWS=1024)
+#                  "python3 experiments/with_knobs.py" with FFN_PART_ROWS=512)
 #     sparse-1m    the sparse prefill of 1,048,576 tokens alone (llama.cpp's f16 K/V would be 128 GiB), SPARSE_1M_KV
 #                  K/V (default q8_0: a 68 GiB host store); about 3-5 minutes, so start it with setsid on one call
 #                  and poll; quality: the niah / ruler phases with PREFILL=exact+sparse and NIAH_ARGS / RULER_ARGS
@@ -58,7 +58,7 @@
 #     prefill-profile  experiments/profile_prefill.py: exact prefill vs libllama (PROFILE_LENGTHS, EXACT_BATCH,
 #                  ATTN_BLOCK_MIB, BLOCKS_PER_CALL: query blocks per flash attention call, 0 the default; lists run
 #                  each pair, or PROFILE_PAIRS only the pairs it lists, e.g. "0:0 0:1": a call per 64 MiB block;
-#                  FFN_PART_ROWS: the FFN's rows at once, 0 the default 512, 1024 a step's whole; PROFILE_TOP), GPU
+#                  FFN_PART_ROWS: the FFN's rows at once, 0 the default 1024 (a step's whole), 512 parts; PROFILE_TOP), GPU
 #                  idle gaps, kernels, the host's time in CUDA calls; aborts if a step graph re-reserves
 #     prefill-memory  experiments/prefill_memory.py: the exact prefill's device memory (driver) after the Engine, after
 #                  the bench's warm-up prompt and at the prompt's peak, with and without that warm-up (MEMORY_LENGTHS)

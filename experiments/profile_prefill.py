@@ -172,8 +172,8 @@ def main() -> int:
     ap.add_argument("--attention-block-mib", type=int, default=0,
                     help="the exact prefill's attention block (0: the default); at 32K keys 64 MiB = 1024 queries")
     ap.add_argument("--ffn-part-rows", type=int, default=0,
-                    help="exact: most rows of a step its FFN takes at once (0: the default, 512; the step's: all, "
-                         "SiLU and the product in place)")
+                    help="exact: most rows of a step its FFN takes at once (0: the default, 1024: a step's whole, "
+                         "SiLU and the product in place; 512: parts)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cold-host", action="store_true",
                     help="do not pin the host store before the traced prompt (as kvflash bench prefill --cold-host)")
