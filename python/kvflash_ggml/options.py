@@ -88,9 +88,10 @@ class PoolConfig:
             value = getattr(self, name)
             if name == "tail_chunks" and value == "auto":
                 continue
-            if not _is_int(value) or value < (0 if name.endswith("chunks") else 1):
-                what = "an integer >= 0" + (" or 'auto'" if name == "tail_chunks" else "") if name.endswith("chunks") \
-                    else "a positive integer"
+            least, what = (0, "an integer >= 0") if name.endswith("chunks") else (1, "a positive integer")
+            if name == "tail_chunks":
+                what += " or 'auto'"
+            if not _is_int(value) or value < least:
                 raise ValueError(f"{name} must be {what}, got {value!r}")
         for name in ("max_device_bytes", "max_host_bytes"):
             value = getattr(self, name)
