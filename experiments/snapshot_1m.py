@@ -1,7 +1,7 @@
 """A snapshot of a million-token session, saved and restored in a fresh process that continues it with the same
 logits byte for byte (issue 37 item 3). The 8B shape's store at 1M (36-68 GiB) is more than the 2-core VM holds, so a
-random Llama stands in with the tiny shape's widths but the 8B's K/V heads (4 of 128: 6 GiB of f16 K/V at 1M over
-3 layers): what it checks is the mechanism at 1M positions (16,384 chunks, a file past 4 GiB), and what it measures
+random Llama stands in: the tiny shape with K/V heads as wide as the 8B's (4 heads of 128, 3 layers: 6 GiB of f16 K/V
+at 1M): what it checks is the mechanism at 1M positions (16,384 chunks, a file past 4 GiB), and what it measures
 is the save's and the restore's time and the restore's memory beside the store (restore_memory.py's sampler).
 
     python experiments/snapshot_1m.py --tokens 1048576 --pool 1024 --threads 2
@@ -30,7 +30,8 @@ RESTORE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[5])
     from kvflash_ggml import _core
     from restore_memory import peak_during
-    model, snapshot, first, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
+    model, snapshot, first, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    threads = int(sys.argv[6])
     core = _core.Model(model, backend="cpu", n_threads=threads)   # the saving side's: CPU sums split by thread
     t = time.perf_counter()
     s, peaks = peak_during(lambda: _core.Session.restore(core, snapshot))
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--n-head-kv", type=int, default=4, help="K/V heads (the query heads are twice as many)")
     ap.add_argument("--head-dim", type=int, default=128)
     # the snapshot does not depend on how the prompt was computed; on 2 CPU cores the sparse prefill of 1M did not
-    # finish in 33 minutes (RESULTS.md, R137), the pooled one takes 3.5
+    # finish in 33 minutes (RESULTS.md, R137), the pooled one took 3.5
     ap.add_argument("--prefill", default="pooled", help="the Model's prefill (default pooled)")
     ap.add_argument("--decode", type=int, default=32, help="tokens decoded before the save (live eviction)")
     ap.add_argument("--continue", dest="n_continue", type=int, default=64, help="tokens compared after the restore")
@@ -64,8 +65,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         n_ctx = args.tokens + args.decode + args.n_continue + 64
-        model = str(write_preset(os.path.join(d, "m.gguf"), "tiny-llama", n_layer=args.n_layer, n_head_kv=args.n_head_kv,
-                                 n_head=2 * args.n_head_kv, head_dim=args.head_dim, n_ctx_train=n_ctx))
+        model = str(write_preset(os.path.join(d, "m.gguf"), "tiny-llama", n_layer=args.n_layer,
+                                 n_head_kv=args.n_head_kv, n_head=2 * args.n_head_kv, head_dim=args.head_dim,
+                                 n_ctx_train=n_ctx))
         snapshot = os.path.join(d, "s.kvf")
         with kvf.Model(model_path=model, n_ctx=n_ctx, pool_tokens=args.pool, n_threads=args.threads,
                        prefill=args.prefill, attention="flash", backend="cpu") as llm:
@@ -96,8 +98,9 @@ def main() -> None:
         restored = json.loads(proc.stdout.strip().splitlines()[-1])
         same = np.array_equal(expected, np.load(snapshot + ".restored.npy"))
         size = os.path.getsize(snapshot)
-    print(f"tiny-llama, {args.n_layer} layers of {args.n_head_kv} K/V heads of {args.head_dim}, {args.tokens} prompt tokens + {args.decode} decoded, pool "
-          f"{args.pool}, prefill {args.prefill}: {prefill_s:.1f} s ({args.tokens / prefill_s:.0f} tok/s)")
+    print(f"tiny-llama, {args.n_layer} layers of {args.n_head_kv} K/V heads of {args.head_dim}, {args.tokens} prompt "
+          f"tokens + {args.decode} decoded, pool {args.pool}, prefill {args.prefill}: {prefill_s:.1f} s "
+          f"({args.tokens / prefill_s:.0f} tok/s)")
     print(f"host store {stats['host_store_bytes'] / 2**30:.2f} GiB; snapshot {size / 2**30:.2f} GiB saved in "
           f"{save_s:.1f} s; restored in a fresh process in {restored['restore_s']:.1f} s "
           f"(RssAnon +{restored['peaks_mib']['RssAnon']:.0f} MiB, RssFile +{restored['peaks_mib']['RssFile']:.0f} MiB)")
