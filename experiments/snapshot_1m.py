@@ -30,21 +30,26 @@ RESTORE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[5])
     from kvflash_ggml import _core
     from restore_memory import peak_during
+    from snapshot_1m import greedy_rows
     model, snapshot, first, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     threads = int(sys.argv[6])
     core = _core.Model(model, backend="cpu", n_threads=threads)   # the saving side's: CPU sums split by thread
     t = time.perf_counter()
     s, peaks = peak_during(lambda: _core.Session.restore(core, snapshot))
     restore_s = time.perf_counter() - t
+    np.save(snapshot + ".restored.npy", greedy_rows(s, first, n))
+    print(json.dumps({"restore_s": restore_s, "peaks_mib": peaks, "n_tokens": s.n_tokens}))
+""")
+
+
+def greedy_rows(session, first: int, n: int) -> np.ndarray:
+    """The logits of n greedy steps of a core session from the token `first`, one row a step."""
     tok, rows = first, []
     for _ in range(n):
-        logits = s.forward(np.array([tok], np.int32), s.n_tokens)
+        logits = session.forward(np.array([tok], np.int32), session.n_tokens)
         rows.append(logits)
         tok = int(logits.argmax())
-    np.save(snapshot + ".restored.npy", np.stack(rows))
-    print(json.dumps({"restore_s": restore_s, "peaks_mib": peaks, "n_tokens": s.n_tokens,
-                      "host_store_bytes": s.memory()["host_store_bytes"]}))
-""")
+    return np.stack(rows)
 
 
 def main() -> None:
@@ -83,12 +88,7 @@ def main() -> None:
             s.save(snapshot)
             save_s = time.perf_counter() - t
             first = int(logits.argmax())
-            tok, rows = first, []
-            for _ in range(args.n_continue):
-                logits = s.forward(np.array([tok], np.int32), s.n_tokens)
-                rows.append(logits)
-                tok = int(logits.argmax())
-            expected = np.stack(rows)
+            expected = greedy_rows(s, first, args.n_continue)
             stats = llm.stats()
         proc = subprocess.run([sys.executable, "-c", RESTORE, model, snapshot, str(first), str(args.n_continue),
                                os.path.dirname(os.path.abspath(__file__)), str(args.threads)],
